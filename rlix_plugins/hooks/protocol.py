@@ -1,0 +1,57 @@
+"""The 4-method hook protocol a host training loop calls around each step."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class RLixHooks(Protocol):
+    """What a host (NeMo RL, veRL) calls; the coordinator-backed implementation acts on it.
+
+    ``before_training`` blocks until the training GPUs are granted (inference shards on them
+    have been preempted). ``after_training`` runs after the weights are cached and the training
+    GPU state is offloaded; it releases the GPUs so shards can be woken and synced.
+    """
+
+    def before_training(self, step: int) -> None: ...
+
+    def after_training(self, step: int) -> None: ...
+
+    def report_progress(
+        self,
+        *,
+        step_target_trajectories: int,
+        collected: int,
+        current_train_step: int,
+        new_batch: bool = False,
+        mode: str = "train",
+        adapter_id: str | None = None,
+    ) -> None: ...
+
+    def clear_progress(self) -> None: ...
+
+
+class NoOpRLixHooks:
+    """Hooks of a standalone job (``RLIX_CONTROL_PLANE`` unset or ``off``): do nothing."""
+
+    def before_training(self, step: int) -> None:
+        del step
+
+    def after_training(self, step: int) -> None:
+        del step
+
+    def report_progress(
+        self,
+        *,
+        step_target_trajectories: int,
+        collected: int,
+        current_train_step: int,
+        new_batch: bool = False,
+        mode: str = "train",
+        adapter_id: str | None = None,
+    ) -> None:
+        del step_target_trajectories, collected, current_train_step, new_batch, mode, adapter_id
+
+    def clear_progress(self) -> None:
+        return None

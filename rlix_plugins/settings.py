@@ -1,0 +1,105 @@
+"""Typed environment settings.
+
+``RLIX_CONTROL_PLANE`` decides everything: unset or ``off`` means standalone (nothing is
+patched, nothing is contacted); ``rlix`` means time-sharing under the coordinator. Any other
+value is an error naming the valid ones. The other settings are validated the same way, and a
+bad value never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlix_plugins.errors import SettingsError
+
+ENV_CONTROL_PLANE = "RLIX_CONTROL_PLANE"
+ENV_NAMESPACE = "RLIX_NAMESPACE"
+ENV_REQUEST_TIMEOUT_S = "RLIX_REQUEST_TIMEOUT_S"
+ENV_RESIZE_TIMEOUT_S = "RLIX_RESIZE_TIMEOUT_S"
+ENV_LEASE_S = "RLIX_LEASE_S"
+ENV_TRACE_DIR = "RLIX_TRACE_DIR"
+ENV_PIPELINE_ID = "PIPELINE_ID"
+ENV_ROLL_RAY_NAMESPACE = "ROLL_RAY_NAMESPACE"
+
+
+class ControlPlane(str, enum.Enum):
+    """Which control plane a job runs under."""
+
+    OFF = "off"
+    RLIX = "rlix"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Validated settings of one process. Build with :func:`load_settings`."""
+
+    control_plane: ControlPlane = ControlPlane.OFF
+    namespace: str = "rlix"
+    request_timeout_s: float = 1800.0
+    resize_timeout_s: float = 120.0
+    lease_s: float = 10.0
+    trace_dir: Path | None = None
+    pipeline_id: str | None = None
+    ray_namespace: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """True when the job time-shares GPUs under the coordinator."""
+        return self.control_plane is ControlPlane.RLIX
+
+
+def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number; expected seconds > 0") from None
+    if not value > 0 or value == float("inf"):
+        raise SettingsError(f"{name}={raw!r} is out of range; expected finite seconds > 0")
+    return value
+
+
+def _nonempty(env: Mapping[str, str], name: str, default: str | None) -> str | None:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip()
+    if not value:
+        raise SettingsError(f"{name} is set but empty; unset it or give a non-empty value")
+    return value
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate settings from ``env`` (default: ``os.environ``)."""
+    env = os.environ if env is None else env
+    raw_plane = env.get(ENV_CONTROL_PLANE)
+    if raw_plane is None or raw_plane.strip() == "":
+        plane = ControlPlane.OFF
+    else:
+        try:
+            plane = ControlPlane(raw_plane.strip().lower())
+        except ValueError:
+            valid = ", ".join(repr(p.value) for p in ControlPlane)
+            raise SettingsError(
+                f"{ENV_CONTROL_PLANE}={raw_plane!r} is not valid; expected unset or one of {valid}"
+            ) from None
+    namespace = _nonempty(env, ENV_NAMESPACE, "rlix")
+    assert namespace is not None
+    trace = _nonempty(env, ENV_TRACE_DIR, None)
+    lease = _positive_float(env, ENV_LEASE_S, 10.0)
+    return Settings(
+        control_plane=plane,
+        namespace=namespace,
+        request_timeout_s=_positive_float(env, ENV_REQUEST_TIMEOUT_S, 1800.0),
+        resize_timeout_s=_positive_float(env, ENV_RESIZE_TIMEOUT_S, 120.0),
+        lease_s=lease,
+        trace_dir=Path(trace) if trace else None,
+        pipeline_id=_nonempty(env, ENV_PIPELINE_ID, None),
+        ray_namespace=_nonempty(env, ENV_ROLL_RAY_NAMESPACE, None),
+    )

@@ -1,0 +1,34 @@
+"""Shared fixtures. Expensive things (Ray, vLLM engines) start once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+# Shared fixtures live one module per concern in tests/fixtures/ (Ray cluster, vLLM engines,
+# ...); every module there is loaded as a plugin, so tests never copy fixtures.
+pytest_plugins = sorted(
+    f"tests.fixtures.{p.stem}"
+    for p in (Path(__file__).parent / "fixtures").glob("*.py")
+    if p.stem != "__init__"
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = bool(torch.cuda.is_available())
+    except Exception:  # torch absent or broken: treat as no GPU
+        has_cuda = False
+    if has_cuda:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
