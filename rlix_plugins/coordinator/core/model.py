@@ -1,0 +1,121 @@
+"""Records of the scheduling core: topology, registered clusters, owners, pending requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlix_plugins.protocol.names import GENERATION_CLUSTER
+from rlix_plugins.protocol.types import Priority
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """The GPUs the coordinator arbitrates: ``num_nodes`` x ``gpus_per_node``.
+
+    A global GPU id is ``node_rank * gpus_per_node + local_gpu``.
+    """
+
+    num_nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(
+                f"topology needs num_nodes >= 1 and gpus_per_node >= 1, got "
+                f"{self.num_nodes} x {self.gpus_per_node}"
+            )
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def node_of(self, gpu: int) -> int:
+        return gpu // self.gpus_per_node
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """One registered GPU cluster of a pipeline (validated, immutable)."""
+
+    cluster_id: str
+    pipeline_id: str
+    name: str
+    tp: int
+    gpus: tuple[int, ...]
+
+    @property
+    def is_generation(self) -> bool:
+        return self.name == GENERATION_CLUSTER
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.gpus) // self.tp
+
+    def rank_gpus(self, dp_rank: int) -> tuple[int, ...]:
+        """GPUs of generation DP rank ``dp_rank``: ``gpus[d*tp:(d+1)*tp]``."""
+        return self.gpus[dp_rank * self.tp : (dp_rank + 1) * self.tp]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSpec:
+    """A registered pipeline: its namespace, clusters and scheduling weight."""
+
+    pipeline_id: str
+    ray_namespace: str
+    clusters: tuple[ClusterSpec, ...]
+    weight: float = 1.0
+
+    def cluster(self, name: str) -> ClusterSpec | None:
+        for spec in self.clusters:
+            if spec.name == name:
+                return spec
+        return None
+
+    @property
+    def generation(self) -> ClusterSpec | None:
+        return self.cluster(GENERATION_CLUSTER)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuOwner:
+    """Who holds a GPU: a whole-cluster grant (``dp_rank`` None) or one generation rank."""
+
+    cluster_id: str
+    dp_rank: int | None
+    priority: Priority
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRequest:
+    """A ``request_gpus`` call waiting for a grant."""
+
+    cluster_id: str
+    priority: Priority
+    seq: int
+    submitted_at: float
+    global_step: int | None = None
+    step_target_estimate: int | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Knobs of our scheduling policy (see planner.py for what each does)."""
+
+    #: A non-generation request gains one priority level per ``aging_s`` waited, so nothing
+    #: starves behind a stream of higher-priority requests.
+    aging_s: float = 60.0
+    #: A generation rank activated less than ``min_hold_s`` ago is not taken away to rebalance
+    #: generation (it still yields to training), so shards do not flip-flop.
+    min_hold_s: float = 5.0
+    #: Rebalancing between generation pipelines only happens when the receiver's shortfall is at
+    #: least this fraction of its target (hysteresis band); free GPUs are always used.
+    rebalance_threshold: float = 0.25
+    #: After targets are met, leftover free GPUs go to pipelines with remaining demand.
+    work_conserving: bool = True
+
+    def __post_init__(self) -> None:
+        if self.aging_s <= 0 or self.min_hold_s < 0 or not 0 <= self.rebalance_threshold <= 1:
+            raise ValueError(
+                "PolicyConfig needs aging_s > 0, min_hold_s >= 0, 0 <= rebalance_threshold <= 1"
+            )

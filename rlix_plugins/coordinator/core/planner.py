@@ -1,0 +1,307 @@
+"""Our scheduling policy: a pure ``(state, now) -> Plan`` function.
+
+One cycle:
+  1. Planned releases (``await_release_gpus``): shrink every active rank of those clusters.
+  2. Non-generation requests by effective priority (priority minus one level per ``aging_s``
+     waited), FIFO within a level. A request needs its whole mapping. It is granted only when it
+     can be satisfied now: every GPU idle or held by a generation rank (which is preempted).
+     A request that cannot be satisfied preempts nothing (unlike RLix) and reserves its GPUs
+     against lower-ranked requests, so it is not starved by backfill.
+  3. Generation: each eligible pipeline (pending GENERATION request or active ranks) gets a
+     target number of TP ranks proportional to ``weight x remaining demand`` over the GPUs
+     generation may use (idle + its active ranks). Pipelines furthest below target pick first.
+     A pipeline with a pending request and no active rank always gets one rank if any can be
+     made free (no starvation). Ranks are moved from pipelines above target only outside a
+     hysteresis band and never when activated less than ``min_hold_s`` ago, so shards do not
+     flip-flop. Leftover idle GPUs go to pipelines with remaining demand (work conserving).
+A pipeline that never reported progress is still visible: its demand is the estimate of its
+last GENERATION request, and its ranks can be given to others.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rlix_plugins.coordinator.core.model import GpuOwner, PolicyConfig
+from rlix_plugins.coordinator.core.plan import Grant, Plan, RankMove, ShrinkReason
+from rlix_plugins.coordinator.core.state import SchedulerState
+from rlix_plugins.protocol.types import Priority
+
+
+class Planner(Protocol):
+    """A scheduling policy: reads state, returns a plan, mutates nothing."""
+
+    def plan(self, state: SchedulerState, now: float) -> Plan: ...
+
+
+#: Marker owner for GPUs given away within the cycle being planned.
+_TAKEN = GpuOwner("<taken>", None, Priority.INITIALIZATION)
+
+
+@dataclass(slots=True)
+class _Gen:
+    """Per generation cluster bookkeeping during one cycle."""
+
+    cluster_id: str
+    tp: int
+    dp_size: int
+    weight: float
+    demand: int
+    pending_seq: int | None
+    active: set[int]
+    target: int = 0
+    #: ranks activated in this cycle (never taken back in the same cycle)
+    fresh: set[int] = field(default_factory=set)
+    #: outside the hysteresis band at the start of the cycle: may take ranks from others
+    may_rebalance: bool = False
+
+    @property
+    def gap(self) -> float:
+        return (self.target - len(self.active)) / self.target if self.target else 0.0
+
+
+class _Cycle:
+    def __init__(self, state: SchedulerState, now: float, config: PolicyConfig) -> None:
+        self.state = state
+        self.now = now
+        self.config = config
+        self.owner: list[GpuOwner | None] = list(state.owner)
+        self.active: dict[str, set[int]] = {c: set(r) for c, r in state.active_ranks.items()}
+        self.shrinks: list[RankMove] = []
+        self.expands: list[RankMove] = []
+        self.grants: list[Grant] = []
+        self.released: list[str] = []
+
+    # -- primitives on the scratch ownership -----------------------------------------------
+    def _shrink(self, cid: str, rank: int, reason: ShrinkReason, beneficiary: str | None) -> None:
+        gpus = self.state.clusters[cid].rank_gpus(rank)
+        self.active[cid].discard(rank)
+        for g in gpus:
+            self.owner[g] = None
+        self.shrinks.append(RankMove(cid, rank, gpus, reason, beneficiary))
+
+    def _expand(self, cid: str, rank: int) -> None:
+        gpus = self.state.clusters[cid].rank_gpus(rank)
+        self.active[cid].add(rank)
+        for g in gpus:
+            self.owner[g] = GpuOwner(cid, rank, Priority.GENERATION)
+        self.expands.append(RankMove(cid, rank, gpus))
+
+    # -- 1. planned releases -----------------------------------------------------------------
+    def planned_releases(self) -> None:
+        for cid in self.state.planned_releases:
+            for rank in sorted(self.active.get(cid, ())):
+                self._shrink(cid, rank, ShrinkReason.PLANNED_RELEASE, None)
+            self.released.append(cid)
+
+    # -- 2. non-generation requests --------------------------------------------------------
+    def _effective_priority(self, priority: Priority, waited: float) -> int:
+        return max(0, int(priority) - int(max(0.0, waited) // self.config.aging_s))
+
+    def non_generation(self) -> None:
+        state = self.state
+        requests = sorted(
+            (r for r in state.pending.values() if r.priority is not Priority.GENERATION),
+            key=lambda r: (self._effective_priority(r.priority, self.now - r.submitted_at), r.seq),
+        )
+        reserved: set[int] = set()
+        for req in requests:
+            spec = state.clusters[req.cluster_id]
+            owner = self.owner
+            if any(
+                g in reserved or ((o := owner[g]) is not None and o.dp_rank is None)
+                for g in spec.gpus
+            ):
+                reserved.update(spec.gpus)
+                continue
+            for g in spec.gpus:
+                o = owner[g]
+                if o is not None and o.dp_rank is not None:
+                    self._shrink(o.cluster_id, o.dp_rank, ShrinkReason.PREEMPT, req.cluster_id)
+            for g in spec.gpus:
+                owner[g] = _TAKEN
+            self.grants.append(Grant(req.cluster_id, spec.gpus))
+
+    # -- 3. generation -----------------------------------------------------------------------
+    def _eligible(self) -> dict[str, _Gen]:
+        state = self.state
+        gens: dict[str, _Gen] = {}
+        for cid, active in self.active.items():
+            if cid in state.holdings or cid in state.planned_releases:
+                continue
+            pending = state.pending.get(cid)
+            pending_seq = (
+                pending.seq if pending and pending.priority is Priority.GENERATION else None
+            )
+            if pending_seq is None and not active:
+                continue
+            spec = state.clusters[cid]
+            demand = state.demand(spec.pipeline_id) or 0
+            weight = state.pipelines[spec.pipeline_id].weight
+            gens[cid] = _Gen(cid, spec.tp, spec.dp_size, weight, demand, pending_seq, active)
+        return gens
+
+    def _set_targets(self, gens: dict[str, _Gen]) -> None:
+        """Apportion the generation budget (in TP ranks) by weight x remaining demand.
+
+        Every pipeline with a pending request or remaining demand is first guaranteed one rank
+        (pending requests first, FIFO), the rest is split by largest remainder, so targets
+        never add up to more than the budget.
+        """
+        budget = sum(1 for o in self.owner if o is None)
+        budget += sum(len(g.active) * g.tp for g in gens.values())
+        order = sorted(
+            gens.values(), key=lambda g: (g.pending_seq is None, g.pending_seq or 0, g.cluster_id)
+        )
+        for g in order:
+            g.target = 0
+            if (g.pending_seq is not None or g.demand > 0) and budget >= g.tp:
+                g.target = 1
+                budget -= g.tp
+        total = sum(g.weight * g.demand for g in gens.values())
+        if total > 0:
+            quotas = {g.cluster_id: g.weight * g.demand / total * budget / g.tp for g in order}
+            spare = budget
+            for g in order:
+                add = min(int(quotas[g.cluster_id]), g.dp_size - g.target)
+                g.target += add
+                spare -= add * g.tp
+            by_remainder = sorted(order, key=lambda g: -(quotas[g.cluster_id] % 1))
+            for g in by_remainder:
+                if spare >= g.tp and g.target < g.dp_size and g.demand > 0:
+                    g.target += 1
+                    spare -= g.tp
+        else:  # nobody's demand is known: keep what each has
+            for g in order:
+                g.target = max(g.target, len(g.active))
+        for g in order:
+            g.may_rebalance = not g.active or g.gap >= self.config.rebalance_threshold
+
+    def _find_rank(self, g: _Gen, gens: dict[str, _Gen]) -> tuple[int, list[GpuOwner]] | None:
+        """Cheapest inactive rank of ``g``: all GPUs idle, else taken from donors above target."""
+        spec = self.state.clusters[g.cluster_id]
+        starving = not g.active
+        may_rebalance = g.may_rebalance
+        best: tuple[int, list[GpuOwner]] | None = None
+        owner = self.owner
+        for rank in range(g.dp_size):
+            if rank in g.active:
+                continue
+            donors: dict[tuple[str, int], GpuOwner] = {}
+            blocked = False
+            for gpu in spec.rank_gpus(rank):
+                o = owner[gpu]
+                if o is None:
+                    continue
+                if o.dp_rank is None or not may_rebalance:
+                    blocked = True  # a whole-cluster holding (or this cycle's grant)
+                    break
+                donors[(o.cluster_id, o.dp_rank)] = o
+            if blocked:
+                continue
+            if not donors:
+                return rank, []
+            if (best is None or len(donors) < len(best[1])) and self._donors_allowed(
+                list(donors.values()), gens, starving
+            ):
+                best = (rank, list(donors.values()))
+        return best
+
+    def _donors_allowed(
+        self, donors: list[GpuOwner], gens: dict[str, _Gen], starving: bool
+    ) -> bool:
+        per_cluster: dict[str, int] = {}
+        for o in donors:
+            assert o.dp_rank is not None
+            d = gens.get(o.cluster_id)
+            if d is None or o.dp_rank in d.fresh:
+                return False
+            activated = self.state.active_ranks.get(o.cluster_id, {}).get(o.dp_rank)
+            held_briefly = activated is not None and self.now - activated < self.config.min_hold_s
+            if held_briefly and d.demand > 0 and not starving:
+                return False
+            per_cluster[o.cluster_id] = per_cluster.get(o.cluster_id, 0) + 1
+        for cid, n in per_cluster.items():
+            d = gens[cid]
+            floor = 1 if d.demand > 0 and not starving else 0
+            if len(d.active) - n < max(d.target, floor):
+                return False
+        return True
+
+    def generation(self) -> None:
+        gens = self._eligible()
+        if not gens:
+            return
+        self._set_targets(gens)
+        heap: list[tuple[int, float, int, str]] = []
+
+        def push(g: _Gen) -> None:
+            if len(g.active) < g.target:
+                starving = 0 if not g.active else 1
+                heapq.heappush(heap, (starving, -g.gap, g.pending_seq or 0, g.cluster_id))
+
+        for g in gens.values():
+            push(g)
+        while heap:
+            *_, cid = heapq.heappop(heap)
+            g = gens[cid]
+            if len(g.active) >= g.target:
+                continue
+            found = self._find_rank(g, gens)
+            if found is None:
+                continue
+            rank, donors = found
+            for o in donors:
+                assert o.dp_rank is not None
+                self._shrink(o.cluster_id, o.dp_rank, ShrinkReason.REBALANCE, cid)
+            self._expand(cid, rank)
+            g.fresh.add(rank)
+            push(g)
+        if self.config.work_conserving:
+            self._fill_idle(gens)
+
+    def _fill_idle(self, gens: dict[str, _Gen]) -> None:
+        """Give idle GPUs to pipelines with remaining demand, lowest ranks-per-demand first."""
+        heap = [
+            (len(g.active) / (g.weight * g.demand), g.cluster_id)
+            for g in gens.values()
+            if g.demand > 0 and len(g.active) < g.dp_size
+        ]
+        heapq.heapify(heap)
+        owner = self.owner
+        while heap:
+            _, cid = heapq.heappop(heap)
+            g = gens[cid]
+            spec = self.state.clusters[cid]
+            for rank in range(g.dp_size):
+                if rank not in g.active and all(owner[x] is None for x in spec.rank_gpus(rank)):
+                    self._expand(cid, rank)
+                    g.fresh.add(rank)
+                    if len(g.active) < g.dp_size:
+                        heapq.heappush(heap, (len(g.active) / (g.weight * g.demand), cid))
+                    break
+
+    def build(self) -> Plan:
+        return Plan(
+            revision=self.state.revision,
+            shrinks=tuple(self.shrinks),
+            expands=tuple(self.expands),
+            grants=tuple(self.grants),
+            completed_releases=tuple(self.released),
+        )
+
+
+class DemandSharePlanner:
+    """Our policy (see module docstring)."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+
+    def plan(self, state: SchedulerState, now: float) -> Plan:
+        cycle = _Cycle(state, now, self.config)
+        cycle.planned_releases()
+        cycle.non_generation()
+        cycle.generation()
+        return cycle.build()

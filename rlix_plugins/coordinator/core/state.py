@@ -1,0 +1,350 @@
+"""Allocation state of the scheduling core and the events that change it.
+
+Pure: no Ray, no clock, no I/O. Time enters only as the ``now`` argument. Every event method
+validates its input first and raises a typed error with the state unchanged; only then does it
+mutate. GPUs are assigned ONLY by :meth:`SchedulerState.commit` of a plan, and plans are computed
+and committed one at a time, so the events that may interleave between a plan and its commit
+(registrations, releases, progress, new requests, deaths) can only free GPUs, never take them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from rlix_plugins.coordinator.core.model import (
+    ClusterSpec,
+    GpuOwner,
+    PendingRequest,
+    PipelineSpec,
+    Topology,
+)
+from rlix_plugins.coordinator.core.plan import Plan
+from rlix_plugins.errors import (
+    OwnershipError,
+    RegistrationError,
+    RequestStateError,
+    UnknownClusterError,
+    UnknownPipelineError,
+)
+from rlix_plugins.protocol.names import parse_cluster_id
+from rlix_plugins.protocol.types import Priority, ProgressReport
+
+StreamKey = tuple[str, str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ImmediateGrant:
+    """A request that is already satisfied when it arrives (no planning needed)."""
+
+    cluster_id: str
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What a commit actually did (items whose preconditions vanished are skipped)."""
+
+    granted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    shrunk: tuple[tuple[str, int], ...] = ()
+    expanded: tuple[tuple[str, int], ...] = ()
+    released: tuple[str, ...] = ()
+
+
+class SchedulerState:
+    """Registry, GPU ownership, pending requests and demand of every pipeline."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.pipelines: dict[str, PipelineSpec] = {}
+        self.clusters: dict[str, ClusterSpec] = {}
+        self.owner: list[GpuOwner | None] = [None] * topology.num_gpus
+        #: generation cluster -> {dp_rank: activated_at}
+        self.active_ranks: dict[str, dict[int, float]] = {}
+        #: whole-cluster holdings -> priority they were granted at
+        self.holdings: dict[str, Priority] = {}
+        self.pending: dict[str, PendingRequest] = {}
+        #: generation clusters whose ranks must all be shrunk (``await_release_gpus``)
+        self.planned_releases: dict[str, float] = {}
+        self.progress: dict[str, dict[StreamKey, ProgressReport]] = {}
+        #: step_target_estimate of a pipeline's last granted GENERATION request: its demand
+        #: until it reports progress (so a pipeline that never reports is still visible).
+        self.estimates: dict[str, int] = {}
+        self.revision = 0
+        self._seq = 0
+
+    # ------------------------------------------------------------------ lookups
+    def cluster(self, cluster_id: object) -> ClusterSpec:
+        """The registered cluster, or :class:`UnknownClusterError` / ProtocolError."""
+        pipeline_id, _ = parse_cluster_id(cluster_id)
+        assert isinstance(cluster_id, str)
+        spec = self.clusters.get(cluster_id)
+        if spec is None:
+            known = "registered" if pipeline_id in self.pipelines else "not registered"
+            raise UnknownClusterError(
+                f"cluster {cluster_id!r} is not registered (pipeline {pipeline_id!r} is {known})"
+            )
+        return spec
+
+    def pipeline(self, pipeline_id: str) -> PipelineSpec:
+        spec = self.pipelines.get(pipeline_id)
+        if spec is None:
+            raise UnknownPipelineError(
+                f"pipeline {pipeline_id!r} is not registered; registered: "
+                f"{sorted(self.pipelines)[:20]}"
+            )
+        return spec
+
+    def held_gpus(self, cluster_id: str) -> tuple[int, ...]:
+        """GPUs a cluster holds now (whole grant or its active ranks), sorted."""
+        spec = self.clusters[cluster_id]
+        if cluster_id in self.holdings:
+            return spec.gpus
+        ranks = self.active_ranks.get(cluster_id, {})
+        return tuple(g for r in sorted(ranks) for g in spec.rank_gpus(r))
+
+    def demand(self, pipeline_id: str) -> int | None:
+        """Remaining trajectories of a pipeline: progress streams, else its last estimate."""
+        streams = self.progress.get(pipeline_id)
+        if streams:
+            return sum(r.remaining for r in streams.values())
+        pending = self.pending.get(f"{pipeline_id}_actor_infer")
+        if pending is not None and pending.step_target_estimate is not None:
+            return pending.step_target_estimate
+        return self.estimates.get(pipeline_id)
+
+    def idle_gpus(self) -> list[int]:
+        return [g for g, o in enumerate(self.owner) if o is None]
+
+    def _bump(self) -> None:
+        self.revision += 1
+
+    # ------------------------------------------------------------------ registry
+    def register(self, spec: PipelineSpec) -> None:
+        if spec.pipeline_id in self.pipelines:
+            raise RegistrationError(f"pipeline {spec.pipeline_id!r} is already registered")
+        for c in spec.clusters:
+            if any(g >= self.topology.num_gpus for g in c.gpus):
+                raise RegistrationError(f"cluster {c.cluster_id!r} maps GPUs outside the topology")
+        self.pipelines[spec.pipeline_id] = spec
+        for c in spec.clusters:
+            self.clusters[c.cluster_id] = c
+            if c.is_generation:
+                self.active_ranks[c.cluster_id] = {}
+        self._bump()
+
+    def unregister(self, pipeline_id: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """Forget a pipeline and return ``(freed GPUs, cancelled pending cluster ids)``."""
+        spec = self.pipeline(pipeline_id)
+        freed: list[int] = []
+        cancelled: list[str] = []
+        for c in spec.clusters:
+            freed.extend(self.held_gpus(c.cluster_id))
+            for g in self.held_gpus(c.cluster_id):
+                self.owner[g] = None
+            self.clusters.pop(c.cluster_id, None)
+            self.active_ranks.pop(c.cluster_id, None)
+            self.holdings.pop(c.cluster_id, None)
+            self.planned_releases.pop(c.cluster_id, None)
+            if self.pending.pop(c.cluster_id, None) is not None:
+                cancelled.append(c.cluster_id)
+        self.pipelines.pop(pipeline_id)
+        self.progress.pop(pipeline_id, None)
+        self.estimates.pop(pipeline_id, None)
+        self._bump()
+        return tuple(sorted(freed)), tuple(cancelled)
+
+    # ------------------------------------------------------------------ requests
+    def check_owner(self, cluster_id: str, caller_pipeline_id: str | None) -> ClusterSpec:
+        """Resolve a cluster and check the caller (if known) is the pipeline that owns it."""
+        spec = self.cluster(cluster_id)
+        if caller_pipeline_id is not None and caller_pipeline_id != spec.pipeline_id:
+            raise OwnershipError(
+                f"pipeline {caller_pipeline_id!r} may not act on cluster {cluster_id!r} of "
+                f"pipeline {spec.pipeline_id!r}"
+            )
+        return spec
+
+    def submit_request(
+        self,
+        cluster_id: str,
+        priority: Priority,
+        *,
+        now: float,
+        global_step: int | None = None,
+        step_target_estimate: int | None = None,
+        lora_name: str | None = None,
+    ) -> ImmediateGrant | PendingRequest:
+        """Queue a request, or answer at once when the cluster already has what it asks for."""
+        spec = self.cluster(cluster_id)
+        if priority is Priority.GENERATION and not spec.is_generation:
+            raise RequestStateError(
+                f"cluster {cluster_id!r} is not a generation cluster; GENERATION priority is only "
+                "valid for actor_infer"
+            )
+        if step_target_estimate is not None and (
+            isinstance(step_target_estimate, bool)
+            or not isinstance(step_target_estimate, int)
+            or step_target_estimate < 0
+        ):
+            raise RequestStateError(
+                f"step_target_estimate must be an int >= 0 or None, got {step_target_estimate!r}"
+            )
+        if cluster_id in self.pending:
+            raise RequestStateError(
+                f"cluster {cluster_id!r} already has a pending request "
+                f"({self.pending[cluster_id].priority.name}); release or wait for it first"
+            )
+        if cluster_id in self.holdings:
+            self.holdings[cluster_id] = priority
+            for g in spec.gpus:
+                self.owner[g] = GpuOwner(cluster_id, None, priority)
+            self._bump()
+            return ImmediateGrant(cluster_id, spec.gpus)
+        if priority is Priority.GENERATION and self.active_ranks.get(cluster_id):
+            if step_target_estimate is not None:
+                self.estimates[spec.pipeline_id] = step_target_estimate
+                self._bump()
+            return ImmediateGrant(cluster_id, self.held_gpus(cluster_id))
+        if priority is not Priority.GENERATION and self.active_ranks.get(cluster_id):
+            raise RequestStateError(
+                f"cluster {cluster_id!r} has active generation ranks; release them before a "
+                f"{priority.name} request for the whole cluster"
+            )
+        self._seq += 1
+        req = PendingRequest(
+            cluster_id=cluster_id,
+            priority=priority,
+            seq=self._seq,
+            submitted_at=now,
+            global_step=global_step,
+            step_target_estimate=step_target_estimate,
+            lora_name=lora_name,
+        )
+        self.pending[cluster_id] = req
+        self._bump()
+        return req
+
+    def cancel_request(self, cluster_id: str) -> bool:
+        """Drop a pending request (caller gave up); True if there was one."""
+        if self.pending.pop(cluster_id, None) is None:
+            return False
+        self._bump()
+        return True
+
+    def release(self, cluster_id: str) -> tuple[int, ...]:
+        """The pipeline released a cluster (its ranks are already asleep): free its GPUs."""
+        self.cluster(cluster_id)
+        freed = self.held_gpus(cluster_id)
+        for g in freed:
+            self.owner[g] = None
+        self.holdings.pop(cluster_id, None)
+        if cluster_id in self.active_ranks:
+            self.active_ranks[cluster_id] = {}
+        self.planned_releases.pop(cluster_id, None)
+        self._bump()
+        return freed
+
+    def plan_release(self, cluster_id: str, *, now: float) -> bool:
+        """``await_release_gpus``: shrink every active rank of a generation cluster.
+
+        Returns True when nothing is active (done at once); otherwise the next plan shrinks them.
+        """
+        spec = self.cluster(cluster_id)
+        if not spec.is_generation:
+            raise RequestStateError(
+                f"await_release_gpus is for generation clusters only, got {cluster_id!r}"
+            )
+        if not self.active_ranks.get(cluster_id):
+            return True
+        self.planned_releases.setdefault(cluster_id, now)
+        self._bump()
+        return False
+
+    # ------------------------------------------------------------------ demand
+    def report_progress(self, report: ProgressReport) -> None:
+        self.pipeline(report.pipeline_id)
+        self.progress.setdefault(report.pipeline_id, {})[report.stream_key] = report
+        self._bump()
+
+    def clear_progress(self, pipeline_id: str, stream: StreamKey | None = None) -> None:
+        self.pipeline(pipeline_id)
+        streams = self.progress.get(pipeline_id)
+        if streams is None:
+            return
+        if stream is None:
+            self.progress.pop(pipeline_id)
+        else:
+            streams.pop(stream, None)
+        self._bump()
+
+    # ------------------------------------------------------------------ commit
+    def commit(
+        self,
+        plan: Plan,
+        *,
+        now: float,
+        failed_shrinks: Iterable[str] = (),
+        failed_expands: Iterable[str] = (),
+    ) -> CommitResult:
+        """Apply a plan after its RPCs ran; skip what failed or no longer applies.
+
+        A shrink whose RPC failed leaves its ranks owned (the shard's state is unknown, so its
+        GPUs must not be handed on); whatever depended on those GPUs waits for a later cycle.
+        """
+        failed_s = set(failed_shrinks)
+        failed_e = set(failed_expands)
+        shrunk: list[tuple[str, int]] = []
+        for move in plan.shrinks:
+            if move.cluster_id in failed_s:
+                continue
+            ranks = self.active_ranks.get(move.cluster_id)
+            spec = self.clusters.get(move.cluster_id)
+            if ranks is None or spec is None or move.dp_rank not in ranks:
+                continue
+            del ranks[move.dp_rank]
+            for g in spec.rank_gpus(move.dp_rank):
+                self.owner[g] = None
+            shrunk.append((move.cluster_id, move.dp_rank))
+        released = tuple(
+            c
+            for c in plan.completed_releases
+            if c in self.planned_releases and not self.active_ranks.get(c)
+        )
+        for c in released:
+            del self.planned_releases[c]
+        granted: dict[str, tuple[int, ...]] = {}
+        for grant in plan.grants:
+            req = self.pending.get(grant.cluster_id)
+            spec = self.clusters.get(grant.cluster_id)
+            if req is None or spec is None or any(self.owner[g] is not None for g in spec.gpus):
+                continue
+            for g in spec.gpus:
+                self.owner[g] = GpuOwner(grant.cluster_id, None, req.priority)
+            self.holdings[grant.cluster_id] = req.priority
+            del self.pending[grant.cluster_id]
+            granted[grant.cluster_id] = spec.gpus
+        expanded: list[tuple[str, int]] = []
+        for move in plan.expands:
+            spec = self.clusters.get(move.cluster_id)
+            ranks = self.active_ranks.get(move.cluster_id)
+            if move.cluster_id in failed_e or spec is None or ranks is None:
+                continue
+            gpus = spec.rank_gpus(move.dp_rank)
+            if move.dp_rank in ranks or any(self.owner[g] is not None for g in gpus):
+                continue
+            ranks[move.dp_rank] = now
+            for g in gpus:
+                self.owner[g] = GpuOwner(move.cluster_id, move.dp_rank, Priority.GENERATION)
+            expanded.append((move.cluster_id, move.dp_rank))
+        for cid, req in list(self.pending.items()):
+            if req.priority is Priority.GENERATION and self.active_ranks.get(cid):
+                del self.pending[cid]
+                spec = self.clusters[cid]
+                if req.step_target_estimate is not None:
+                    self.estimates[spec.pipeline_id] = req.step_target_estimate
+                granted[cid] = self.held_gpus(cid)
+        self._bump()
+        return CommitResult(
+            granted=granted, shrunk=tuple(shrunk), expanded=tuple(expanded), released=released
+        )

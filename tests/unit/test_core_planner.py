@@ -1,0 +1,233 @@
+"""Scheduling behaviour of our policy on small, hand-checked scenarios."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlix_plugins.coordinator.core import (
+    DemandSharePlanner,
+    ImmediateGrant,
+    InvariantViolation,
+    Plan,
+    PolicyConfig,
+    RankMove,
+    ShrinkReason,
+    check_plan,
+)
+from rlix_plugins.errors import (
+    OwnershipError,
+    ProtocolError,
+    RequestStateError,
+    UnknownClusterError,
+)
+from rlix_plugins.protocol import Priority
+from tests.core_builders import cycle, new_state, progress, register
+
+GEN = Priority.GENERATION
+
+
+def active(state, pid: str) -> set[int]:  # type: ignore[no-untyped-def]
+    return set(state.active_ranks[f"{pid}_actor_infer"])
+
+
+def test_generation_grant_then_training_preempts_overlap_only() -> None:
+    state = new_state(1, 4)
+    register(state, "ft_a", train=[0], infer=[0, 1, 2, 3])
+    state.submit_request("ft_a_actor_infer", GEN, now=0, step_target_estimate=64)
+    _, res = cycle(state, 0)
+    assert active(state, "ft_a") == {0, 1, 2, 3}
+    assert "ft_a_actor_infer" in res.granted
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=1)
+    plan, res = cycle(state, 1)
+    assert [(m.dp_rank, m.reason) for m in plan.shrinks] == [(0, ShrinkReason.PREEMPT)]
+    assert res.granted == {"ft_a_actor_train": (0,)}
+    assert active(state, "ft_a") == {1, 2, 3}
+
+
+def test_unsatisfiable_request_preempts_nothing() -> None:
+    state = new_state(1, 4)
+    register(state, "ft_a", train=[0, 1], infer=[0, 1, 2, 3])
+    register(state, "ft_b", train=[1, 2], infer=[2, 3])
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=0)
+    cycle(state, 0)
+    state.submit_request("ft_b_actor_infer", GEN, now=0, step_target_estimate=10)
+    cycle(state, 0)
+    assert active(state, "ft_b") == {0, 1}
+    # ft_b's training needs GPU 1, held by ft_a's training: nothing of ft_b may be preempted.
+    state.submit_request("ft_b_actor_train", Priority.ACTOR_TRAINING, now=1)
+    plan, res = cycle(state, 1)
+    assert plan.shrinks == () and res.granted == {}
+    assert active(state, "ft_b") == {0, 1}
+    state.release("ft_a_actor_train")
+    plan, res = cycle(state, 2)
+    assert res.granted == {"ft_b_actor_train": (1, 2)}
+    assert [m.gpus for m in plan.shrinks] == [(2,)]
+
+
+def test_blocked_request_reserves_its_gpus_against_backfill_and_aging_wins() -> None:
+    state = new_state(1, 4)
+    register(state, "ft_a", train=[0, 1])
+    register(state, "ft_b", train=[1, 2])
+    register(state, "ft_c", train=[2])
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=0)
+    cycle(state, 0)
+    state.submit_request("ft_b_actor_train", Priority.ACTOR_TRAINING, now=1)
+    state.submit_request("ft_c_actor_train", Priority.VALUE_COMPUTE, now=1)
+    _, res = cycle(state, 1)
+    assert res.granted == {}  # ft_b blocked by ft_a; ft_c may not backfill ft_b's GPU 2
+    state.cancel_request("ft_b_actor_train")
+    _, res = cycle(state, 2)
+    assert res.granted == {"ft_c_actor_train": (2,)}
+    state.release("ft_a_actor_train")
+    state.release("ft_c_actor_train")
+    # Aging: an old VALUE_COMPUTE request overtakes a fresh ACTOR_TRAINING one.
+    config = PolicyConfig(aging_s=10)
+    state.submit_request("ft_c_actor_train", Priority.VALUE_COMPUTE, now=0)
+    state.submit_request("ft_b_actor_train", Priority.ACTOR_TRAINING, now=100)
+    plan = DemandSharePlanner(config).plan(state, 100)
+    assert [g.cluster_id for g in plan.grants] == ["ft_c_actor_train"]
+
+
+def test_generation_share_follows_remaining_demand() -> None:
+    state = new_state(1, 8)
+    register(state, "ft_a", infer=list(range(8)))
+    register(state, "ft_b", infer=list(range(8)))
+    progress(state, "ft_a", 100, 25)  # 75 remaining
+    progress(state, "ft_b", 100, 75)  # 25 remaining
+    state.submit_request("ft_a_actor_infer", GEN, now=0)
+    state.submit_request("ft_b_actor_infer", GEN, now=0)
+    cycle(state, 0)
+    assert (len(active(state, "ft_a")), len(active(state, "ft_b"))) == (6, 2)
+    # Demand flips; after the hold time ranks move, and ranks of a finished pipeline all go.
+    progress(state, "ft_a", 100, 100)
+    plan, _ = cycle(state, 10)
+    assert len(active(state, "ft_b")) == 8 and not active(state, "ft_a")
+    assert {m.reason for m in plan.shrinks} == {ShrinkReason.REBALANCE}
+
+
+def test_hysteresis_and_min_hold_stop_flip_flop() -> None:
+    state = new_state(1, 8)
+    register(state, "ft_a", infer=list(range(8)))
+    register(state, "ft_b", infer=list(range(8)))
+    progress(state, "ft_a", 100, 50)
+    progress(state, "ft_b", 100, 50)
+    state.submit_request("ft_a_actor_infer", GEN, now=0)
+    state.submit_request("ft_b_actor_infer", GEN, now=0)
+    cycle(state, 0)
+    assert (len(active(state, "ft_a")), len(active(state, "ft_b"))) == (4, 4)
+    progress(state, "ft_a", 100, 45)  # 55 vs 50: target 4.19 vs 3.8 -> no move
+    plan, _ = cycle(state, 100)
+    assert plan.empty
+    progress(state, "ft_a", 100, 0)  # 100 vs 50: target 5 vs 3, gap 1/5 inside the band
+    plan, _ = cycle(state, 100)
+    assert plan.empty
+    progress(state, "ft_b", 100, 75)  # 100 vs 25: target 6 vs 2, but ranks are fresh
+    plan, _ = cycle(state, 1.0)
+    assert plan.empty
+    plan, _ = cycle(state, 100)
+    assert len(plan.shrinks) == 2 and len(active(state, "ft_a")) == 6
+
+
+def test_starving_pipeline_gets_a_rank_even_from_fresh_ranks() -> None:
+    state = new_state(1, 4)
+    register(state, "ft_a", infer=[0, 1, 2, 3])
+    register(state, "ft_b", infer=[0, 1, 2, 3])
+    progress(state, "ft_a", 1000, 0)
+    state.submit_request("ft_a_actor_infer", GEN, now=0)
+    cycle(state, 0)
+    assert len(active(state, "ft_a")) == 4
+    progress(state, "ft_b", 1, 0)  # tiny demand still gets one rank
+    state.submit_request("ft_b_actor_infer", GEN, now=0.1)
+    _, res = cycle(state, 0.1)
+    assert len(active(state, "ft_b")) == 1 and "ft_b_actor_infer" in res.granted
+
+
+def test_pipeline_without_progress_donates() -> None:
+    state = new_state(1, 4)
+    register(state, "ft_silent", infer=[0, 1, 2, 3])
+    register(state, "ft_b", infer=[0, 1, 2, 3])
+    state.submit_request("ft_silent_actor_infer", GEN, now=0)  # no estimate, never reports
+    cycle(state, 0)
+    assert len(active(state, "ft_silent")) == 1
+    state.submit_request("ft_b_actor_infer", GEN, now=1, step_target_estimate=32)
+    plan, _ = cycle(state, 100)
+    # ft_silent has no demand and no pending request: its rank is given to ft_b (RLix would
+    # not see it at all and could not move it).
+    assert len(active(state, "ft_b")) == 4 and not active(state, "ft_silent")
+    assert [(m.cluster_id, m.reason) for m in plan.shrinks] == [
+        ("ft_silent_actor_infer", ShrinkReason.REBALANCE)
+    ]
+
+
+def test_planned_release_and_release_then_request_flow() -> None:
+    state = new_state(1, 2)
+    register(state, "ft_a", train=[0], infer=[0, 1])
+    state.submit_request("ft_a_actor_infer", GEN, now=0, step_target_estimate=8)
+    cycle(state, 0)
+    assert not state.plan_release("ft_a_actor_infer", now=1)
+    plan, res = cycle(state, 1)
+    assert {m.reason for m in plan.shrinks} == {ShrinkReason.PLANNED_RELEASE}
+    assert res.released == ("ft_a_actor_infer",) and not active(state, "ft_a")
+    assert state.plan_release("ft_a_actor_infer", now=2)  # nothing active: done at once
+
+
+def test_failed_shrink_keeps_gpu_and_blocks_dependent_grant() -> None:
+    state = new_state(1, 2)
+    register(state, "ft_a", train=[0], infer=[0, 1])
+    state.submit_request("ft_a_actor_infer", GEN, now=0, step_target_estimate=8)
+    cycle(state, 0)
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=1)
+    _, res = cycle(state, 1, failed_shrinks=["ft_a_actor_infer"])
+    assert res.granted == {} and active(state, "ft_a") == {0, 1}
+    assert "ft_a_actor_train" in state.pending
+    _, res = cycle(state, 2)
+    assert res.granted == {"ft_a_actor_train": (0,)}
+
+
+def test_immediate_grants_and_bad_calls_leave_state_unchanged() -> None:
+    state = new_state(1, 2)
+    register(state, "ft_a", train=[0], infer=[0, 1])
+    state.submit_request("ft_a_actor_train", Priority.INITIALIZATION, now=0)
+    cycle(state, 0)
+    again = state.submit_request("ft_a_actor_train", Priority.OLD_LOG_PROBS, now=1)
+    assert again == ImmediateGrant("ft_a_actor_train", (0,))
+    snapshot = (list(state.owner), dict(state.pending), state.revision)
+    with pytest.raises(UnknownClusterError, match="not registered"):
+        state.submit_request("ft_zz_actor_train", Priority.ACTOR_TRAINING, now=1)
+    with pytest.raises(ProtocolError, match="known cluster name"):
+        state.submit_request("ft_a_policy", Priority.ACTOR_TRAINING, now=1)
+    with pytest.raises(RequestStateError, match="only valid for actor_infer"):
+        state.submit_request("ft_a_actor_train", Priority.GENERATION, now=1)
+    with pytest.raises(OwnershipError, match="may not act"):
+        state.check_owner("ft_a_actor_train", "ft_b")
+    state.submit_request("ft_a_actor_infer", GEN, now=1)
+    snapshot = (list(state.owner), dict(state.pending), state.revision)
+    with pytest.raises(RequestStateError, match="already has a pending"):
+        state.submit_request("ft_a_actor_infer", GEN, now=1)
+    assert snapshot == (list(state.owner), dict(state.pending), state.revision)
+
+
+def test_unregister_frees_everything() -> None:
+    state = new_state(1, 4)
+    register(state, "ft_a", train=[0, 1], infer=[0, 1, 2, 3])
+    state.submit_request("ft_a_actor_infer", GEN, now=0, step_target_estimate=8)
+    cycle(state, 0)
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=1)
+    freed, cancelled = state.unregister("ft_a")
+    assert freed == (0, 1, 2, 3) and cancelled == ("ft_a_actor_train",)
+    assert state.idle_gpus() == [0, 1, 2, 3]
+
+
+def test_check_plan_rejects_double_assignment_and_unjustified_preemption() -> None:
+    state = new_state(1, 2)
+    register(state, "ft_a", train=[0], infer=[0, 1])
+    register(state, "ft_b", infer=[0, 1])
+    state.submit_request("ft_a_actor_infer", GEN, now=0, step_target_estimate=8)
+    cycle(state, 0)
+    with pytest.raises(InvariantViolation, match="P2"):
+        check_plan(state, Plan(state.revision, expands=(RankMove("ft_b_actor_infer", 0, (0,)),)))
+    shrink = RankMove("ft_a_actor_infer", 1, (1,), ShrinkReason.PREEMPT)
+    with pytest.raises(InvariantViolation, match="P5"):
+        check_plan(state, Plan(state.revision, shrinks=(shrink,)))
+    with pytest.raises(InvariantViolation, match="P1"):
+        check_plan(state, Plan(state.revision, shrinks=(shrink, shrink)))
