@@ -1,0 +1,10 @@
+"""Importing this module activates rlix-plugins in the importing process (if enabled).
+
+For hosts that import a list of plugin modules in every process, e.g. veRL's
+``VERL_USE_EXTERNAL_MODULES=rlix_plugins.autoload``. With ``RLIX_CONTROL_PLANE`` unset or
+``off`` the import does nothing.
+"""
+
+from rlix_plugins.activation import activate
+
+ACTIVE = activate()
