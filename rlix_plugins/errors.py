@@ -51,3 +51,66 @@ class CoordinatorUnavailableError(RlixPluginsError, RuntimeError):
 
 class HostDriftError(RlixPluginsError, RuntimeError):
     """A host framework's plug point moved or changed signature (patch target drift)."""
+
+
+# --- training/ (weight cache, selective sync, NCCL lifecycle) ---------------------------------
+
+
+class WeightCacheError(RlixPluginsError, RuntimeError):
+    """The CPU weight cache cannot do what was asked (base of the cache errors)."""
+
+
+class UnknownWeightVersionError(WeightCacheError, KeyError):
+    """A sync or lookup named a weight version the cache does not hold (never built or freed)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class OversizeTensorError(WeightCacheError, ValueError):
+    """A tensor is larger than one bucket; raise the bucket size (tensors are never split)."""
+
+
+class InsufficientHostMemoryError(WeightCacheError, MemoryError):
+    """Host RAM available is below what building a cache version needs (plus the reserve)."""
+
+
+class WeightSyncError(RlixPluginsError, RuntimeError):
+    """A selective weight sync failed for at least one receiver (base of the sync errors)."""
+
+
+class ReceiverGoneError(WeightSyncError):
+    """A receiver died, disconnected or stopped answering during a sync."""
+
+
+class ChecksumMismatchError(WeightSyncError):
+    """A bucket arrived with different bytes than were sent (verified per bucket)."""
+
+
+class TransportUnavailableError(WeightSyncError):
+    """No transport can reach a receiver from this sender (capability mismatch)."""
+
+
+class ParallelStateError(RlixPluginsError, RuntimeError):
+    """Megatron parallel-state destroy/re-init failed or left process groups alive."""
+
+
+class ShardStateError(RlixPluginsError, ValueError):
+    """A generation-shard transition does not fit the shard's state, or names an unknown rank."""
+
+
+class LastActiveShardError(ShardStateError):
+    """Preempting would leave no active shard and the pipeline is configured to refuse that."""
+
+
+class ShardPreemptedError(RlixPluginsError, RuntimeError):
+    """A request's shard was preempted (internal re-dispatch signal; raised to the caller only
+    when the request ran out of re-dispatch attempts)."""
+
+
+class NoActiveShardError(RlixPluginsError, TimeoutError):
+    """No generation shard became active within the configured wait."""
+
+
+class PreemptionError(RlixPluginsError, RuntimeError):
+    """Abort, drain or sleep failed on at least one shard being preempted."""

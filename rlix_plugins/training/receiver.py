@@ -1,0 +1,191 @@
+"""Receiver side of a weight sync: pull a version bucket by bucket, verify, apply.
+
+:func:`receive_weights` runs inside the inference worker (a vLLM worker extension calls it
+with the model's ``load_weights``). Per bucket: fetch the bytes through the offer's transport,
+verify the bucket checksum, hand views of its tensors to ``load_weights`` (which copies them
+into the model), drop the bucket, ack. Only one bucket is held at a time.
+
+Mid-sync failure cannot be rolled back (the model was updated in place, bucket by bucket),
+so callers must treat the receiver's weights as invalid until a sync completes; the vLLM
+extension clears its recorded version when a sync starts and sets it only on success.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from rlix_plugins.errors import ChecksumMismatchError, ReceiverGoneError, WeightSyncError
+from rlix_plugins.training.bucket_cache import TensorEntry, unpack_bucket
+from rlix_plugins.training.checksum import checksum_tensor
+from rlix_plugins.training.transports.base import open_receiver_transport
+from rlix_plugins.training.transports.selection import ReceiverLocation
+from rlix_plugins.training.wire import ReceiveResult, SyncOffer, decode, encode
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+#: ``load_weights(list of (HF name, tensor view))``: must copy what it keeps; the views are
+#: only valid during the call.
+LoadWeightsFn = Callable[[list[tuple[str, "torch.Tensor"]]], object]
+
+
+def _error_type(exc: BaseException) -> str:
+    return "checksum" if isinstance(exc, ChecksumMismatchError) else type(exc).__name__
+
+
+def receive_weights(offer: SyncOffer, load_weights: LoadWeightsFn) -> ReceiveResult:
+    """Receive ``offer.version`` and apply it through ``load_weights``; blocking."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(offer.control_address)
+    started = time.perf_counter()
+    count = 0
+    total = 0
+    peak = 0
+    transport = None
+    timeout_ms = int(offer.timeout_s * 1000)
+    try:
+        transport = open_receiver_transport(offer)
+        while True:
+            if not sock.poll(timeout_ms, zmq.POLLIN):
+                raise ReceiverGoneError(
+                    f"shard {offer.shard_id}: sender of pipeline {offer.pipeline_id} sent nothing "
+                    f"for {offer.timeout_s:.0f}s (sync {offer.sync_id})"
+                )
+            frames = sock.recv_multipart(copy=False)
+            header = decode(frames[0].buffer)
+            kind = header.get("kind")
+            if kind == "abort":
+                raise WeightSyncError(
+                    f"shard {offer.shard_id}: sender aborted sync {offer.sync_id}: "
+                    f"{header.get('reason', '')}"
+                )
+            if kind == "end":
+                if count != offer.num_buckets:
+                    raise WeightSyncError(
+                        f"shard {offer.shard_id}: got {count} buckets, offer promised "
+                        f"{offer.num_buckets}"
+                    )
+                result = ReceiveResult(
+                    shard_id=offer.shard_id,
+                    version=offer.version,
+                    buckets=count,
+                    bytes=total,
+                    seconds=time.perf_counter() - started,
+                    max_bucket_bytes=peak,
+                )
+                sock.send(encode({"ok": True, "kind": "done", "result": result.to_dict()}))
+                return result
+            if kind != "bucket":
+                raise WeightSyncError(f"unexpected control message {header!r}")
+            _apply_bucket(offer, header, transport.fetch(header, list(frames[1:])), load_weights)
+            transport.release()
+            nbytes = int(header["nbytes"])
+            count += 1
+            total += nbytes
+            peak = max(peak, nbytes)
+            sock.send(encode({"ok": True, "kind": "ack", "index": int(header["index"])}))
+    except BaseException as exc:
+        try:
+            sock.send(
+                encode({"ok": False, "error": str(exc), "error_type": _error_type(exc)}),
+                zmq.NOBLOCK,
+            )
+        except zmq.ZMQError:
+            pass
+        raise
+    finally:
+        if transport is not None:
+            transport.close()
+        sock.close(linger=1000)
+
+
+def _apply_bucket(
+    offer: SyncOffer, header: Mapping[str, Any], data: torch.Tensor, load_weights: LoadWeightsFn
+) -> None:
+    expected = int(header["checksum"])
+    got = checksum_tensor(data, offer.checksum)
+    if got != expected:
+        raise ChecksumMismatchError(
+            f"shard {offer.shard_id}: bucket {header['index']} of weight version "
+            f"{offer.version} ({header['nbytes']} bytes) has {offer.checksum.value} {got:#x}, "
+            f"sender computed {expected:#x}; nothing of this bucket was applied"
+        )
+    entries = [TensorEntry.from_wire(e) for e in header["entries"]]
+    load_weights(unpack_bucket(data, entries))
+
+
+class StateDictTarget:
+    """A load-weights target that copies into preallocated tensors by name, like a model.
+
+    ``allocate_missing=True`` clones tensors it has no slot for (a receiver that starts empty).
+    """
+
+    def __init__(
+        self, tensors: dict[str, torch.Tensor] | None = None, *, allocate_missing: bool = False
+    ) -> None:
+        self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
+        self.allocate_missing = allocate_missing
+        self.loaded: list[str] = []
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, src in weights:
+            dst = self.tensors.get(name)
+            if dst is None:
+                if not self.allocate_missing:
+                    raise WeightSyncError(f"receiver has no parameter named {name!r}")
+                self.tensors[name] = src.clone()
+            else:
+                if dst.shape != src.shape or dst.dtype != src.dtype:
+                    raise WeightSyncError(
+                        f"parameter {name!r} is {dst.dtype} {tuple(dst.shape)}, received "
+                        f"{src.dtype} {tuple(src.shape)}"
+                    )
+                dst.copy_(src)
+            self.loaded.append(name)
+
+
+class ThreadReceiver:
+    """A receiver in this process, on its own thread (benchmarks, tests, co-located engines)."""
+
+    def __init__(
+        self,
+        shard_id: str,
+        load_weights: LoadWeightsFn,
+        location: ReceiverLocation | None = None,
+    ) -> None:
+        self._shard_id = shard_id
+        self._load = load_weights
+        self._location = location or ReceiverLocation()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"rlix-recv-{shard_id}"
+        )
+        self.versions: list[int] = []
+
+    @property
+    def shard_id(self) -> str:
+        return self._shard_id
+
+    @property
+    def location(self) -> ReceiverLocation:
+        return self._location
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
+        def run() -> ReceiveResult:
+            result = receive_weights(offer, self._load)
+            self.versions.append(result.version)
+            return result
+
+        return self._pool.submit(run)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

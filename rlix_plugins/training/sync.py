@@ -1,0 +1,418 @@
+"""Selective, chunked weight sync: send one cached version to a chosen set of receivers.
+
+:func:`sync_version` pins the version in the cache, picks a transport per receiver
+(:func:`~rlix_plugins.training.transports.select_transport`), and streams the version bucket by
+bucket; each receiver acks a bucket only after verifying and applying it, and the next bucket
+is sent only after that ack, so a receiver's extra memory peaks at one bucket.
+
+Receivers that share nothing are independent: point-to-point receivers (shm, zmq, cuda_ipc)
+each get their own thread, broadcast receivers (nccl, gloo) share one temporary group. State
+is per call (sockets, threads, groups, sync id) and there is no module-level lock: a sync for
+one pipeline never waits for another's. Receivers not named are never contacted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from rlix_plugins.errors import (
+    ChecksumMismatchError,
+    ReceiverGoneError,
+    RlixPluginsError,
+    TransportUnavailableError,
+    WeightSyncError,
+)
+from rlix_plugins.training.bucket_cache import BucketCache, CachedVersion, StorageKind
+from rlix_plugins.training.transports.base import SenderTransport, open_sender_transport
+from rlix_plugins.training.transports.selection import (
+    ReceiverLocation,
+    SenderLocation,
+    select_transport,
+)
+from rlix_plugins.training.wire import ReceiveResult, SyncOffer, TransportKind, decode, encode
+
+if TYPE_CHECKING:
+    import zmq
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 20
+_BROADCAST = (TransportKind.NCCL, TransportKind.GLOO)
+
+
+@runtime_checkable
+class ReceiverHandle(Protocol):
+    """An inference shard as the sender sees it.
+
+    ``begin_receive`` must return promptly with a future that completes when the receiver has
+    run :func:`~rlix_plugins.training.receiver.receive_weights` for the offer (a Ray call, a
+    vLLM ``collective_rpc``, a thread). A future that fails early tells the sync the receiver
+    is gone.
+    """
+
+    @property
+    def shard_id(self) -> str: ...
+
+    @property
+    def location(self) -> ReceiverLocation: ...
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SyncOptions:
+    """Timeouts and addressing of a sync.
+
+    ``ack_timeout_s`` bounds the wait for any single ack (one bucket applied); a receiver that
+    is silent that long is declared gone. ``transports`` forces a transport per shard id.
+    ``advertise_host`` is the address remote receivers use to reach this sender (tcp).
+    """
+
+    ack_timeout_s: float = 120.0
+    transports: Mapping[str, TransportKind] = field(default_factory=dict)
+    advertise_host: str | None = None
+    socket_dir: str | None = None
+    raise_on_error: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ShardOutcome:
+    """What happened to one receiver."""
+
+    shard_id: str
+    transport: TransportKind
+    ok: bool
+    result: ReceiveResult | None = None
+    error: str | None = None
+    error_type: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    """A finished sync: per-shard outcomes and timing."""
+
+    pipeline_id: str
+    sync_id: str
+    version: int
+    total_bytes: int
+    num_buckets: int
+    seconds: float
+    outcomes: tuple[ShardOutcome, ...]
+
+    @property
+    def succeeded(self) -> tuple[str, ...]:
+        return tuple(o.shard_id for o in self.outcomes if o.ok)
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        return tuple(o.shard_id for o in self.outcomes if not o.ok)
+
+
+class _Failure(Exception):
+    def __init__(self, shard_id: str, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.shard_id = shard_id
+        self.exc = exc
+
+
+@dataclass(slots=True)
+class _Member:
+    receiver: ReceiverHandle
+    transport: TransportKind
+    address: str
+    socket: zmq.Socket[bytes]
+    future: concurrent.futures.Future[Any] | None = None
+    done: bool = False
+
+
+def _raise_for_ack(member: _Member, ack: Mapping[str, Any]) -> None:
+    if ack.get("ok"):
+        return
+    msg = f"shard {member.receiver.shard_id}: {ack.get('error', 'receiver reported failure')}"
+    if ack.get("error_type") == "checksum":
+        raise ChecksumMismatchError(msg)
+    raise WeightSyncError(msg)
+
+
+def _gone(member: _Member, why: str) -> ReceiverGoneError:
+    fut = member.future
+    detail = ""
+    if fut is not None and fut.done():
+        exc = fut.exception()
+        detail = f" (receiver ended: {type(exc).__name__}: {exc})" if exc else " (receiver ended)"
+    return ReceiverGoneError(f"shard {member.receiver.shard_id}: {why}{detail}")
+
+
+def _wait(member: _Member, event: int, deadline: float, what: str) -> None:
+    """Poll the control socket for ``event``; fail fast if the receiver's future ended."""
+    while True:
+        if member.socket.poll(_POLL_MS, event):
+            return
+        fut = member.future
+        if fut is not None and fut.done():
+            if member.socket.poll(0, event):  # its last message may have raced the future
+                return
+            raise _gone(member, f"ended before {what}")
+        if time.monotonic() > deadline:
+            raise _gone(member, f"no {what} within the ack timeout")
+
+
+def _send(member: _Member, header: Mapping[str, Any], frames: list[Any], timeout_s: float) -> None:
+    import zmq
+
+    _wait(member, zmq.POLLOUT, time.monotonic() + timeout_s, "connection")
+    member.socket.send_multipart([encode(header), *frames], copy=False)
+
+
+def _recv(member: _Member, timeout_s: float, what: str) -> dict[str, Any]:
+    import zmq
+
+    _wait(member, zmq.POLLIN, time.monotonic() + timeout_s, what)
+    ack = decode(member.socket.recv())
+    _raise_for_ack(member, ack)
+    return ack
+
+
+class _Group:
+    """Receivers that share one sender transport (one receiver, or one broadcast group)."""
+
+    def __init__(
+        self,
+        kind: TransportKind,
+        members: list[_Member],
+        cv: CachedVersion,
+        pipeline_id: str,
+        sync_id: str,
+        options: SyncOptions,
+    ) -> None:
+        self.kind = kind
+        self.members = members
+        self.cv = cv
+        self.pipeline_id = pipeline_id
+        self.sync_id = sync_id
+        self.options = options
+
+    def run(self) -> list[ShardOutcome]:
+        opts = self.options
+        cv = self.cv
+        transport: SenderTransport | None = None
+        try:
+            transport = open_sender_transport(self.kind, cv, len(self.members), opts.ack_timeout_s)
+            total = sum(b.layout.nbytes for b in cv.buckets)
+            max_bucket = max((b.layout.nbytes for b in cv.buckets), default=0)
+            for rank, m in enumerate(self.members, start=1):
+                offer = SyncOffer(
+                    pipeline_id=self.pipeline_id,
+                    sync_id=self.sync_id,
+                    shard_id=m.receiver.shard_id,
+                    version=cv.version,
+                    transport=self.kind,
+                    control_address=m.address,
+                    num_buckets=len(cv.buckets),
+                    total_bytes=total,
+                    max_bucket_bytes=max_bucket,
+                    checksum=cv.checksum,
+                    timeout_s=opts.ack_timeout_s,
+                    details=transport.details(rank),
+                )
+                try:
+                    m.future = m.receiver.begin_receive(offer)
+                except Exception as exc:
+                    raise _Failure(m.receiver.shard_id, ReceiverGoneError(
+                        f"shard {m.receiver.shard_id}: could not start receiving: {exc}"
+                    )) from exc
+            self._guard(transport.prepare)
+            for bucket in cv.buckets:
+                extras, frames = transport.frames(bucket)
+                header = {
+                    "kind": "bucket",
+                    "index": bucket.layout.index,
+                    "nbytes": bucket.layout.nbytes,
+                    "checksum": bucket.layout.checksum,
+                    "entries": [e.to_wire() for e in bucket.layout.entries],
+                    **extras,
+                }
+                for m in self.members:
+                    self._guard(lambda m=m: _send(m, header, frames, opts.ack_timeout_s), m)
+                self._guard(lambda: transport.after_headers(bucket) if transport else None)
+                for m in self.members:
+                    self._guard(lambda m=m: _recv(m, opts.ack_timeout_s, "bucket ack"), m)
+            outcomes: list[ShardOutcome] = []
+            for m in self.members:
+                self._guard(lambda m=m: _send(m, {"kind": "end"}, [], opts.ack_timeout_s), m)
+            for m in self.members:
+                ack = self._guard(lambda m=m: _recv(m, opts.ack_timeout_s, "final ack"), m)
+                assert m.future is not None
+                # the receiver returns right after its final ack; its future carries the result
+                raw = self._guard(lambda m=m: m.future.result(opts.ack_timeout_s), m)  # type: ignore[union-attr]
+                result = raw if isinstance(raw, ReceiveResult) else ReceiveResult.from_dict(
+                    raw if isinstance(raw, Mapping) else ack["result"]
+                )
+                m.done = True
+                outcomes.append(ShardOutcome(m.receiver.shard_id, self.kind, True, result))
+            return outcomes
+        except _Failure as f:
+            return self._fail(f.shard_id, f.exc)
+        except Exception as exc:  # transport setup or prepare failed: every member fails
+            return self._fail(None, exc)
+        finally:
+            if transport is not None:
+                transport.close()
+
+    def _guard(self, fn: Any, member: _Member | None = None) -> Any:
+        try:
+            return fn()
+        except _Failure:
+            raise
+        except Exception as exc:
+            shard = member.receiver.shard_id if member is not None else None
+            raise _Failure(shard or "", exc) from exc
+
+    def _fail(self, shard_id: str | None, exc: BaseException) -> list[ShardOutcome]:
+        reason = f"{type(exc).__name__}: {exc}"
+        outcomes: list[ShardOutcome] = []
+        for m in self.members:
+            if m.done:
+                continue
+            if m.future is not None and not m.future.done():
+                # tell a still-listening receiver to stop (it would otherwise wait for a bucket)
+                with contextlib.suppress(Exception):
+                    import zmq
+
+                    m.socket.send(encode({"kind": "abort", "reason": reason}), zmq.NOBLOCK)
+            culprit = shard_id in (None, "", m.receiver.shard_id)
+            outcomes.append(
+                ShardOutcome(
+                    m.receiver.shard_id,
+                    self.kind,
+                    False,
+                    error=reason if culprit else f"aborted with its group: {reason}",
+                    error_type=type(exc).__name__,
+                )
+            )
+        return outcomes
+
+
+def _control_address(
+    sock: zmq.Socket[bytes], same_host: bool, sync_id: str, index: int, options: SyncOptions
+) -> str:
+    if same_host:
+        base = options.socket_dir or tempfile.gettempdir()
+        path = os.path.join(base, f"rlix-{sync_id[:16]}-{index}.sock")
+        sock.bind(f"ipc://{path}")
+        return f"ipc://{path}"
+    port = sock.bind_to_random_port("tcp://0.0.0.0")
+    from rlix_plugins.training.transports.collective import _node_address
+
+    return f"tcp://{options.advertise_host or _node_address()}:{port}"
+
+
+def sync_version(
+    cache: BucketCache,
+    version: int,
+    receivers: Sequence[ReceiverHandle],
+    *,
+    sender: SenderLocation | None = None,
+    options: SyncOptions | None = None,
+) -> SyncReport:
+    """Send cached ``version`` to exactly ``receivers``; returns when every one has finished.
+
+    Raises :class:`UnknownWeightVersionError` before contacting anyone if the version is not
+    cached, :class:`TransportUnavailableError` if some receiver cannot be reached (again before
+    contacting anyone), and -- with ``raise_on_error`` -- a :class:`WeightSyncError` subclass
+    (:class:`ReceiverGoneError`, :class:`ChecksumMismatchError`) naming the failed and the
+    succeeded shards. Receivers that failed hold partially applied weights: resync them.
+    """
+    import zmq
+
+    opts = options or SyncOptions()
+    sender = sender or SenderLocation()
+    ids = [r.shard_id for r in receivers]
+    if len(set(ids)) != len(ids):
+        raise WeightSyncError(f"duplicate shard ids in one sync: {ids}")
+    sync_id = uuid.uuid4().hex
+    started = time.perf_counter()
+    with cache.pinned(version) as cv:
+        in_shm = cv.storage is StorageKind.SHARED
+        plan: list[tuple[ReceiverHandle, TransportKind]] = []
+        for r in receivers:
+            forced = opts.transports.get(r.shard_id)
+            kind = forced or select_transport(sender, r.location, cache_in_shm=in_shm)
+            if kind is TransportKind.SHM and not in_shm:
+                raise TransportUnavailableError(
+                    f"shard {r.shard_id}: transport 'shm' needs a cache in shared memory"
+                )
+            plan.append((r, kind))
+        ctx = zmq.Context.instance()
+        members: list[_Member] = []
+        try:
+            for i, (r, kind) in enumerate(plan):
+                sock = ctx.socket(zmq.PAIR)
+                sock.setsockopt(zmq.LINGER, 0)
+                members.append(_Member(r, kind, "", sock))
+                members[-1].address = _control_address(
+                    sock, r.location.host == sender.host, sync_id, i, opts
+                )
+            groups: list[_Group] = []
+            broadcast: dict[TransportKind, list[_Member]] = {}
+            for m in members:
+                if m.transport in _BROADCAST:
+                    broadcast.setdefault(m.transport, []).append(m)
+                else:
+                    groups.append(_Group(m.transport, [m], cv, cache.pipeline_id, sync_id, opts))
+            for kind, ms in broadcast.items():
+                groups.append(_Group(kind, ms, cv, cache.pipeline_id, sync_id, opts))
+            outcomes: list[ShardOutcome] = []
+            if groups:
+                with concurrent.futures.ThreadPoolExecutor(
+                    max_workers=len(groups), thread_name_prefix=f"rlix-sync-{cache.pipeline_id}"
+                ) as pool:
+                    for res in pool.map(lambda g: g.run(), groups):
+                        outcomes.extend(res)
+        finally:
+            for m in members:
+                m.socket.close(linger=0)
+                if m.address.startswith("ipc://"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(m.address[len("ipc://") :])
+        report = SyncReport(
+            pipeline_id=cache.pipeline_id,
+            sync_id=sync_id,
+            version=version,
+            total_bytes=sum(b.layout.nbytes for b in cv.buckets),
+            num_buckets=len(cv.buckets),
+            seconds=time.perf_counter() - started,
+            outcomes=tuple(sorted(outcomes, key=lambda o: ids.index(o.shard_id))),
+        )
+    logger.info(
+        "pipeline %s: synced version %d to %s in %.3fs (failed: %s)",
+        cache.pipeline_id, version, report.succeeded, report.seconds, report.failed,
+    )
+    if report.failed and opts.raise_on_error:
+        raise _error_for(report)
+    return report
+
+
+def _error_for(report: SyncReport) -> RlixPluginsError:
+    failed = [o for o in report.outcomes if not o.ok]
+    first = failed[0]
+    msg = (
+        f"pipeline {report.pipeline_id}: sync of weight version {report.version} failed for "
+        f"{[o.shard_id for o in failed]} (succeeded: {list(report.succeeded)}); first error: "
+        f"{first.shard_id}: {first.error}"
+    )
+    types = {o.error_type for o in failed}
+    if "ChecksumMismatchError" in types:
+        return ChecksumMismatchError(msg)
+    if types & {"ReceiverGoneError", "TimeoutError", "BrokenProcessPool", "_Failure"}:
+        return ReceiverGoneError(msg)
+    return WeightSyncError(msg)
