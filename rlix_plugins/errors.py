@@ -114,3 +114,21 @@ class NoActiveShardError(RlixPluginsError, TimeoutError):
 
 class PreemptionError(RlixPluginsError, RuntimeError):
     """Abort, drain or sleep failed on at least one shard being preempted."""
+
+
+# --- coordinator service (Ray actors, failures) ------------------------------------------------
+
+
+class PipelineFailedError(RlixPluginsError, RuntimeError):
+    """The coordinator declared a pipeline dead (actor death, lease expiry, failed resize).
+
+    Its GPUs were returned to the pool; every call it had waiting, and any call it makes
+    afterwards, gets this error. Re-register under a new pipeline id to continue.
+    """
+
+
+class RequestTimeoutError(RlixPluginsError, TimeoutError):
+    """A blocking coordinator call (``request_gpus``, ``await_release_gpus``) timed out.
+
+    The request was withdrawn: nothing was granted and the state is as if it was never made.
+    """

@@ -1,0 +1,106 @@
+"""Host-agnostic request/result types and the :class:`ShardEngine` protocol the router drives.
+
+A shard engine is one inference data-parallel rank. The router and the preemption controller
+only see this protocol, so the same code drives an in-process vLLM ``AsyncLLM``
+(:class:`~.vllm_engine.VllmAsyncShard`), a NeMo RL worker reached through its worker group, or
+a veRL vLLM server handle; the host adapter supplies the implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+#: ``finish_reason`` of a stream that ended because its request was aborted (vLLM's value).
+ABORTED = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation request in token space.
+
+    Attributes:
+        request_id: caller's id; must be unique among requests in flight on this router.
+        prompt_token_ids: the prompt.
+        max_tokens: tokens to generate at most.
+        sampling: further sampling options, passed to the engine as keyword arguments (for
+            vLLM: ``SamplingParams`` fields such as ``temperature``, ``seed``, ``ignore_eos``,
+            ``logprobs``). ``max_tokens`` and ``output_kind`` are set by the engine wrapper.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """Final output of one attempt on one engine.
+
+    ``finish_reason == "abort"`` means the attempt was cut short (its shard is being
+    preempted); ``token_ids`` then holds the partial tokens and it is NOT a sample.
+    ``logprobs`` holds the sampled tokens' logprobs when they were requested.
+    """
+
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    logprobs: tuple[float, ...] | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == ABORTED
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """A complete sample returned by the router (never an aborted or truncated one).
+
+    Attributes:
+        request_id: the caller's request id.
+        token_ids: all generated tokens (partial tokens of earlier attempts included when the
+            router continued a preempted request).
+        finish_reason: the engine's reason (``"length"``, ``"stop"``), never ``"abort"``.
+        logprobs: sampled tokens' logprobs, aligned with ``token_ids``, when requested.
+        dp_rank: the shard that produced the final tokens.
+        attempts: dispatches it took (1 = never preempted).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    logprobs: tuple[float, ...] | None
+    dp_rank: int
+    attempts: int
+
+
+@runtime_checkable
+class ShardEngine(Protocol):
+    """Engine side of one generation shard, as the router and preemption controller use it.
+
+    Contract:
+      * ``generate`` returns the final output of one request; a request aborted by
+        :meth:`abort_all` returns ``finish_reason == "abort"`` (or raises
+        :class:`~rlix_plugins.errors.ShardPreemptedError`). While the gate is closed (after
+        ``abort_all``, until ``resume``) ``generate`` must reject new requests at once
+        (``ShardPreemptedError``) so a router holding a stale active set cannot queue work on a
+        shard that is going to sleep.
+      * ``abort_all`` closes the gate and aborts every request running on the engine, whether
+        or not it came through this wrapper; it returns how many it aborted. Idempotent.
+      * ``num_running`` is the engine's count of unfinished requests (0 = idle).
+      * ``sleep(level)`` / ``wake_up()`` as vLLM's (``level=None``: the engine's configured
+        level); ``resume`` reopens the gate.
+    """
+
+    async def generate(self, request: GenerationRequest) -> EngineOutput: ...
+
+    async def abort_all(self) -> int: ...
+
+    async def num_running(self) -> int: ...
+
+    async def sleep(self, level: int | None = None) -> None: ...
+
+    async def wake_up(self) -> None: ...
+
+    async def resume(self) -> None: ...

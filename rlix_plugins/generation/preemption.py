@@ -1,0 +1,274 @@
+"""Preempt, wake and activate generation shards: the lifecycle an adapter drives.
+
+``preempt(dp_ranks)``: mark preempted on the state owner (routers stop dispatching there) ->
+abort every running request on those engines (the engine side closes its dispatch gate in the
+same step) -> drain: poll the running-request count until 0, bounded; on timeout sleep anyway
+(logged and counted) -> sleep at the configured level -> mark asleep. Shards are taken down
+concurrently; a :class:`PreemptionRecord` gives the abort, drain and sleep time of each.
+
+``wake(dp_ranks)`` brings sleeping engines back but leaves them out of routing (their weights
+are stale until the weight sync, done by the training module). ``activate(dp_ranks)``, called
+after that sync, reopens their gates and puts them back into routing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlix_plugins.errors import PreemptionError
+from rlix_plugins.generation.engine import ShardEngine
+from rlix_plugins.generation.shard_state import (
+    ShardEvent,
+    ShardSnapshot,
+    ShardStatus,
+    check_event,
+    normalize_ranks,
+)
+from rlix_plugins.generation.state_store import ShardStateView
+
+logger = logging.getLogger(__name__)
+
+#: Re-abort stragglers every this many drain polls: a request whose submission raced the
+#: gate may register in the engine after the first abort.
+_REABORT_EVERY = 25
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionConfig:
+    """Preemption settings.
+
+    Attributes:
+        sleep_level: vLLM sleep level; ``None`` uses each engine's configured level (2 for
+            :class:`~.vllm_engine.VllmAsyncShard` unless set otherwise).
+        drain_timeout_s: how long to wait for an engine to report 0 running requests after
+            abort before putting it to sleep anyway (a "forced sleep").
+        drain_poll_s: interval between running-count polls.
+    """
+
+    sleep_level: int | None = None
+    drain_timeout_s: float = 30.0
+    drain_poll_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        if self.sleep_level is not None and self.sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level must be None, 0, 1 or 2, got {self.sleep_level!r}")
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        if not self.drain_poll_s > 0:
+            raise ValueError(f"drain_poll_s must be > 0, got {self.drain_poll_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPreemptionTiming:
+    """How one shard went down. Times in seconds; ``forced_sleep``: drain timed out."""
+
+    dp_rank: int
+    aborted_requests: int
+    abort_s: float
+    drain_s: float
+    sleep_s: float
+    forced_sleep: bool
+    drain_polls: int
+
+    @property
+    def total_s(self) -> float:
+        return self.abort_s + self.drain_s + self.sleep_s
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionRecord:
+    """Result of one :meth:`ShardLifecycle.preempt` call.
+
+    ``mark_s``: time to mark the shards preempted on the state owner; ``total_s``: call to
+    every shard asleep and marked so; ``state_version``: the owner's version afterwards.
+    """
+
+    dp_ranks: tuple[int, ...]
+    shards: tuple[ShardPreemptionTiming, ...]
+    mark_s: float
+    total_s: float
+    state_version: int
+
+    @property
+    def forced_sleeps(self) -> int:
+        return sum(1 for s in self.shards if s.forced_sleep)
+
+
+class ShardLifecycle:
+    """Preempt / wake / activate a pipeline's shards (one instance per pipeline, in the
+    adapter's process). Operations are serialized: the coordinator's resize calls for one
+    pipeline are ordered anyway, and overlapping take-downs of one shard would double-sleep it.
+
+    Args:
+        state: view of the pipeline's shard-state owner (the same one the routers read).
+        engines: shard engines indexed by dp rank.
+        config: preemption settings.
+    """
+
+    def __init__(
+        self,
+        state: ShardStateView,
+        engines: Sequence[ShardEngine],
+        config: PreemptionConfig | None = None,
+    ) -> None:
+        self._state = state
+        self._engines = tuple(engines)
+        self._config = config or PreemptionConfig()
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._lock: asyncio.Lock | None = None
+        self._forced_sleeps = 0
+        self._preemptions = 0
+
+    @property
+    def config(self) -> PreemptionConfig:
+        return self._config
+
+    @property
+    def forced_sleeps(self) -> int:
+        """Shards put to sleep after their drain timed out, over this instance's life."""
+        return self._forced_sleeps
+
+    @property
+    def preemptions(self) -> int:
+        """Shards taken down over this instance's life."""
+        return self._preemptions
+
+    def _op_lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def preempt(self, dp_ranks: Iterable[int]) -> PreemptionRecord:
+        """Take ``dp_ranks`` out of routing and put them to sleep (see module docstring).
+
+        Ranks already ``PREEMPTED`` (an earlier preempt failed part-way) are taken down again
+        without a state change; ``ACTIVE`` and ``WOKEN`` ranks are marked first.
+
+        Raises:
+            ShardStateError: a rank is sleeping or unknown (nothing changed).
+            LastActiveShardError: the owner refuses to preempt its last active shard.
+            PreemptionError: abort, drain or sleep failed on a shard; it stays PREEMPTED
+                (never routed) and the others completed.
+        """
+        async with self._op_lock():
+            t0 = time.perf_counter()
+            snap = await self._state.refresh()
+            ranks = normalize_ranks(snap, dp_ranks)
+            to_mark = [r for r in ranks if snap.statuses[r] is not ShardStatus.PREEMPTED]
+            if to_mark:
+                await self._state.apply(to_mark, ShardEvent.PREEMPT)
+            t_marked = time.perf_counter()
+            results = await asyncio.gather(
+                *(self._take_down(r) for r in ranks), return_exceptions=True
+            )
+            timings: list[ShardPreemptionTiming] = []
+            failures: list[str] = []
+            for rank, res in zip(ranks, results, strict=True):
+                if isinstance(res, BaseException):
+                    failures.append(f"shard {rank}: {res!r}")
+                else:
+                    timings.append(res)
+            final = self._state.snapshot()
+            record = PreemptionRecord(
+                ranks, tuple(timings), t_marked - t0, time.perf_counter() - t0, final.version
+            )
+            logger.info(
+                "preempted shards %s in %.1f ms (forced sleeps %d)",
+                list(ranks), record.total_s * 1e3, record.forced_sleeps,
+            )
+            if failures:
+                raise PreemptionError(
+                    "preemption failed on " + "; ".join(failures)
+                    + " (those shards stay preempted and unrouted; call preempt again to retry)"
+                )
+            return record
+
+    async def _take_down(self, rank: int) -> ShardPreemptionTiming:
+        engine = self._engines[rank]
+        cfg = self._config
+        t0 = time.perf_counter()
+        aborted = await engine.abort_all()
+        t1 = time.perf_counter()
+        polls = 0
+        forced = False
+        while True:
+            running = await engine.num_running()
+            polls += 1
+            if running == 0:
+                break
+            if time.perf_counter() - t1 >= cfg.drain_timeout_s:
+                forced = True
+                self._forced_sleeps += 1
+                logger.warning(
+                    "shard %d still has %d running request(s) %.1fs after abort; forcing sleep "
+                    "(forced sleeps so far: %d)", rank, running, cfg.drain_timeout_s,
+                    self._forced_sleeps,
+                )
+                break
+            if polls % _REABORT_EVERY == 0:
+                await engine.abort_all()
+            await asyncio.sleep(cfg.drain_poll_s)
+        t2 = time.perf_counter()
+        await engine.sleep(cfg.sleep_level)
+        t3 = time.perf_counter()
+        await self._state.apply([rank], ShardEvent.ASLEEP)
+        self._preemptions += 1
+        return ShardPreemptionTiming(rank, aborted, t1 - t0, t2 - t1, t3 - t2, forced, polls)
+
+    async def wake(self, dp_ranks: Iterable[int]) -> ShardSnapshot:
+        """Wake sleeping ``dp_ranks``; they stay out of routing until :meth:`activate`.
+
+        Raises:
+            ShardStateError: a rank is not sleeping (nothing changed).
+        """
+        async with self._op_lock():
+            snap = await self._state.refresh()
+            ranks = check_event(snap, dp_ranks, ShardEvent.WAKE)
+            results = await asyncio.gather(
+                *(self._engines[r].wake_up() for r in ranks), return_exceptions=True
+            )
+            woken = [r for r, res in zip(ranks, results, strict=True)
+                     if not isinstance(res, BaseException)]
+            if woken:
+                snap = await self._state.apply(woken, ShardEvent.WAKE)
+            _raise_first(ranks, results, "wake")
+            return snap
+
+    async def activate(self, dp_ranks: Iterable[int]) -> ShardSnapshot:
+        """Put woken ``dp_ranks`` (weights synced) back into routing.
+
+        Raises:
+            ShardStateError: a rank is not woken (nothing changed).
+        """
+        async with self._op_lock():
+            snap = await self._state.refresh()
+            ranks = check_event(snap, dp_ranks, ShardEvent.ACTIVATE)
+            # Gates open before routers can see the shard as active, so no router meets a
+            # closed gate on an active shard.
+            results = await asyncio.gather(
+                *(self._engines[r].resume() for r in ranks), return_exceptions=True
+            )
+            _raise_first(ranks, results, "activate")
+            return await self._state.apply(ranks, ShardEvent.ACTIVATE)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"state": self._state, "engines": self._engines, "config": self._config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._state = state["state"]
+        self._engines = state["engines"]
+        self._config = state["config"]
+        self._reset_runtime()
+
+
+def _raise_first(ranks: Sequence[int], results: Sequence[object], op: str) -> None:
+    for rank, res in zip(ranks, results, strict=True):
+        if isinstance(res, BaseException):
+            raise PreemptionError(f"{op} failed on shard {rank}: {res!r}") from res

@@ -1,0 +1,285 @@
+"""Route generation requests over the active shards only, re-dispatching preempted ones.
+
+:class:`ShardRouter` is what a host's generation object calls per request. It reads the shard
+state through a :class:`~.state_store.ShardStateView` (one owner per pipeline), never keeps its
+own copy of the active set beyond the view's snapshot, and is picklable (it carries the view
+and the engines, not locks or tasks), so NeMo RL can pickle it into its collector actor.
+
+Per request:
+  1. wait (bounded by ``wait_timeout_s``) until some shard is active;
+  2. pick one (least-loaded by this copy's in-flight counts, ties round-robin);
+  3. run it; if the engine raised :class:`ShardPreemptedError`, or the stream ended with
+     ``finish_reason == "abort"``, or raised anything while its shard was no longer active,
+     it was preempted: re-dispatch (restart, or continue from the partial tokens), at most
+     ``max_attempts`` dispatches in all. An aborted output is never returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlix_plugins.errors import NoActiveShardError, ShardPreemptedError
+from rlix_plugins.generation.engine import (
+    EngineOutput,
+    GenerationRequest,
+    GenerationResult,
+    ShardEngine,
+)
+from rlix_plugins.generation.shard_state import ShardSnapshot, ShardStatus
+from rlix_plugins.generation.state_store import ShardStateView
+
+logger = logging.getLogger(__name__)
+
+
+class RoutingPolicy(str, enum.Enum):
+    """How a shard is chosen among the active ones."""
+
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+
+
+class RedispatchMode(str, enum.Enum):
+    """What a preempted request does on its next shard.
+
+    ``RESTART`` runs it again from the prompt (exact reproduction for greedy and seeded
+    sampling). ``CONTINUE`` appends the partial tokens to the prompt and asks for the remaining
+    ``max_tokens`` (no work lost; a seeded sampler restarts its random stream at the cut).
+    """
+
+    RESTART = "restart"
+    CONTINUE = "continue"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Router settings.
+
+    Attributes:
+        max_attempts: dispatches per request at most (first one included) before
+            :class:`ShardPreemptedError` is raised to the caller.
+        wait_timeout_s: how long one request waits for an active shard before
+            :class:`NoActiveShardError`.
+        policy: shard choice among active shards.
+        redispatch: restart or continue a preempted request.
+    """
+
+    max_attempts: int = 8
+    wait_timeout_s: float = 600.0
+    policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED
+    redispatch: RedispatchMode = RedispatchMode.RESTART
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not self.wait_timeout_s > 0:
+            raise ValueError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        RoutingPolicy(self.policy)
+        RedispatchMode(self.redispatch)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStats:
+    """Counters of one router copy.
+
+    ``redispatched``: attempts cut by preemption and sent again; ``waits``: times a request
+    found no active shard and waited; ``stale_refreshes``: times this copy's snapshot still
+    showed a preempted shard as active and was refreshed from the owner.
+    """
+
+    requests: int
+    completed: int
+    redispatched: int
+    waits: int
+    stale_refreshes: int
+
+
+class ShardRouter:
+    """Routes requests over a pipeline's active shards (see module docstring).
+
+    Args:
+        state: view of the pipeline's shard state owner.
+        engines: the shard engines, indexed by dp rank (``len == num_shards``).
+        config: router settings.
+    """
+
+    def __init__(
+        self,
+        state: ShardStateView,
+        engines: Sequence[ShardEngine],
+        config: RouterConfig | None = None,
+    ) -> None:
+        self._state = state
+        self._engines = tuple(engines)
+        self._config = config or RouterConfig()
+        n = state.snapshot().num_shards
+        if len(self._engines) != n:
+            raise ValueError(f"got {len(self._engines)} engines for {n} shards; need one per rank")
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._inflight = [0] * len(self._engines)
+        self._cursor = 0
+        self._requests = 0
+        self._completed = 0
+        self._redispatched = 0
+        self._waits = 0
+        self._stale_refreshes = 0
+
+    @property
+    def config(self) -> RouterConfig:
+        return self._config
+
+    @property
+    def state(self) -> ShardStateView:
+        return self._state
+
+    @property
+    def engines(self) -> tuple[ShardEngine, ...]:
+        return self._engines
+
+    @property
+    def inflight(self) -> tuple[int, ...]:
+        """Requests this copy has in flight per dp rank."""
+        return tuple(self._inflight)
+
+    def stats(self) -> RouterStats:
+        """Counters of this router copy (copies do not share counters)."""
+        return RouterStats(
+            self._requests, self._completed, self._redispatched, self._waits,
+            self._stale_refreshes,
+        )
+
+    def _pick(self, active: tuple[int, ...]) -> int:
+        n = len(active)
+        start = self._cursor % n
+        self._cursor += 1
+        if n == 1 or self._config.policy is RoutingPolicy.ROUND_ROBIN:
+            return active[start]
+        best = active[start]
+        best_load = self._inflight[best]
+        for i in range(1, n):
+            r = active[(start + i) % n]
+            if self._inflight[r] < best_load:
+                best, best_load = r, self._inflight[r]
+        return best
+
+    async def _wait_for_active(self, snap: ShardSnapshot, request_id: str) -> ShardSnapshot:
+        self._waits += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._config.wait_timeout_s
+        logger.debug("request %s waits for an active shard (%s)", request_id, snap.describe())
+        while not snap.active:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise NoActiveShardError(
+                    f"request {request_id}: no generation shard became active within "
+                    f"{self._config.wait_timeout_s:g}s (state {snap.describe()}); wake and "
+                    "activate a shard, or raise RouterConfig.wait_timeout_s"
+                )
+            snap = await self._state.wait_for_update(snap.version, remaining)
+        return snap
+
+    def _attempt(
+        self, request: GenerationRequest, attempt: int, prefix: tuple[int, ...]
+    ) -> GenerationRequest:
+        rid = f"{request.request_id}:a{attempt}"
+        if not prefix:
+            return GenerationRequest(rid, request.prompt_token_ids, request.max_tokens,
+                                     request.sampling)
+        sampling: Any = request.sampling
+        min_tokens = sampling.get("min_tokens")
+        if min_tokens:
+            sampling = {**sampling, "min_tokens": max(0, int(min_tokens) - len(prefix))}
+        return GenerationRequest(
+            rid, request.prompt_token_ids + prefix, request.max_tokens - len(prefix), sampling
+        )
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate one complete sample for ``request`` on an active shard.
+
+        Raises:
+            NoActiveShardError: no shard became active within ``wait_timeout_s``.
+            ShardPreemptedError: preempted on every one of ``max_attempts`` dispatches.
+        """
+        self._requests += 1
+        cont = self._config.redispatch is RedispatchMode.CONTINUE
+        prefix: tuple[int, ...] = ()
+        prefix_lp: tuple[float, ...] | None = None
+        for attempt in range(1, self._config.max_attempts + 1):
+            snap = self._state.snapshot()
+            if not snap.active:
+                snap = await self._wait_for_active(snap, request.request_id)
+            rank = self._pick(snap.active)
+            out = await self._dispatch(rank, self._attempt(request, attempt, prefix))
+            if out is not None and not out.aborted:
+                self._completed += 1
+                token_ids, logprobs = out.token_ids, out.logprobs
+                if prefix:
+                    token_ids = prefix + token_ids
+                    if logprobs is not None and prefix_lp is not None:
+                        logprobs = prefix_lp + logprobs
+                return GenerationResult(
+                    request.request_id, token_ids, out.finish_reason, logprobs, rank, attempt
+                )
+            self._redispatched += 1
+            if cont and out is not None and out.token_ids:
+                prefix += out.token_ids
+                if out.logprobs is not None:
+                    prefix_lp = (prefix_lp or ()) + out.logprobs
+                if len(prefix) >= request.max_tokens:
+                    # Every token arrived before the abort: the sample is complete.
+                    self._completed += 1
+                    return GenerationResult(request.request_id, prefix, "length", prefix_lp,
+                                            rank, attempt)
+            logger.debug("request %s preempted on shard %d (attempt %d)",
+                         request.request_id, rank, attempt)
+        raise ShardPreemptedError(
+            f"request {request.request_id} was preempted on each of its "
+            f"{self._config.max_attempts} dispatches; raise RouterConfig.max_attempts or "
+            "preempt less often"
+        )
+
+    async def _dispatch(self, rank: int, attempt: GenerationRequest) -> EngineOutput | None:
+        """Run one attempt on ``rank``; ``None`` (or an aborted output) means preempted."""
+        self._inflight[rank] += 1
+        try:
+            out = await self._engines[rank].generate(attempt)
+            if out.aborted:
+                await self._refresh_if_stale(rank)
+            return out
+        except ShardPreemptedError:
+            await self._refresh_if_stale(rank)
+            return None
+        except Exception:
+            # A failure on a shard that is no longer active is the preemption tearing it
+            # down; on an active shard it is a real error for the caller.
+            snap = await self._state.refresh()
+            if snap.statuses[rank] is ShardStatus.ACTIVE:
+                raise
+            logger.debug("attempt %s failed on shard %d while preempted", attempt.request_id,
+                         rank, exc_info=True)
+            return None
+        finally:
+            self._inflight[rank] -= 1
+
+    async def _refresh_if_stale(self, rank: int) -> None:
+        # The engine rejected or aborted us; if our view still calls the shard active it is
+        # behind the owner: refresh now rather than waiting for the push.
+        if self._state.snapshot().statuses[rank] is ShardStatus.ACTIVE:
+            self._stale_refreshes += 1
+            await self._state.refresh()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Counters and in-flight counts belong to this copy; only wiring travels.
+        return {"state": self._state, "engines": self._engines, "config": self._config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._state = state["state"]
+        self._engines = state["engines"]
+        self._config = state["config"]
+        self._reset_runtime()

@@ -1,0 +1,178 @@
+"""Engine-side preemption pieces for vLLM's ``vllm.v1.engine.async_llm.AsyncLLM``.
+
+:class:`VllmAsyncShard` wraps one in-process ``AsyncLLM`` and implements
+:class:`~.engine.ShardEngine`: a dispatch gate, abort-all, running-request count and sleep at a
+configured level. vLLM is imported lazily (only when a request is built), so this module
+imports without vLLM.
+
+Why a gate: a router copy may still hold an active set from before a preempt. The gate is
+closed in the engine's own process, in the same synchronous step that collects the ids to
+abort, so any request arriving later is rejected at once and re-dispatched, instead of
+queueing on an engine that is about to sleep (a request added to a sleeping vLLM engine waits
+until wake-up, i.e. hangs).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NoReturn
+
+from rlix_plugins.errors import ShardPreemptedError
+from rlix_plugins.generation.engine import ABORTED, EngineOutput, GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+#: vLLM sleep level used when none is configured: level 2 drops weights and KV cache (the
+#: weights are re-sent by the selective sync after wake-up anyway).
+DEFAULT_SLEEP_LEVEL = 2
+
+
+class VllmAsyncShard:
+    """:class:`~.engine.ShardEngine` over an in-process vLLM ``AsyncLLM``.
+
+    Args:
+        engine: a ``vllm.v1.engine.async_llm.AsyncLLM`` (any object with its async
+            ``generate/abort/sleep/wake_up`` and ``get_num_unfinished_requests``).
+        sleep_level: level passed to ``engine.sleep`` when the caller gives none (0, 1 or 2).
+        name: label for logs.
+
+    All methods must run on the event loop the engine's output handler runs on.
+    """
+
+    def __init__(
+        self, engine: Any, *, sleep_level: int = DEFAULT_SLEEP_LEVEL, name: str = "shard"
+    ) -> None:
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level!r}")
+        self._engine = engine
+        self._sleep_level = sleep_level
+        self._name = name
+        self._accepting = True
+        self._tracked: set[str] = set()
+        self._aborted_total = 0
+        self._sampling_cls: Any = None
+        self._prompt_cls: Any = None
+        self._final_only: Any = None
+
+    @property
+    def engine(self) -> Any:
+        """The wrapped ``AsyncLLM``."""
+        return self._engine
+
+    @property
+    def accepting(self) -> bool:
+        """True while the dispatch gate is open."""
+        return self._accepting
+
+    @property
+    def sleep_level(self) -> int:
+        return self._sleep_level
+
+    @property
+    def aborted_total(self) -> int:
+        """Requests aborted by :meth:`abort_all` over this wrapper's life."""
+        return self._aborted_total
+
+    def _vllm_types(self) -> tuple[Any, Any, Any]:
+        if self._sampling_cls is None:
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+            from vllm.sampling_params import RequestOutputKind
+
+            self._sampling_cls = SamplingParams
+            self._prompt_cls = TokensPrompt
+            self._final_only = RequestOutputKind.FINAL_ONLY
+        return self._sampling_cls, self._prompt_cls, self._final_only
+
+    def _rejected(self, request_id: str) -> NoReturn:
+        raise ShardPreemptedError(
+            f"shard {self._name} is preempted (dispatch gate closed); request {request_id} "
+            "must be re-dispatched to an active shard"
+        )
+
+    async def generate(self, request: GenerationRequest) -> EngineOutput:
+        """Run ``request`` to completion; an aborted request returns ``finish_reason="abort"``."""
+        if not self._accepting:
+            self._rejected(request.request_id)
+        sampling_cls, prompt_cls, final_only = self._vllm_types()
+        params = sampling_cls(
+            max_tokens=request.max_tokens, output_kind=final_only, **dict(request.sampling)
+        )
+        rid = request.request_id
+        # Tracked before the first await: abort_all (same loop) then always sees it.
+        self._tracked.add(rid)
+        final: Any = None
+        try:
+            prompt = prompt_cls(prompt_token_ids=list(request.prompt_token_ids))
+            async for out in self._engine.generate(prompt, params, rid):
+                final = out
+        except Exception as exc:
+            if not self._accepting:
+                # The engine failed the request because we are tearing the shard down
+                # (abort, sleep): that is preemption, not a generation error.
+                raise ShardPreemptedError(
+                    f"request {rid} failed on shard {self._name} while it was being "
+                    f"preempted: {exc!r}"
+                ) from exc
+            raise
+        finally:
+            self._tracked.discard(rid)
+        if final is None or not final.outputs:
+            return EngineOutput((), ABORTED)
+        completion = final.outputs[0]
+        reason = completion.finish_reason if final.finished else None
+        token_ids = tuple(completion.token_ids)
+        logprobs: tuple[float, ...] | None = None
+        if completion.logprobs is not None:
+            logprobs = tuple(
+                step[tok].logprob for step, tok in zip(completion.logprobs, token_ids, strict=True)
+            )
+        return EngineOutput(token_ids, reason or ABORTED, logprobs)
+
+    def _engine_request_ids(self) -> list[str]:
+        # Requests submitted by host code straight to the engine are aborted too. vLLM keeps
+        # them in its output processor; that is internal, so a moved attribute degrades to
+        # "ours only" and the final sleep(mode="abort") still aborts the rest.
+        processor = getattr(self._engine, "output_processor", None)
+        external = getattr(processor, "external_req_ids", None)
+        try:
+            return list(external) if external is not None else []
+        except Exception:
+            return []
+
+    async def abort_all(self) -> int:
+        """Close the gate and abort every request on the engine; returns how many."""
+        self._accepting = False
+        ids = sorted(self._tracked.union(self._engine_request_ids()))
+        if ids:
+            await self._engine.abort(ids)
+        self._aborted_total += len(ids)
+        logger.debug("shard %s: gate closed, aborted %d request(s)", self._name, len(ids))
+        return len(ids)
+
+    async def num_running(self) -> int:
+        """Unfinished requests in the engine (0 = idle; includes requests queued in it)."""
+        return int(self._engine.get_num_unfinished_requests())
+
+    async def sleep(self, level: int | None = None) -> None:
+        """Sleep at ``level`` (default: the configured level); in-flight requests are aborted."""
+        lvl = self._sleep_level if level is None else level
+        # mode="abort": anything that slipped in after abort_all is aborted, never kept.
+        await self._engine.sleep(level=lvl, mode="abort")
+
+    async def wake_up(self) -> None:
+        """Wake the engine; the gate stays closed until :meth:`resume` (weights not synced)."""
+        await self._engine.wake_up()
+
+    async def resume(self) -> None:
+        """Reopen the dispatch gate (call once the shard's weights are current)."""
+        self._accepting = True
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._engine.is_sleeping())
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError(
+            "VllmAsyncShard wraps an in-process AsyncLLM and cannot be pickled; routers in "
+            "other processes need a ShardEngine that calls the engine's process remotely"
+        )

@@ -1,0 +1,205 @@
+"""vLLM plug points: the ``vllm.general_plugins`` entry point and a worker extension class.
+
+Delivery. ``pyproject.toml`` declares ``rlix_plugins = "rlix_plugins.patches.vllm:register"``
+in the ``vllm.general_plugins`` group, so every vLLM process of an environment where this
+package is installed calls :func:`register` once.
+
+Multi-process caveat. vLLM loads general plugins separately in EVERY process it runs: the API /
+driver process that holds ``AsyncLLM``, the EngineCore process and each worker process (and
+again in every data-parallel engine). So :func:`register` runs several times per engine, in
+different processes, each with its own module state:
+
+  * it must be cheap and idempotent per process (it is: a lock-guarded flag);
+  * the environment it reads (``RLIX_CONTROL_PLANE``, ``RLIX_VLLM_SLEEP_LEVEL``) is the one
+    that process inherited, so set them before the engine is created (spawned children copy the
+    parent's environment at spawn time; Ray workers need ``runtime_env.env_vars``);
+  * ``VLLM_PLUGINS``, when set, is an allow-list: it must include ``rlix_plugins``;
+  * nothing done here in one process is visible in another: state that routers need lives in
+    the shard-state owner (rlix_plugins.generation), never in plugin globals.
+
+What it installs (only when ``RLIX_CONTROL_PLANE=rlix``): helper methods on
+``vllm.v1.engine.async_llm.AsyncLLM`` that a host patch (e.g. NeMo RL's worker, whose
+``sleep_async`` hard-codes ``level=1``) can call on the engine object it already holds:
+``rlix_shard()`` (the engine's :class:`~rlix_plugins.generation.vllm_engine.VllmAsyncShard`),
+``rlix_abort_all()``, ``rlix_num_running()`` and ``rlix_sleep(level=None)`` (configured level).
+Methods are only added, never replace vLLM's, and :func:`revert` removes them.
+
+Worker side: pass ``worker_extension_cls="rlix_plugins.patches.vllm.RlixWorkerExtension"``
+(or a subclass that also mixes in the training module's weight-receiving extension) to
+vLLM; its methods run in the worker processes through ``collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+from typing import Any
+
+from rlix_plugins.errors import HostDriftError, SettingsError
+from rlix_plugins.settings import load_settings
+
+logger = logging.getLogger(__name__)
+
+#: vLLM sleep level used by ``rlix_sleep`` / ``rlix_shard`` (0, 1 or 2; default 2).
+ENV_SLEEP_LEVEL = "RLIX_VLLM_SLEEP_LEVEL"
+#: vLLM versions whose AsyncLLM surface this module was checked against.
+SUPPORTED_VLLM = ("0.32",)
+
+_ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
+_ADDED = ("rlix_shard", "rlix_abort_all", "rlix_num_running", "rlix_sleep")
+_REQUIRED = ("generate", "abort", "sleep", "wake_up", "is_sleeping", "get_num_unfinished_requests")
+
+_lock = threading.Lock()
+_registered = False
+_sleep_level = 2
+
+
+def sleep_level_from_env(env: dict[str, str] | None = None) -> int:
+    """Validated ``RLIX_VLLM_SLEEP_LEVEL`` (unset: 2)."""
+    raw = (os.environ if env is None else env).get(ENV_SLEEP_LEVEL, "").strip()
+    if not raw:
+        return 2
+    if raw not in ("0", "1", "2"):
+        raise SettingsError(f"{ENV_SLEEP_LEVEL}={raw!r} is not valid; expected 0, 1 or 2")
+    return int(raw)
+
+
+def registered() -> bool:
+    """True once :func:`register` has applied the patch in this process."""
+    return _registered
+
+
+def register() -> None:
+    """``vllm.general_plugins`` entry point: apply the vLLM patch once per process.
+
+    Does nothing unless ``RLIX_CONTROL_PLANE=rlix`` (a standalone job is left untouched); an
+    invalid setting raises :class:`~rlix_plugins.errors.SettingsError` naming the valid values.
+    Safe to call any number of times, from any vLLM process.
+    """
+    global _registered, _sleep_level
+    with _lock:
+        if _registered:
+            return
+        if not load_settings().enabled:
+            logger.debug("rlix_plugins vLLM plugin: RLIX_CONTROL_PLANE is not 'rlix'; inactive")
+            return
+        _sleep_level = sleep_level_from_env()
+        _install_async_llm_methods()
+        _registered = True
+        logger.info("rlix_plugins vLLM plugin active in pid %d (sleep level %d)",
+                    os.getpid(), _sleep_level)
+
+
+def revert() -> None:
+    """Remove what :func:`register` added in this process (tests, clean shutdown)."""
+    global _registered
+    with _lock:
+        cls = _async_llm_class()
+        for name in _ADDED:
+            if cls is not None and name in vars(cls):
+                delattr(cls, name)
+        _registered = False
+
+
+def _async_llm_class() -> Any:
+    try:
+        from vllm.v1.engine import async_llm
+    except ImportError:
+        return None
+    return async_llm.AsyncLLM
+
+
+def check_async_llm_surface(cls: Any) -> None:
+    """Raise :class:`HostDriftError` if ``AsyncLLM`` lacks what the shard wrapper calls."""
+    missing = [n for n in _REQUIRED if not callable(getattr(cls, n, None))]
+    if missing:
+        raise HostDriftError(
+            f"vllm AsyncLLM lacks {missing} (checked against vLLM {SUPPORTED_VLLM}); "
+            "rlix_plugins.patches.vllm needs updating for this vLLM"
+        )
+    params = inspect.signature(cls.sleep).parameters
+    if "level" not in params or "mode" not in params:
+        raise HostDriftError(
+            f"vllm AsyncLLM.sleep{inspect.signature(cls.sleep)} no longer takes level and mode "
+            f"(checked against vLLM {SUPPORTED_VLLM})"
+        )
+
+
+def _install_async_llm_methods() -> None:
+    cls = _async_llm_class()
+    if cls is None:
+        logger.warning("rlix_plugins vLLM plugin: %s not importable; nothing installed",
+                       _ASYNC_LLM_MODULE)
+        return
+    check_async_llm_surface(cls)
+
+    def rlix_shard(self: Any) -> Any:
+        """This engine's VllmAsyncShard (created once, sleeping at the configured level)."""
+        from rlix_plugins.generation.vllm_engine import VllmAsyncShard
+
+        shard = self.__dict__.get("_rlix_shard")
+        if shard is None:
+            shard = VllmAsyncShard(self, sleep_level=_sleep_level, name=f"pid{os.getpid()}")
+            self.__dict__["_rlix_shard"] = shard
+        return shard
+
+    async def rlix_abort_all(self: Any) -> int:
+        """Close the dispatch gate and abort every running request; returns how many."""
+        count: int = await rlix_shard(self).abort_all()
+        return count
+
+    async def rlix_num_running(self: Any) -> int:
+        """Unfinished requests in this engine (0 = idle)."""
+        count: int = await rlix_shard(self).num_running()
+        return count
+
+    async def rlix_sleep(self: Any, level: int | None = None) -> None:
+        """Sleep at ``level`` or the configured ``RLIX_VLLM_SLEEP_LEVEL`` (default 2)."""
+        await rlix_shard(self).sleep(level)
+
+    for name, fn in (("rlix_shard", rlix_shard), ("rlix_abort_all", rlix_abort_all),
+                     ("rlix_num_running", rlix_num_running), ("rlix_sleep", rlix_sleep)):
+        if name not in vars(cls):
+            setattr(cls, name, fn)
+
+
+def _process_memory_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+class RlixWorkerExtension:
+    """vLLM ``worker_extension_cls``: methods run inside each vLLM worker process.
+
+    vLLM adds these methods to its worker class; call them with
+    ``await engine.collective_rpc("rlix_worker_info")``. Weight receiving lives in the training
+    module's own extension class; combine both by subclassing.
+    """
+
+    def rlix_worker_info(self) -> dict[str, Any]:
+        """Where this worker runs and whether the plugin registered in its process."""
+        return {
+            "pid": os.getpid(),
+            "plugin_registered": registered(),
+            "control_plane": load_settings().control_plane.value,
+            "sleep_level": _sleep_level,
+            "device": str(getattr(self, "device", "unknown")),
+        }
+
+    def rlix_device_memory_bytes(self) -> int:
+        """Memory used on this worker's device: device-wide used bytes from the driver on CUDA
+        (includes NCCL buffers, which allocator stats miss), process RSS on CPU."""
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                free, total = torch.cuda.mem_get_info()
+                return int(total - free)
+        except Exception:  # torch missing or no usable device: fall back to RSS
+            pass
+        return _process_memory_bytes()
