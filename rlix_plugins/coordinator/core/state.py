@@ -196,6 +196,11 @@ class SchedulerState:
                 f"({self.pending[cluster_id].priority.name}); release or wait for it first"
             )
         if cluster_id in self.holdings:
+            if priority is Priority.GENERATION:
+                raise RequestStateError(
+                    f"cluster {cluster_id!r} holds its whole mapping at "
+                    f"{self.holdings[cluster_id].name}; release it before requesting GENERATION"
+                )
             self.holdings[cluster_id] = priority
             for g in spec.gpus:
                 self.owner[g] = GpuOwner(cluster_id, None, priority)
