@@ -1,0 +1,168 @@
+"""Snapshot and restore of the allocation state (for a coordinator restart).
+
+Pure: plain JSON-able dicts in and out; no Ray, no clock, no I/O. What is kept: the registry,
+who holds which GPUs (whole-cluster holdings and active generation ranks), demand (progress
+streams and estimates) and the revision. What is NOT kept: pending requests and planned
+releases. Their callers were blocked in the actor that died; Ray retries those calls on the
+restarted actor (or the client retries them), so restoring them would make the retry collide
+with a ghost of itself.
+
+A plan whose RPCs were in flight when the actor died is settled conservatively by
+:func:`settle_inflight`: shrinks that were confirmed are applied, expands that may have happened
+are treated as having happened (a GPU may only ever be counted as owned too long, never too
+short).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rlix_plugins.coordinator.core.invariants import check_state
+from rlix_plugins.coordinator.core.model import GpuOwner, Topology
+from rlix_plugins.coordinator.core.plan import Plan, RankMove, ShrinkReason
+from rlix_plugins.coordinator.core.registration import validate_registration
+from rlix_plugins.coordinator.core.state import SchedulerState
+from rlix_plugins.errors import ProtocolError
+from rlix_plugins.protocol.types import Priority, ProgressReport
+
+SNAPSHOT_VERSION = 1
+
+
+def _json_safe(value: Any) -> Any:
+    """Metrics are free-form: keep what JSON can hold, stringify the rest."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        if isinstance(value, Mapping):
+            return {str(k): _json_safe(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [_json_safe(v) for v in value]
+        return str(value)
+
+
+def snapshot(state: SchedulerState) -> dict[str, Any]:
+    """A JSON-able dict from which :func:`restore` rebuilds the allocation state."""
+    pipelines = []
+    for pid in sorted(state.pipelines):
+        spec = state.pipelines[pid]
+        pipelines.append(
+            {
+                "pipeline_id": pid,
+                "ray_namespace": spec.ray_namespace,
+                "weight": spec.weight,
+                "clusters": [{"name": c.name, "tp": c.tp, "gpus": list(c.gpus)} for c in spec.clusters],
+            }
+        )
+    progress = {
+        pid: [
+            {
+                "pipeline_id": r.pipeline_id,
+                "step_target_trajectories": r.step_target_trajectories,
+                "fifo_timestamp": r.fifo_timestamp,
+                "metrics": _json_safe(r.metrics) if r.metrics is not None else None,
+            }
+            for r in streams.values()
+        ]
+        for pid, streams in state.progress.items()
+    }
+    return {
+        "version": SNAPSHOT_VERSION,
+        "topology": [state.topology.num_nodes, state.topology.gpus_per_node],
+        "revision": state.revision,
+        "pipelines": pipelines,
+        "holdings": {cid: int(p) for cid, p in state.holdings.items()},
+        "active_ranks": {
+            cid: [[r, t] for r, t in sorted(ranks.items())]
+            for cid, ranks in state.active_ranks.items()
+            if ranks
+        },
+        "progress": progress,
+        "estimates": dict(state.estimates),
+    }
+
+
+def restore(data: Mapping[str, Any], topology: Topology | None = None) -> SchedulerState:
+    """Rebuild a :class:`SchedulerState` from :func:`snapshot` output and check its invariants.
+
+    ``topology`` must match the snapshot's when given (a coordinator restarted on a different
+    cluster shape cannot trust the old GPU ids).
+    """
+    if data.get("version") != SNAPSHOT_VERSION:
+        raise ProtocolError(
+            f"snapshot version {data.get('version')!r} is not supported; expected "
+            f"{SNAPSHOT_VERSION}"
+        )
+    nodes, per_node = data["topology"]
+    saved = Topology(int(nodes), int(per_node))
+    if topology is not None and topology != saved:
+        raise ProtocolError(f"snapshot topology {saved} differs from the cluster's {topology}")
+    state = SchedulerState(saved)
+    for p in data["pipelines"]:
+        state.register(
+            validate_registration(
+                saved,
+                pipeline_id=p["pipeline_id"],
+                ray_namespace=p["ray_namespace"],
+                cluster_tp_configs={c["name"]: c["tp"] for c in p["clusters"]},
+                cluster_device_mappings={c["name"]: list(c["gpus"]) for c in p["clusters"]},
+                weight=p["weight"],
+            )
+        )
+    for cid, prio in data["holdings"].items():
+        spec = state.clusters[cid]
+        priority = Priority(prio)
+        state.holdings[cid] = priority
+        for g in spec.gpus:
+            state.owner[g] = GpuOwner(cid, None, priority)
+    for cid, ranks in data["active_ranks"].items():
+        spec = state.clusters[cid]
+        for rank, activated_at in ranks:
+            state.active_ranks[cid][int(rank)] = float(activated_at)
+            for g in spec.rank_gpus(int(rank)):
+                state.owner[g] = GpuOwner(cid, int(rank), Priority.GENERATION)
+    for pid, streams in data["progress"].items():
+        for r in streams:
+            report = ProgressReport(
+                pipeline_id=r["pipeline_id"],
+                step_target_trajectories=int(r["step_target_trajectories"]),
+                fifo_timestamp=r["fifo_timestamp"],
+                metrics=r["metrics"],
+            )
+            state.progress.setdefault(pid, {})[report.stream_key] = report
+    state.estimates.update({k: int(v) for k, v in data["estimates"].items()})
+    # Revisions must keep growing across a restart so a client comparing them is not fooled.
+    state.revision = int(data["revision"]) + 1
+    check_state(state)
+    return state
+
+
+def settle_inflight(
+    state: SchedulerState,
+    *,
+    confirmed_shrinks: Iterable[tuple[str, int]],
+    possible_expands: Iterable[tuple[str, int]],
+    now: float,
+) -> None:
+    """Settle a plan that was being applied when the coordinator died.
+
+    ``confirmed_shrinks`` answered success before the death: their GPUs are free.
+    ``possible_expands`` were sent (or about to be) without a known answer: their ranks are
+    counted as active so their GPUs are never handed to someone else while the shard may run;
+    if the shard did not actually wake, a later shrink of that rank is a no-op for it.
+    Unknown clusters (pipelines dropped meanwhile) are ignored.
+    """
+    shrinks = tuple(
+        RankMove(cid, r, state.clusters[cid].rank_gpus(r), ShrinkReason.PLANNED_RELEASE)
+        for cid, r in confirmed_shrinks
+        if cid in state.clusters
+    )
+    expands = tuple(
+        RankMove(cid, r, state.clusters[cid].rank_gpus(r))
+        for cid, r in possible_expands
+        if cid in state.clusters and 0 <= r < state.clusters[cid].dp_size
+    )
+    state.commit(Plan(state.revision, shrinks=shrinks, expands=expands), now=now)
+    check_state(state)

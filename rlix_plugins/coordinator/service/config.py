@@ -1,0 +1,44 @@
+"""Configuration of the coordinator actors (passed to their constructors, so it pickles)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from rlix_plugins.coordinator.core.model import PolicyConfig, Topology
+from rlix_plugins.settings import Settings, load_settings
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """Everything the scheduler actor needs; Ray re-runs the constructor with it on restart."""
+
+    namespace: str = "rlix"
+    #: None: read GPUs per node from Ray's cluster resources
+    topology: Topology | None = None
+    request_timeout_s: float = 1800.0
+    resize_timeout_s: float = 120.0
+    lease_s: float = 10.0
+    trace_dir: str | None = None
+    #: periodic cycle (aging, background rebalancing) when no event triggers one
+    tick_s: float = 1.0
+    #: liveness probes and lease checks
+    liveness_interval_s: float = 1.0
+    probe_timeout_s: float = 5.0
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    #: None: Ray's internal KV; a path: a JSON file
+    state_file: str | None = None
+    metrics: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None, **overrides: object) -> ServiceConfig:
+        """Build from validated environment settings, then apply keyword overrides."""
+        s = settings or load_settings()
+        base = cls(
+            namespace=s.namespace,
+            request_timeout_s=s.request_timeout_s,
+            resize_timeout_s=s.resize_timeout_s,
+            lease_s=s.lease_s,
+            trace_dir=str(s.trace_dir) if s.trace_dir else None,
+        )
+        return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]

@@ -1,0 +1,97 @@
+"""The orchestrator actor, ``rlix:orchestrator``: pipeline ids, registration and admission.
+
+It holds no state of its own: the registry lives in the scheduler (one owner), so the
+orchestrator forwards to ``rlix:scheduler`` and can be restarted freely.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rlix_plugins.protocol.names import SCHEDULER_ACTOR, new_pipeline_id
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResponse:
+    """Answer of ``admit_pipeline``: the scheduler handle the pipeline should call."""
+
+    success: bool
+    pipeline_id: str
+    scheduler: Any
+    namespace: str
+
+
+class OrchestratorService:
+    """Undecorated implementation; served as a detached async Ray actor by :mod:`.client`."""
+
+    def __init__(self, namespace: str = "rlix") -> None:
+        self.namespace = namespace
+        self._scheduler: Any = None
+
+    def _sched(self) -> Any:
+        # Looked up lazily and cached: the scheduler keeps its actor id across restarts.
+        if self._scheduler is None:
+            self._scheduler = ray.get_actor(SCHEDULER_ACTOR, namespace=self.namespace)
+        return self._scheduler
+
+    async def allocate_pipeline_id(self, pipeline_type: str) -> str:
+        """A fresh ``{ft|lora}_{12 hex}`` id."""
+        return new_pipeline_id(pipeline_type)
+
+    async def register_pipeline(
+        self,
+        *,
+        pipeline_id: str,
+        ray_namespace: str,
+        cluster_tp_configs: dict[str, int],
+        cluster_device_mappings: dict[str, list[int]],
+        weight: float = 1.0,
+    ) -> None:
+        """Validate and register (raises RegistrationError with the state unchanged)."""
+        await self._sched().register_pipeline.remote(
+            pipeline_id=pipeline_id,
+            ray_namespace=ray_namespace,
+            cluster_tp_configs=cluster_tp_configs,
+            cluster_device_mappings=cluster_device_mappings,
+            weight=weight,
+        )
+
+    async def admit_pipeline(self, *, pipeline_id: str) -> AdmitResponse:
+        """Admit a registered pipeline; the response carries the scheduler handle."""
+        sched = self._sched()
+        await sched.admit_pipeline.remote(pipeline_id=pipeline_id)
+        return AdmitResponse(True, pipeline_id, sched, self.namespace)
+
+    async def unregister_pipeline(self, pipeline_id: str) -> tuple[int, ...]:
+        """Forget a pipeline (it stopped using its GPUs); returns the GPUs freed."""
+        freed: tuple[int, ...] = await self._sched().unregister_pipeline.remote(pipeline_id)
+        return freed
+
+    async def kill_pipeline(self, pipeline_id: str) -> None:
+        """Kill a pipeline's actors; its GPUs return once Ray confirms it dead."""
+        await self._sched().kill_pipeline.remote(pipeline_id)
+
+    async def shutdown(self, *, force: bool = False, reason: str | None = None, **_: Any) -> int:
+        """End every pipeline's scheduling (unlike RLix, Ray itself keeps running).
+
+        ``force`` also kills the pipelines' actors. The control-plane actors stay up; stop
+        them with ``rlix-plugins coordinator stop``. Returns how many pipelines were ended.
+        """
+        sched = self._sched()
+        status = await sched.get_status.remote()
+        for p in status.pipelines:
+            if force:
+                await sched.kill_pipeline.remote(p.pipeline_id)
+            else:
+                await sched.unregister_pipeline.remote(p.pipeline_id)
+        logger.warning("shutdown (%s): ended %d pipeline(s)", reason, len(status.pipelines))
+        return len(status.pipelines)
+
+    async def ping(self) -> bool:
+        return True

@@ -1,0 +1,92 @@
+"""Where the scheduler keeps its state between restarts.
+
+The scheduler saves a JSON record after every commit and registry change; a restarted scheduler
+loads it before answering anything. Two stores: Ray's internal KV (the default: it lives in the
+GCS, so it survives the actor and any node but the head) and a file (for a coordinator whose
+GCS is not fault tolerant, or for inspection).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+_KV_NAMESPACE = "rlix_plugins"
+
+
+class StateStore(Protocol):
+    """Load/save/clear one JSON-able record."""
+
+    def load(self) -> dict[str, Any] | None: ...
+
+    def save(self, record: dict[str, Any]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+def kv_key(namespace: str) -> bytes:
+    """The KV key of the scheduler of control-plane ``namespace``."""
+    return f"scheduler_state:{namespace}".encode()
+
+
+class KvStateStore:
+    """Ray internal KV (GCS). Needs a connected Ray worker or driver."""
+
+    def __init__(self, namespace: str) -> None:
+        self._key = kv_key(namespace)
+
+    def load(self) -> dict[str, Any] | None:
+        from ray.experimental import internal_kv
+
+        raw = internal_kv._internal_kv_get(self._key, namespace=_KV_NAMESPACE)
+        if raw is None:
+            return None
+        record: dict[str, Any] = json.loads(raw)
+        return record
+
+    def save(self, record: dict[str, Any]) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(
+            self._key, json.dumps(record).encode(), overwrite=True, namespace=_KV_NAMESPACE
+        )
+
+    def clear(self) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self._key, namespace=_KV_NAMESPACE)
+
+
+class FileStateStore:
+    """A JSON file, replaced atomically (write to a temp file, fsync, rename)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, Any] | None:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        record: dict[str, Any] = json.loads(text)
+        return record
+
+    def save(self, record: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        with tmp.open("w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def clear(self) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass

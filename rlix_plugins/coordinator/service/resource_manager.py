@@ -1,0 +1,175 @@
+"""Topology and placement: ``rlix:resource_manager`` and ``rlix:roll_resource_manager``.
+
+``topology_from_ray`` reads GPUs per node from Ray's cluster resources. The ROLL resource
+manager owns the shared placement groups (one per node, one bundle ``{GPU: gpus_per_node}``)
+that every pipeline's workers are placed on with fractional GPU requests, so Ray's accounting
+never stops two pipelines from sharing a GPU: the scheduler is the only arbiter. Its methods
+match ROLL's ``ResourceManager`` (``get_state``, ``nodes_placement_group``,
+``allocate_placement_group``, ``destroy_placement_group``) so ROLL's proxy works unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import ray
+
+from rlix_plugins.coordinator.core.model import Topology
+from rlix_plugins.errors import RlixPluginsError
+
+logger = logging.getLogger(__name__)
+
+
+def gpu_nodes(nodes: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Alive nodes with at least one GPU, in a stable order (node rank = position)."""
+    alive = [n for n in nodes if n.get("Alive", n.get("alive", True))]
+    with_gpu = [n for n in alive if int(n.get("Resources", {}).get("GPU", 0)) > 0]
+    return sorted(with_gpu, key=lambda n: (str(n.get("NodeManagerAddress")), str(n.get("NodeID"))))
+
+
+def topology_from_nodes(
+    nodes: Iterable[Mapping[str, Any]], required_gpus_per_node: int | None = None
+) -> Topology:
+    """Topology of the GPU nodes; every node must have the same GPU count (or at least
+    ``required_gpus_per_node``, of which that many are used)."""
+    found = gpu_nodes(nodes)
+    if not found:
+        raise RlixPluginsError("the Ray cluster has no node with GPUs; nothing to schedule")
+    counts = sorted({int(n["Resources"]["GPU"]) for n in found})
+    if required_gpus_per_node is not None:
+        usable = [n for n in found if int(n["Resources"]["GPU"]) >= required_gpus_per_node]
+        if not usable:
+            raise RlixPluginsError(
+                f"no node has {required_gpus_per_node} GPUs (nodes have {counts})"
+            )
+        return Topology(len(usable), required_gpus_per_node)
+    if len(counts) > 1:
+        raise RlixPluginsError(
+            f"nodes have different GPU counts {counts}; pass gpus_per_node explicitly"
+        )
+    return Topology(len(found), counts[0])
+
+
+def topology_from_ray(required_gpus_per_node: int | None = None) -> Topology:
+    """Topology of the connected Ray cluster."""
+    return topology_from_nodes(ray.nodes(), required_gpus_per_node)
+
+
+class ResourceManagerService:
+    """``rlix:resource_manager``: the frozen GPU topology of this control plane."""
+
+    def __init__(self, topology: Topology | None = None) -> None:
+        self._topology = topology
+
+    async def init_topology(self, *, required_gpus_per_node: int | None = None) -> int:
+        """Freeze the topology (first call wins); returns GPUs per node."""
+        if self._topology is None:
+            self._topology = await asyncio.to_thread(topology_from_ray, required_gpus_per_node)
+        elif (
+            required_gpus_per_node is not None
+            and required_gpus_per_node != self._topology.gpus_per_node
+        ):
+            raise RlixPluginsError(
+                f"topology is frozen at {self._topology.gpus_per_node} GPUs per node; "
+                f"{required_gpus_per_node} was asked"
+            )
+        return self._topology.gpus_per_node
+
+    async def get_topology(self) -> Topology:
+        await self.init_topology()
+        assert self._topology is not None
+        return self._topology
+
+    async def cluster_resources(self) -> dict[str, float]:
+        """Live total resources of the Ray cluster."""
+        return dict(await asyncio.to_thread(ray.cluster_resources))
+
+
+class RollResourceManagerService:
+    """``rlix:roll_resource_manager``: shared per-node placement groups (ROLL-compatible).
+
+    The placement groups are created on first use, not at start, so a coordinator serving no
+    ROLL-style pipeline does not reserve every GPU in Ray's accounting.
+    """
+
+    def __init__(self, topology: Topology | None = None) -> None:
+        self._topology = topology
+        self._pgs: list[Any] | None = None
+        self._lock = asyncio.Lock()
+
+    async def _ensure(self) -> list[Any]:
+        async with self._lock:
+            if self._pgs is None:
+                if self._topology is None:
+                    self._topology = await asyncio.to_thread(topology_from_ray)
+                from ray.util.placement_group import placement_group
+
+                gpn = self._topology.gpus_per_node
+                pgs = [
+                    placement_group([{"GPU": float(gpn)}], name=f"rlix_pg_node{i}")
+                    for i in range(self._topology.num_nodes)
+                ]
+                await asyncio.gather(*(pg.ready() for pg in pgs))
+                self._pgs = pgs
+                logger.info("created %d placement group(s) of %d GPUs", len(pgs), gpn)
+            return self._pgs
+
+    async def get_state(self) -> dict[str, Any]:
+        """What ROLL's ``RollResourceManagerProxy`` reads."""
+        pgs = await self._ensure()
+        assert self._topology is not None
+        return {
+            "num_nodes": self._topology.num_nodes,
+            "gpu_per_node": self._topology.gpus_per_node,
+            "num_gpus": self._topology.num_gpus,
+            "node_ranks": list(range(len(pgs))),
+            "gpu_ranks": [0 for _ in pgs],
+            "node2pg": dict(enumerate(pgs)),
+            "placement_groups": list(pgs),
+        }
+
+    async def nodes_placement_group(self, node_rank: int) -> Any:
+        return (await self._ensure())[node_rank]
+
+    async def allocate_placement_group(
+        self, world_size: int, device_mapping: list[int] | None = None
+    ) -> list[list[dict[str, Any]]]:
+        """Per worker, the placement group (and GPU) of each of its devices (ROLL's layout)."""
+        pgs = await self._ensure()
+        assert self._topology is not None
+        gpn = self._topology.gpus_per_node
+        address = ray.get_runtime_context().gcs_address
+        out: list[list[dict[str, Any]]] = []
+        if device_mapping:
+            per_worker = len(device_mapping) // world_size
+            for i in range(0, len(device_mapping), per_worker):
+                out.append(
+                    [
+                        {"node_rank": g // gpn, "gpu_rank": g % gpn,
+                         "placement_group": pgs[g // gpn], "ray_address": address}
+                        for g in device_mapping[i : i + per_worker]
+                    ]
+                )
+        else:
+            for rank in range(world_size):
+                node = rank % len(pgs)
+                out.append([{"node_rank": node, "gpu_rank": None, "placement_group": pgs[node],
+                             "ray_address": address}])
+        if len(out) != world_size:
+            raise RlixPluginsError(
+                f"device mapping of {len(device_mapping or [])} GPUs does not split into "
+                f"{world_size} workers"
+            )
+        return out
+
+    async def destroy_placement_group(self) -> None:
+        """Remove the shared placement groups (at coordinator stop)."""
+        from ray.util.placement_group import remove_placement_group
+
+        async with self._lock:
+            for pg in self._pgs or []:
+                remove_placement_group(pg)
+            self._pgs = None

@@ -1,0 +1,778 @@
+"""The scheduler actor, ``rlix:scheduler``: RLix's scheduler calls on top of the pure core.
+
+Concurrency model (one asyncio event loop, never blocked by ``ray.get``):
+
+* Event handlers (``request_gpus``, releases, progress, registration) validate and mutate the
+  core state synchronously, with no ``await`` between check and mutation, so each is atomic on
+  the loop. The core allows such events between a plan and its commit (they only free GPUs).
+* One cycle task runs scheduling cycles one at a time: plan under ``_lock`` -> persist the
+  in-flight intent -> ``resize_infer`` RPCs to pipeline coordinators OUTSIDE the lock, shrinks
+  (all) before expands, each bounded by ``resize_timeout_s`` -> commit under ``_lock`` ->
+  persist -> wake waiters. Cycles are triggered by events and by a periodic tick (aging).
+* One liveness task probes pipeline coordinator actors and checks heartbeat leases.
+
+Failure handling (unlike RLix, nothing here ever shuts Ray down): a pipeline whose actor died,
+whose lease expired or whose resize failed is fenced (its waiters get
+:class:`PipelineFailedError`, its actors are killed) and, once Ray confirms it dead, unregistered
+so its GPUs return to the pool. A GPU whose shrink failed is never handed on before that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from rlix_plugins.coordinator.core import (
+    DemandSharePlanner,
+    ImmediateGrant,
+    InvariantViolation,
+    Plan,
+    SchedulerState,
+    Topology,
+    check_plan,
+    check_state,
+    validate_registration,
+)
+from rlix_plugins.coordinator.core.snapshot import restore, settle_inflight, snapshot
+from rlix_plugins.coordinator.core.status import CoordinatorStatus, DeadPipeline, build_status
+from rlix_plugins.coordinator.service.config import ServiceConfig
+from rlix_plugins.coordinator.service.liveness import (
+    Liveness,
+    kill_pipeline_actors,
+    lookup_coordinator,
+    probe,
+)
+from rlix_plugins.coordinator.service.persistence import FileStateStore, KvStateStore, StateStore
+from rlix_plugins.coordinator.service.resource_manager import topology_from_ray
+from rlix_plugins.coordinator.service.trace import Holder, OwnershipTrace
+from rlix_plugins.errors import (
+    PipelineFailedError,
+    ProtocolError,
+    RegistrationError,
+    RequestTimeoutError,
+    UnknownPipelineError,
+)
+from rlix_plugins.protocol.names import GENERATION_CLUSTER, cluster_id, parse_cluster_id
+from rlix_plugins.protocol.types import Priority, coerce_priority, coerce_progress_report
+
+logger = logging.getLogger(__name__)
+
+#: Dead pipelines remembered for status and for answering their late calls.
+_DEAD_KEPT = 256
+
+
+class SchedulerService:
+    """Undecorated implementation; :mod:`.client` serves it as a detached async Ray actor."""
+
+    def __init__(self, config: ServiceConfig | None = None) -> None:
+        self.cfg = config or ServiceConfig()
+        self._planner = DemandSharePlanner(self.cfg.policy)
+        self._store: StateStore = (
+            FileStateStore(Path(self.cfg.state_file))
+            if self.cfg.state_file
+            else KvStateStore(self.cfg.namespace)
+        )
+        self._lock = asyncio.Lock()
+        self._waiters: dict[str, asyncio.Future[list[int]]] = {}
+        self._release_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._requested_at: dict[str, float] = {}
+        self._handles: dict[str, Any] = {}
+        self._seen: set[str] = set()
+        self._beats: dict[str, float] = {}
+        self._fencing: dict[str, str] = {}
+        self._dead: OrderedDict[str, DeadPipeline] = OrderedDict()
+        self._inflight: dict[str, Any] | None = None
+        self._stopping = False
+        self._wake = asyncio.Event()
+        self._liveness_wake = asyncio.Event()
+        self._last_trace_write = 0.0
+        self._metrics: Any = None
+        if self.cfg.metrics:
+            from rlix_plugins.coordinator.service.metrics import SchedulerMetrics
+
+            self._metrics = SchedulerMetrics(self.cfg.namespace)
+        self._state = self._load()
+        self._trace = OwnershipTrace(
+            self._state.topology.num_gpus, t0=time.time(), label=f"rlix ({self.cfg.namespace})"
+        )
+        self._observe_trace(time.time())
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._cycle_loop()),
+            loop.create_task(self._liveness_loop()),
+        ]
+        self._wake.set()
+
+    # ================================================================== recovery
+    def _load(self) -> SchedulerState:
+        """Restore the last persisted state, settling a plan that was in flight."""
+        record = self._store.load()
+        now = time.time()
+        if record is None:
+            topo = self.cfg.topology or topology_from_ray()
+            logger.info("scheduler %s: fresh state, topology %s", self.cfg.namespace, topo)
+            return SchedulerState(topo)
+        state = restore(record["state"], self.cfg.topology)
+        inflight = record.get("inflight")
+        if inflight:
+            settle_inflight(
+                state,
+                confirmed_shrinks=[(c, r) for c, r in inflight.get("confirmed_shrinks", [])],
+                possible_expands=[(c, r) for c, r in inflight.get("expands", [])],
+                now=now,
+            )
+        for d in record.get("dead", []):
+            self._dead[d["pipeline_id"]] = DeadPipeline(d["pipeline_id"], d["reason"], d["at"])
+        self._seen = set(record.get("seen", [])) & set(state.pipelines)
+        # A lease restarts at recovery: the pipeline had no scheduler to beat against meanwhile.
+        self._beats = {p: now for p in record.get("leased", []) if p in state.pipelines}
+        self._fencing = {
+            p: r for p, r in record.get("fencing", {}).items() if p in state.pipelines
+        }
+        logger.warning(
+            "scheduler %s: recovered %d pipeline(s), %d GPU(s) owned, revision %d",
+            self.cfg.namespace,
+            len(state.pipelines),
+            sum(o is not None for o in state.owner),
+            state.revision,
+        )
+        # Reconcile with the pipelines at once: dead ones are dropped by the first probe.
+        self._liveness_wake.set()
+        return state
+
+    def _persist(self) -> None:
+        """Save state (+ in-flight intent) before anyone learns of what it decided."""
+        record = {
+            "state": snapshot(self._state),
+            "inflight": self._inflight,
+            "dead": [dataclasses.asdict(d) for d in self._dead.values()],
+            "seen": sorted(self._seen),
+            "leased": sorted(self._beats),
+            "fencing": dict(self._fencing),
+        }
+        try:
+            self._store.save(record)
+        except Exception:
+            # A lost save only makes a restart more conservative (GPUs stay owned); never let
+            # it take the scheduler down.
+            logger.exception("scheduler %s: persisting state failed", self.cfg.namespace)
+
+    # ================================================================== helpers
+    def _now(self) -> float:
+        return time.time()
+
+    def _check_alive(self, pipeline_id: str) -> None:
+        dead = self._dead.get(pipeline_id)
+        if dead is not None:
+            raise PipelineFailedError(
+                f"pipeline {pipeline_id!r} was declared dead ({dead.reason}); register again "
+                "under a new pipeline id"
+            )
+        reason = self._fencing.get(pipeline_id)
+        if reason is not None:
+            raise PipelineFailedError(f"pipeline {pipeline_id!r} has failed ({reason})")
+
+    def _resolve_caller(self, cluster: object, pipeline_id: object) -> str:
+        """Validate a cluster id and the caller's identity; return the cluster id."""
+        if pipeline_id is not None and not isinstance(pipeline_id, str):
+            raise ProtocolError(f"pipeline_id must be a str or None, got {pipeline_id!r}")
+        owner_pid, _ = parse_cluster_id(cluster)
+        assert isinstance(cluster, str)
+        self._check_alive(owner_pid)
+        self._state.check_owner(cluster, pipeline_id)
+        return cluster
+
+    def _kick(self) -> None:
+        self._wake.set()
+
+    def _fail_waiters(self, pipeline_id: str, error: Exception) -> None:
+        prefix = f"{pipeline_id}_"
+        for cid in [c for c in self._waiters if c.startswith(prefix)]:
+            if parse_cluster_id(cid)[0] != pipeline_id:
+                continue
+            fut = self._waiters.pop(cid)
+            if not fut.done():
+                fut.set_exception(error)
+        for cid in [c for c in self._release_waiters if c.startswith(prefix)]:
+            if parse_cluster_id(cid)[0] != pipeline_id:
+                continue
+            for fut in self._release_waiters.pop(cid):
+                if not fut.done():
+                    fut.set_exception(error)
+
+    def _settle_release_waiters(self) -> None:
+        for cid in list(self._release_waiters):
+            if cid in self._state.planned_releases and self._state.active_ranks.get(cid):
+                continue
+            for fut in self._release_waiters.pop(cid):
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _observe_trace(self, now: float) -> None:
+        holders: list[Holder | None] = [
+            None if o is None else Holder(o.cluster_id, o.priority.name, o.dp_rank)
+            for o in self._state.owner
+        ]
+        self._trace.observe(holders, now)
+        if self._metrics is not None:
+            self._metrics.gauges(
+                allocated=sum(o is not None for o in self._state.owner),
+                pending=len(self._state.pending),
+                pipelines=len(self._state.pipelines),
+            )
+        if self.cfg.trace_dir and now - self._last_trace_write >= 1.0:
+            self._write_trace(now)
+
+    def _trace_path(self) -> Path | None:
+        if not self.cfg.trace_dir:
+            return None
+        return Path(self.cfg.trace_dir) / f"rlix_gpu_timeline_{self.cfg.namespace}.json"
+
+    def _write_trace(self, now: float) -> None:
+        path = self._trace_path()
+        if path is None:
+            return
+        self._last_trace_write = now
+        try:
+            self._trace.write(path, now)
+        except OSError:
+            logger.exception("writing the GPU timeline to %s failed", path)
+
+    # ================================================================== registry
+    async def register_pipeline(
+        self,
+        *,
+        pipeline_id: str,
+        ray_namespace: str,
+        cluster_tp_configs: dict[str, int],
+        cluster_device_mappings: dict[str, list[int]],
+        weight: float = 1.0,
+    ) -> None:
+        """Validate and register a pipeline (RLix keyword signature, plus our ``weight``)."""
+        spec = validate_registration(
+            self._state.topology,
+            pipeline_id=pipeline_id,
+            ray_namespace=ray_namespace,
+            cluster_tp_configs=cluster_tp_configs,
+            cluster_device_mappings=cluster_device_mappings,
+            weight=weight,
+        )
+        if spec.pipeline_id in self._dead:
+            raise RegistrationError(
+                f"pipeline {spec.pipeline_id!r} was declared dead "
+                f"({self._dead[spec.pipeline_id].reason}); register under a new pipeline id"
+            )
+        self._state.register(spec)
+        self._persist()
+        logger.info("registered %s: %s", spec.pipeline_id, [c.cluster_id for c in spec.clusters])
+
+    async def admit_pipeline(self, *, pipeline_id: str) -> None:
+        """Check the pipeline is registered and alive (the orchestrator hands out our handle)."""
+        self._check_alive(pipeline_id)
+        self._state.pipeline(pipeline_id)
+
+    async def unregister_pipeline(self, pipeline_id: str) -> tuple[int, ...]:
+        """Forget a pipeline and free its GPUs (the pipeline stopped using them)."""
+        freed = self._drop(pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered"))
+        self._kick()
+        return freed
+
+    async def kill_pipeline(self, pipeline_id: str) -> None:
+        """Fence a pipeline: kill its actors; its GPUs return once Ray confirms it dead."""
+        self._state.pipeline(pipeline_id)
+        self._fence(pipeline_id, "killed by request")
+
+    def _drop(self, pipeline_id: str, error: Exception) -> tuple[int, ...]:
+        freed, cancelled = self._state.unregister(pipeline_id)
+        for cid in cancelled:
+            self._requested_at.pop(cid, None)
+        self._fail_waiters(pipeline_id, error)
+        self._handles.pop(pipeline_id, None)
+        self._seen.discard(pipeline_id)
+        self._beats.pop(pipeline_id, None)
+        self._fencing.pop(pipeline_id, None)
+        self._persist()
+        self._observe_trace(self._now())
+        logger.info("unregistered %s, freed GPUs %s", pipeline_id, list(freed))
+        return freed
+
+    def _fence(self, pipeline_id: str, reason: str) -> None:
+        """Stop a failing pipeline: error its waiters, drop its requests, kill its actors."""
+        if pipeline_id in self._fencing or pipeline_id not in self._state.pipelines:
+            return
+        logger.warning("pipeline %s failed: %s; fencing it", pipeline_id, reason)
+        self._fencing[pipeline_id] = reason
+        spec = self._state.pipelines[pipeline_id]
+        for c in spec.clusters:
+            if self._state.cancel_request(c.cluster_id):
+                self._requested_at.pop(c.cluster_id, None)
+        self._state.clear_progress(pipeline_id)
+        self._fail_waiters(pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} failed: {reason}"))
+        self._persist()
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._kill_then_probe(pipeline_id, spec.ray_namespace))
+
+    async def _kill_then_probe(self, pipeline_id: str, ray_namespace: str) -> None:
+        try:
+            await kill_pipeline_actors(pipeline_id, ray_namespace)
+        finally:
+            self._liveness_wake.set()
+
+    def _declare_dead(self, pipeline_id: str, reason: str, cause: str) -> None:
+        if pipeline_id not in self._state.pipelines:
+            return
+        self._dead[pipeline_id] = DeadPipeline(pipeline_id, reason, self._now())
+        while len(self._dead) > _DEAD_KEPT:
+            self._dead.popitem(last=False)
+        if self._metrics is not None:
+            self._metrics.failed(cause)
+        logger.warning("pipeline %s declared dead: %s", pipeline_id, reason)
+        self._drop(pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} is dead: {reason}"))
+        self._kick()
+
+    # ================================================================== requests
+    async def request_gpus(
+        self,
+        *,
+        cluster_id: str,
+        priority: Any,
+        global_step: int | None = None,
+        step_target_estimate: int | None = None,
+        lora_name: str | None = None,
+        pipeline_id: str | None = None,
+    ) -> list[int]:
+        """Block until the cluster is granted; return its GPUs (generation: >= 1 active rank)."""
+        prio = coerce_priority(priority)
+        cid = self._resolve_caller(cluster_id, pipeline_id)
+        return await self._submit_and_wait(
+            cid, prio, global_step, step_target_estimate, lora_name
+        )
+
+    async def _submit_and_wait(
+        self,
+        cid: str,
+        prio: Priority,
+        global_step: int | None,
+        step_target_estimate: int | None,
+        lora_name: str | None,
+    ) -> list[int]:
+        got = self._submit(cid, prio, global_step, step_target_estimate, lora_name)
+        if isinstance(got, list):
+            return got
+        return await self._wait(cid, prio, got)
+
+    def _submit(
+        self,
+        cid: str,
+        prio: Priority,
+        global_step: int | None,
+        step_target_estimate: int | None,
+        lora_name: str | None,
+    ) -> list[int] | asyncio.Future[list[int]]:
+        """Queue a request (raises, state unchanged, if refused): GPUs now, or a future."""
+        now = self._now()
+        res = self._state.submit_request(
+            cid,
+            prio,
+            now=now,
+            global_step=global_step,
+            step_target_estimate=step_target_estimate,
+            lora_name=lora_name,
+        )
+        if isinstance(res, ImmediateGrant):
+            self._persist()
+            self._observe_trace(now)
+            if self._metrics is not None:
+                self._metrics.waited(prio.name, 0.0)
+            return list(res.gpus)
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._waiters[cid] = fut
+        self._requested_at[cid] = now
+        self._kick()
+        return fut
+
+    async def _wait(self, cid: str, prio: Priority, fut: asyncio.Future[list[int]]) -> list[int]:
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.cfg.request_timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                return fut.result()  # granted in the same instant: keep the grant
+            if self._waiters.get(cid) is fut:
+                del self._waiters[cid]
+                self._requested_at.pop(cid, None)
+                self._state.cancel_request(cid)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise RequestTimeoutError(
+                f"request_gpus({cid}, {prio.name}) not granted within "
+                f"{self.cfg.request_timeout_s:g}s; the request was withdrawn"
+            ) from None
+
+    async def notify_release_gpus(
+        self, *, cluster_id: str, global_step: int | None = None, pipeline_id: str | None = None
+    ) -> None:
+        """The pipeline stopped using the cluster's GPUs (its shards are asleep): free them."""
+        del global_step
+        cid = self._resolve_caller(cluster_id, pipeline_id)
+        self._release(cid)
+        self._kick()
+
+    def _release(self, cid: str) -> None:
+        freed = self._state.release(cid)
+        self._persist()
+        self._settle_release_waiters()
+        self._observe_trace(self._now())
+        logger.debug("released %s: GPUs %s", cid, list(freed))
+
+    async def notify_release_then_request_gpus(
+        self,
+        *,
+        release_cluster_id: str,
+        release_global_step: int | None,
+        request_cluster_id: str,
+        request_priority: Any,
+        request_global_step: int | None = None,
+        request_step_target_estimate: int | None = None,
+        request_lora_name: str | None = None,
+        pipeline_id: str | None = None,
+    ) -> list[int]:
+        """Release one cluster and request another atomically (no cycle runs in between)."""
+        del release_global_step
+        prio = coerce_priority(request_priority)
+        rel = self._resolve_caller(release_cluster_id, pipeline_id)
+        req = self._resolve_caller(request_cluster_id, pipeline_id)
+        if parse_cluster_id(rel)[0] != parse_cluster_id(req)[0]:
+            raise ProtocolError(
+                f"release {rel!r} and request {req!r} belong to different pipelines"
+            )
+        if rel == req:
+            self._release(rel)
+            return await self._submit_and_wait(
+                req, prio, request_global_step, request_step_target_estimate, request_lora_name
+            )
+        # Submit first (the only half that can be refused: a refusal then leaves the release
+        # undone), then release; both run with no await in between, so no cycle can see one
+        # without the other.
+        got = self._submit(
+            req, prio, request_global_step, request_step_target_estimate, request_lora_name
+        )
+        self._release(rel)
+        self._kick()
+        if isinstance(got, list):
+            return got
+        return await self._wait(req, prio, got)
+
+    async def await_release_gpus(
+        self,
+        *,
+        pipeline_id: str | None = None,
+        cluster_id: str | None = None,
+        global_step: int | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Shrink every active rank of a generation cluster; return when all are asleep."""
+        del global_step
+        if cluster_id is None:
+            if pipeline_id is None:
+                raise ProtocolError("await_release_gpus needs pipeline_id or cluster_id")
+            cluster = cluster_id_of(pipeline_id)
+        else:
+            cluster = cluster_id
+        cid = self._resolve_caller(cluster, pipeline_id)
+        if self._state.plan_release(cid, now=self._now()):
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._release_waiters.setdefault(cid, []).append(fut)
+        self._kick()
+        limit = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), limit)
+        except asyncio.TimeoutError:
+            waiters = self._release_waiters.get(cid, [])
+            if fut in waiters:
+                waiters.remove(fut)
+            # The shrink may still be running; RLix shuts Ray down here. We only tell the caller.
+            raise RequestTimeoutError(
+                f"await_release_gpus({cid}) not done within {limit:g}s"
+            ) from None
+
+    # ================================================================== demand
+    async def report_progress(self, report: Any) -> None:
+        """Record a progress report (any object with RLix's ProgressReport fields)."""
+        rep = coerce_progress_report(report)
+        self._check_alive(rep.pipeline_id)
+        self._state.report_progress(rep)
+        self._kick()
+
+    async def clear_progress(self, *, pipeline_id: str) -> None:
+        """Forget every progress stream of a pipeline (its step's generation is over)."""
+        self._check_alive(pipeline_id)
+        self._state.clear_progress(pipeline_id)
+        self._kick()
+
+    async def heartbeat(self, pipeline_id: str) -> float:
+        """Keep the pipeline's lease; from the first beat on it must beat within ``lease_s``.
+
+        Returns the lease length so a client can pace itself.
+        """
+        self._check_alive(pipeline_id)
+        if pipeline_id not in self._state.pipelines:
+            raise UnknownPipelineError(f"pipeline {pipeline_id!r} is not registered")
+        first = pipeline_id not in self._beats
+        self._beats[pipeline_id] = self._now()
+        if first:
+            self._persist()
+        return self.cfg.lease_s
+
+    # ================================================================== visibility
+    async def get_status(self) -> CoordinatorStatus:
+        """Pipelines, clusters, GPU owners and stages, demand and the wait queue."""
+        return build_status(self._state, self._now(), dead=tuple(self._dead.values()))
+
+    async def ping(self) -> int:
+        """Cheap liveness check for clients; returns the state revision."""
+        return self._state.revision
+
+    async def get_trace(self) -> dict[str, Any]:
+        """The GPU-ownership timeline so far (Chrome trace-event JSON)."""
+        return self._trace.to_json(self._now())
+
+    async def flush_trace(self) -> str | None:
+        """Write the timeline file now; returns its path (None without a trace dir)."""
+        self._write_trace(self._now())
+        path = self._trace_path()
+        return str(path) if path else None
+
+    async def stop(self, *, clear_state: bool = True) -> None:
+        """Stop cycles and probes, write the trace, and (by default) forget the saved state."""
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        self._write_trace(self._now())
+        for cid, fut in list(self._waiters.items()):
+            if not fut.done():
+                fut.set_exception(PipelineFailedError("the coordinator is stopping"))
+            self._waiters.pop(cid, None)
+        if clear_state:
+            self._store.clear()
+
+    # ================================================================== cycle
+    async def _cycle_loop(self) -> None:
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.cfg.tick_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                again = await self._cycle()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Never take anything else down for a cycle error (RLix shuts Ray down here).
+                logger.exception("scheduling cycle failed; state kept, retrying on next event")
+                again = False
+            if again:
+                self._wake.set()
+
+    async def _cycle(self) -> bool:
+        t0 = time.perf_counter()
+        async with self._lock:
+            plan = self._planner.plan(self._state, self._now())
+            if plan.empty:
+                return False
+            try:
+                check_plan(self._state, plan)
+            except InvariantViolation:
+                logger.exception("planner produced an invalid plan; not applied")
+                return False
+            self._inflight = {"confirmed_shrinks": [], "expands": []}
+            if plan.shrinks:
+                self._persist()
+        failed_shrinks = await self._resize_all(plan.shrinks_by_cluster(), remove=True)
+        # An expand on a GPU whose shrink failed must not be sent (two shards on one GPU).
+        blocked = {g for m in plan.shrinks if m.cluster_id in failed_shrinks for g in m.gpus}
+        sendable = tuple(
+            m
+            for m in plan.expands
+            if parse_cluster_id(m.cluster_id)[0] not in self._fencing
+            and m.cluster_id in self._state.clusters
+            and not any(g in blocked for g in m.gpus)
+        )
+        to_send = Plan(plan.revision, expands=sendable).expands_by_cluster()
+        if to_send:
+            async with self._lock:
+                self._inflight = {
+                    "confirmed_shrinks": [
+                        [m.cluster_id, m.dp_rank]
+                        for m in plan.shrinks
+                        if m.cluster_id not in failed_shrinks
+                    ],
+                    "expands": [[m.cluster_id, m.dp_rank] for m in sendable],
+                }
+                self._persist()
+        # A failed expand leaves the shard's state unknown: the pipeline is fenced and the rank
+        # is committed as active, so its GPUs stay with it until it is confirmed dead.
+        await self._resize_all(to_send, remove=False)
+        async with self._lock:
+            now = self._now()
+            applied = dataclasses.replace(plan, expands=sendable)
+            result = self._state.commit(applied, now=now, failed_shrinks=failed_shrinks)
+            self._inflight = None
+            try:
+                check_state(self._state)
+            except InvariantViolation:
+                logger.exception("state invariant broken after commit")
+            self._persist()
+            self._after_commit(plan, result.granted, result.shrunk, result.expanded, now)
+            self._settle_release_waiters()
+        if self._metrics is not None:
+            self._metrics.cycle(time.perf_counter() - t0)
+        return bool(result.granted or result.shrunk or result.expanded or result.released)
+
+    def _after_commit(
+        self,
+        plan: Plan,
+        granted: dict[str, tuple[int, ...]],
+        shrunk: tuple[tuple[str, int], ...],
+        expanded: tuple[tuple[str, int], ...],
+        now: float,
+    ) -> None:
+        reasons = {(m.cluster_id, m.dp_rank): m for m in plan.shrinks}
+        for key in shrunk:
+            move = reasons.get(key)
+            if move is None or move.reason is None:
+                continue
+            if self._metrics is not None:
+                self._metrics.preempted(move.reason.value)
+            self._trace.instant(
+                f"{move.reason.value}: {key[0]}[{key[1]}]",
+                move.gpus,
+                now,
+                beneficiary=move.beneficiary,
+            )
+        if self._metrics is not None:
+            for cid, _ in expanded:
+                self._metrics.allocated("generation_rank", "GENERATION")
+        self._observe_trace(now)
+        for cid, gpus in granted.items():
+            started = self._requested_at.pop(cid, None)
+            fut = self._waiters.pop(cid, None)
+            if self._metrics is not None:
+                req_prio = self._state.holdings.get(cid, Priority.GENERATION).name
+                self._metrics.allocated("grant", req_prio)
+                if started is not None:
+                    self._metrics.waited(req_prio, now - started)
+            if fut is not None and not fut.done():
+                fut.set_result(list(gpus))
+
+    async def _resize_all(self, calls: dict[str, list[int]], *, remove: bool) -> set[str]:
+        """Send ``resize_infer`` per cluster concurrently; return the clusters that failed."""
+        if not calls:
+            return set()
+        results = await asyncio.gather(
+            *(self._resize_one(cid, ranks, remove=remove) for cid, ranks in calls.items())
+        )
+        return {cid for cid, ok in zip(calls, results, strict=True) if not ok}
+
+    async def _resize_one(self, cid: str, ranks: list[int], *, remove: bool) -> bool:
+        pid = parse_cluster_id(cid)[0]
+        what = f"resize_infer({'remove' if remove else 'add'}={ranks}) on {cid}"
+        if pid in self._fencing:
+            return False
+        handle = await self._coordinator(pid)
+        if handle is None:
+            self._fence(pid, f"{what}: coordinator actor not found")
+            return False
+
+        async def call() -> Any:
+            return await handle.resize_infer.remote(
+                dp_ranks_to_remove=ranks if remove else [],
+                dp_ranks_to_add=[] if remove else ranks,
+            )
+
+        try:
+            response = await asyncio.wait_for(call(), self.cfg.resize_timeout_s)
+        except asyncio.TimeoutError:
+            self._fence(pid, f"{what} timed out after {self.cfg.resize_timeout_s:g}s")
+            return False
+        except Exception as exc:
+            self._fence(pid, f"{what} failed: {type(exc).__name__}: {exc}")
+            return False
+        ok = bool(getattr(response, "success", response is True or response is None))
+        if not ok:
+            msg = getattr(response, "message", None) or getattr(response, "error", None)
+            self._fence(pid, f"{what} answered success=False ({msg})")
+        return ok
+
+    async def _coordinator(self, pipeline_id: str) -> Any:
+        handle = self._handles.get(pipeline_id)
+        if handle is not None:
+            return handle
+        spec = self._state.pipelines.get(pipeline_id)
+        handle = await lookup_coordinator(pipeline_id, spec.ray_namespace if spec else None)
+        if handle is not None:
+            self._handles[pipeline_id] = handle
+            if pipeline_id not in self._seen:
+                self._seen.add(pipeline_id)
+                self._persist()
+        return handle
+
+    # ================================================================== liveness
+    async def _liveness_loop(self) -> None:
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(self._liveness_wake.wait(), self.cfg.liveness_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._liveness_wake.clear()
+            try:
+                await self._check_liveness()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("liveness check failed; retrying")
+
+    async def _check_liveness(self) -> None:
+        now = self._now()
+        for pid, beat in list(self._beats.items()):
+            if pid in self._state.pipelines and now - beat > self.cfg.lease_s:
+                self._fence(pid, f"lease expired (no heartbeat for {now - beat:.1f}s)")
+        pids = [p for p in self._state.pipelines]
+        verdicts = await asyncio.gather(*(self._probe(p) for p in pids))
+        for pid, verdict in zip(pids, verdicts, strict=True):
+            if pid not in self._state.pipelines:
+                continue
+            fenced = self._fencing.get(pid)
+            if verdict is Liveness.DEAD:
+                reason = fenced or "its coordinator actor died"
+                cause = "fenced" if fenced else "actor_died"
+                self._declare_dead(pid, reason, cause)
+            elif fenced is not None and verdict is Liveness.UNKNOWN and pid not in self._seen:
+                # Fenced and no actor was ever there to kill: nothing can still be running
+                # on its behalf that the coordinator knows how to stop.
+                self._declare_dead(pid, fenced, "fenced")
+
+    async def _probe(self, pipeline_id: str) -> Liveness:
+        handle = await self._coordinator(pipeline_id)
+        if handle is None:
+            return Liveness.DEAD if pipeline_id in self._seen else Liveness.UNKNOWN
+        verdict = await probe(handle, self.cfg.probe_timeout_s)
+        if verdict is Liveness.DEAD:
+            self._handles.pop(pipeline_id, None)
+        return verdict
+
+
+def cluster_id_of(pipeline_id: str, name: str = GENERATION_CLUSTER) -> str:
+    """``{pipeline_id}_{name}`` (generation cluster by default)."""
+    return cluster_id(pipeline_id, name)
+
+
+def default_topology() -> Topology:
+    """The topology a scheduler started now would use (Ray's cluster resources)."""
+    return topology_from_ray()
