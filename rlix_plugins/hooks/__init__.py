@@ -1,5 +1,36 @@
 """Hook protocol between a host training loop and the coordinator."""
 
-from rlix_plugins.hooks.protocol import NoOpRLixHooks, RLixHooks
+from __future__ import annotations
 
-__all__ = ["NoOpRLixHooks", "RLixHooks"]
+from typing import Any
+
+from rlix_plugins.errors import SettingsError
+from rlix_plugins.hooks.protocol import NoOpRLixHooks, RLixHooks
+from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, load_settings
+
+
+def make_hooks(
+    settings: Settings | None = None,
+    *,
+    pipeline_id: str | None = None,
+    scheduler: Any = None,
+    heartbeat: bool = True,
+) -> RLixHooks:
+    """The hooks a host should call: no-ops when the control plane is off, else
+    :class:`~rlix_plugins.hooks.coordinator_hooks.CoordinatorHooks` for ``pipeline_id``
+    (default: ``PIPELINE_ID`` from the environment)."""
+    s = settings or load_settings()
+    if not s.enabled:
+        return NoOpRLixHooks()
+    pid = pipeline_id or s.pipeline_id
+    if not pid:
+        raise SettingsError(
+            f"the control plane is on but no pipeline id is known; set {ENV_PIPELINE_ID} or "
+            "pass pipeline_id"
+        )
+    from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
+
+    return CoordinatorHooks(pid, s, scheduler=scheduler, heartbeat=heartbeat)
+
+
+__all__ = ["NoOpRLixHooks", "RLixHooks", "make_hooks"]

@@ -53,7 +53,9 @@ def snapshot(state: SchedulerState) -> dict[str, Any]:
                 "pipeline_id": pid,
                 "ray_namespace": spec.ray_namespace,
                 "weight": spec.weight,
-                "clusters": [{"name": c.name, "tp": c.tp, "gpus": list(c.gpus)} for c in spec.clusters],
+                "clusters": [
+                    {"name": c.name, "tp": c.tp, "gpus": list(c.gpus)} for c in spec.clusters
+                ],
             }
         )
     progress = {

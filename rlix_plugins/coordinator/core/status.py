@@ -129,9 +129,9 @@ def build_status(
         )
     pipelines = []
     for pid in sorted(state.pipelines):
-        spec = state.pipelines[pid]
+        pspec = state.pipelines[pid]
         clusters = []
-        for c in spec.clusters:
+        for c in pspec.clusters:
             held = state.holdings.get(c.cluster_id)
             pending = state.pending.get(c.cluster_id)
             clusters.append(
@@ -149,8 +149,8 @@ def build_status(
         pipelines.append(
             PipelineStatus(
                 pipeline_id=pid,
-                ray_namespace=spec.ray_namespace,
-                weight=spec.weight,
+                ray_namespace=pspec.ray_namespace,
+                weight=pspec.weight,
                 demand=state.demand(pid),
                 progress_streams=len(state.progress.get(pid, {})),
                 clusters=tuple(clusters),

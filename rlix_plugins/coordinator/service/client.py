@@ -161,7 +161,9 @@ def scheduler_handle(namespace: str) -> Any:
     return handle
 
 
-def stop_coordinator(namespace: str, *, clear_state: bool = True, timeout_s: float = 30.0) -> list[str]:
+def stop_coordinator(
+    namespace: str, *, clear_state: bool = True, timeout_s: float = 30.0
+) -> list[str]:
     """Stop the coordinator actors of ``namespace``; returns the names that were running.
 
     Pipelines keep running (nothing else on Ray is touched); their next call finds no

@@ -8,6 +8,7 @@ GCS is not fault tolerant, or for inspection).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -86,7 +87,5 @@ class FileStateStore:
         os.replace(tmp, self.path)
 
     def clear(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        except FileNotFoundError:
-            pass

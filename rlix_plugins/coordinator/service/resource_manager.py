@@ -55,7 +55,7 @@ def topology_from_nodes(
 
 def topology_from_ray(required_gpus_per_node: int | None = None) -> Topology:
     """Topology of the connected Ray cluster."""
-    return topology_from_nodes(ray.nodes(), required_gpus_per_node)
+    return topology_from_nodes(ray.nodes(), required_gpus_per_node)  # type: ignore[no-untyped-call]
 
 
 class ResourceManagerService:
@@ -148,16 +148,28 @@ class RollResourceManagerService:
             for i in range(0, len(device_mapping), per_worker):
                 out.append(
                     [
-                        {"node_rank": g // gpn, "gpu_rank": g % gpn,
-                         "placement_group": pgs[g // gpn], "ray_address": address}
+                        {
+                            "node_rank": g // gpn,
+                            "gpu_rank": g % gpn,
+                            "placement_group": pgs[g // gpn],
+                            "ray_address": address,
+                        }
                         for g in device_mapping[i : i + per_worker]
                     ]
                 )
         else:
             for rank in range(world_size):
                 node = rank % len(pgs)
-                out.append([{"node_rank": node, "gpu_rank": None, "placement_group": pgs[node],
-                             "ray_address": address}])
+                out.append(
+                    [
+                        {
+                            "node_rank": node,
+                            "gpu_rank": None,
+                            "placement_group": pgs[node],
+                            "ray_address": address,
+                        }
+                    ]
+                )
         if len(out) != world_size:
             raise RlixPluginsError(
                 f"device mapping of {len(device_mapping or [])} GPUs does not split into "

@@ -20,6 +20,7 @@ so its GPUs return to the pool. A GPU whose shrink failed is never handed on bef
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -87,6 +88,7 @@ class SchedulerService:
         self._fencing: dict[str, str] = {}
         self._dead: OrderedDict[str, DeadPipeline] = OrderedDict()
         self._inflight: dict[str, Any] | None = None
+        self._side_tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._wake = asyncio.Event()
         self._liveness_wake = asyncio.Event()
@@ -131,9 +133,7 @@ class SchedulerService:
         self._seen = set(record.get("seen", [])) & set(state.pipelines)
         # A lease restarts at recovery: the pipeline had no scheduler to beat against meanwhile.
         self._beats = {p: now for p in record.get("leased", []) if p in state.pipelines}
-        self._fencing = {
-            p: r for p, r in record.get("fencing", {}).items() if p in state.pipelines
-        }
+        self._fencing = {p: r for p, r in record.get("fencing", {}).items() if p in state.pipelines}
         logger.warning(
             "scheduler %s: recovered %d pipeline(s), %d GPU(s) owned, revision %d",
             self.cfg.namespace,
@@ -201,9 +201,9 @@ class SchedulerService:
         for cid in [c for c in self._release_waiters if c.startswith(prefix)]:
             if parse_cluster_id(cid)[0] != pipeline_id:
                 continue
-            for fut in self._release_waiters.pop(cid):
-                if not fut.done():
-                    fut.set_exception(error)
+            for rfut in self._release_waiters.pop(cid):
+                if not rfut.done():
+                    rfut.set_exception(error)
 
     def _settle_release_waiters(self) -> None:
         for cid in list(self._release_waiters):
@@ -278,7 +278,9 @@ class SchedulerService:
 
     async def unregister_pipeline(self, pipeline_id: str) -> tuple[int, ...]:
         """Forget a pipeline and free its GPUs (the pipeline stopped using them)."""
-        freed = self._drop(pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered"))
+        freed = self._drop(
+            pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered")
+        )
         self._kick()
         return freed
 
@@ -312,10 +314,16 @@ class SchedulerService:
             if self._state.cancel_request(c.cluster_id):
                 self._requested_at.pop(c.cluster_id, None)
         self._state.clear_progress(pipeline_id)
-        self._fail_waiters(pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} failed: {reason}"))
+        self._fail_waiters(
+            pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} failed: {reason}")
+        )
         self._persist()
-        loop = asyncio.get_running_loop()
-        loop.create_task(self._kill_then_probe(pipeline_id, spec.ray_namespace))
+        task = asyncio.get_running_loop().create_task(
+            self._kill_then_probe(pipeline_id, spec.ray_namespace)
+        )
+        # Keep a reference: the loop holds tasks weakly.
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     async def _kill_then_probe(self, pipeline_id: str, ray_namespace: str) -> None:
         try:
@@ -349,9 +357,7 @@ class SchedulerService:
         """Block until the cluster is granted; return its GPUs (generation: >= 1 active rank)."""
         prio = coerce_priority(priority)
         cid = self._resolve_caller(cluster_id, pipeline_id)
-        return await self._submit_and_wait(
-            cid, prio, global_step, step_target_estimate, lora_name
-        )
+        return await self._submit_and_wait(cid, prio, global_step, step_target_estimate, lora_name)
 
     async def _submit_and_wait(
         self,
@@ -564,10 +570,8 @@ class SchedulerService:
     # ================================================================== cycle
     async def _cycle_loop(self) -> None:
         while not self._stopping:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.cfg.tick_s)
-            except asyncio.TimeoutError:
-                pass
             self._wake.clear()
             try:
                 again = await self._cycle()
@@ -657,8 +661,8 @@ class SchedulerService:
                 beneficiary=move.beneficiary,
             )
         if self._metrics is not None:
-            for cid, _ in expanded:
-                self._metrics.allocated("generation_rank", "GENERATION")
+            if expanded:
+                self._metrics.allocated("generation_rank", "GENERATION", len(expanded))
         self._observe_trace(now)
         for cid, gpus in granted.items():
             started = self._requested_at.pop(cid, None)
@@ -726,10 +730,8 @@ class SchedulerService:
     # ================================================================== liveness
     async def _liveness_loop(self) -> None:
         while not self._stopping:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._liveness_wake.wait(), self.cfg.liveness_interval_s)
-            except asyncio.TimeoutError:
-                pass
             self._liveness_wake.clear()
             try:
                 await self._check_liveness()

@@ -78,8 +78,15 @@ class OwnershipTrace:
         """A point event (e.g. a preemption) on each of ``gpus``' tracks."""
         for gpu in gpus:
             self._events.append(
-                {"name": name, "ph": "i", "s": "t", "pid": 1, "tid": gpu, "ts": self._us(now),
-                 "args": dict(args)}
+                {
+                    "name": name,
+                    "ph": "i",
+                    "s": "t",
+                    "pid": 1,
+                    "tid": gpu,
+                    "ts": self._us(now),
+                    "args": dict(args),
+                }
             )
 
     def to_json(self, now: float) -> dict[str, Any]:
@@ -89,12 +96,22 @@ class OwnershipTrace:
         ]
         for gpu in range(self.num_gpus):
             meta.append(
-                {"name": "thread_name", "ph": "M", "pid": 1, "tid": gpu,
-                 "args": {"name": f"GPU {gpu}"}}
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": 1,
+                    "tid": gpu,
+                    "args": {"name": f"GPU {gpu}"},
+                }
             )
             meta.append(
-                {"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": gpu,
-                 "args": {"sort_index": gpu}}
+                {
+                    "name": "thread_sort_index",
+                    "ph": "M",
+                    "pid": 1,
+                    "tid": gpu,
+                    "args": {"sort_index": gpu},
+                }
             )
         open_slices = [
             self._slice(gpu, cur[0], cur[1], now)

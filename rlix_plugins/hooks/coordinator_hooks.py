@@ -1,0 +1,200 @@
+"""RLixHooks backed by the coordinator: one pipeline's training loop talks to ``rlix:scheduler``.
+
+``before_training`` blocks until the pipeline's training GPUs are granted (retrying across a
+coordinator restart), ``after_training`` releases them, progress is sent in 2% buckets, and a
+heartbeat thread keeps the pipeline's lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
+from rlix_plugins.protocol.names import ACTOR_TRAIN, SCHEDULER_ACTOR, cluster_id
+from rlix_plugins.protocol.types import Priority, ProgressReport, progress_bucket
+from rlix_plugins.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ProgressThrottle:
+    """Decides which progress updates are worth a message (pure; one per stream).
+
+    Sent when the 2% bucket changes, when nothing remains, or on a new batch; identical
+    repeats of the last sent state are dropped.
+    """
+
+    last: tuple[int, int, int] | None = None  # (target, bucket, remaining)
+
+    def should_send(self, *, target: int, completed: int, new_batch: bool) -> bool:
+        bucket = progress_bucket(completed, target)
+        remaining = target - min(max(completed, 0), target)
+        state = (target, bucket, remaining if remaining == 0 else -1)
+        send = new_batch or self.last is None or state != self.last
+        if send:
+            self.last = state
+        return send
+
+
+class CoordinatorHooks:
+    """:class:`~rlix_plugins.hooks.protocol.RLixHooks` for one pipeline under the coordinator."""
+
+    def __init__(
+        self,
+        pipeline_id: str,
+        settings: Settings,
+        *,
+        scheduler: Any = None,
+        train_cluster: str = ACTOR_TRAIN,
+        heartbeat: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pipeline_id = pipeline_id
+        self.settings = settings
+        self.train_cluster_id = cluster_id(pipeline_id, train_cluster)
+        self._scheduler = scheduler
+        self._clock = clock
+        self._throttles: dict[tuple[str, str | None], ProgressThrottle] = {}
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self.heartbeat_error: BaseException | None = None
+        if heartbeat:
+            self.start_heartbeat()
+
+    # ------------------------------------------------------------------ scheduler access
+    def _sched(self) -> Any:
+        import ray
+
+        if self._scheduler is None:
+            try:
+                self._scheduler = ray.get_actor(SCHEDULER_ACTOR, namespace=self.settings.namespace)
+            except ValueError:
+                raise CoordinatorUnavailableError(
+                    f"no {SCHEDULER_ACTOR} in namespace {self.settings.namespace!r}"
+                ) from None
+        return self._scheduler
+
+    def _call(self, method: str, *args: Any, deadline_s: float | None = None, **kwargs: Any) -> Any:
+        """Call the scheduler; ride through a coordinator restart until ``deadline_s``.
+
+        A restarted actor keeps its id and Ray retries the call itself; a re-created one
+        (stopped and started, or created by another ``connect``) has a new id, so the name is
+        looked up again. Typed errors (bad call, pipeline failed) are never retried.
+        """
+        import ray
+
+        limit = self.settings.request_timeout_s if deadline_s is None else deadline_s
+        deadline = self._clock() + limit
+        delay = 0.05
+        while True:
+            try:
+                return ray.get(getattr(self._sched(), method).remote(*args, **kwargs))
+            except (ray.exceptions.RayActorError, CoordinatorUnavailableError) as exc:
+                if self._clock() >= deadline:
+                    raise CoordinatorUnavailableError(
+                        f"scheduler unreachable for {limit:g}s calling {method}: {exc}"
+                    ) from exc
+                logger.warning(
+                    "scheduler unavailable (%s); retrying %s", type(exc).__name__, method
+                )
+                self._scheduler = None
+                # Backoff between lookups of a name that is being re-created (nothing to wait on).
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # ------------------------------------------------------------------ RLixHooks
+    def before_training(self, step: int) -> None:
+        """Block until this pipeline's training cluster is granted (overlapping shards shrunk)."""
+        gpus = self._call(
+            "request_gpus",
+            cluster_id=self.train_cluster_id,
+            priority=Priority.ACTOR_TRAINING,
+            global_step=step,
+            pipeline_id=self.pipeline_id,
+        )
+        logger.info("step %d: training GPUs granted %s", step, gpus)
+
+    def after_training(self, step: int) -> None:
+        """Release the training GPUs (weights cached, training state offloaded)."""
+        self._call(
+            "notify_release_gpus",
+            cluster_id=self.train_cluster_id,
+            global_step=step,
+            pipeline_id=self.pipeline_id,
+        )
+
+    def report_progress(
+        self,
+        *,
+        step_target_trajectories: int,
+        collected: int,
+        current_train_step: int,
+        new_batch: bool = False,
+        mode: str = "train",
+        adapter_id: str | None = None,
+    ) -> None:
+        """Send demand when the 2% bucket changes, at 0 remaining, or on a new batch."""
+        throttle = self._throttles.setdefault((mode, adapter_id), ProgressThrottle())
+        if not throttle.should_send(
+            target=step_target_trajectories, completed=collected, new_batch=new_batch
+        ):
+            return
+        completed = min(max(collected, 0), step_target_trajectories)
+        report = ProgressReport(
+            pipeline_id=self.pipeline_id,
+            step_target_trajectories=step_target_trajectories,
+            fifo_timestamp=time.time(),
+            metrics={
+                "mode": mode,
+                "completed": completed,
+                "bucket": progress_bucket(completed, step_target_trajectories),
+                "new_batch": new_batch,
+                "current_train_step": current_train_step,
+                "adapter_id": adapter_id,
+            },
+        )
+        self._call("report_progress", report)
+
+    def clear_progress(self) -> None:
+        """The step's generation is over: forget this pipeline's demand."""
+        self._throttles.clear()
+        self._call("clear_progress", pipeline_id=self.pipeline_id)
+
+    # ------------------------------------------------------------------ lease
+    def start_heartbeat(self) -> None:
+        """Beat every lease/3 from a daemon thread (from the first beat the lease applies)."""
+        if self._heartbeat_thread is not None:
+            return
+        self._heartbeat_thread = threading.Thread(
+            target=self._beat, name=f"rlix-heartbeat-{self.pipeline_id}", daemon=True
+        )
+        self._heartbeat_thread.start()
+
+    def _beat(self) -> None:
+        import ray
+
+        interval = self.settings.lease_s / 3
+        while not self._stop.is_set():
+            try:
+                ray.get(self._sched().heartbeat.remote(self.pipeline_id), timeout=interval * 2)
+            except PipelineFailedError as exc:
+                self.heartbeat_error = exc
+                logger.error("coordinator declared this pipeline dead: %s", exc)
+                return
+            except Exception as exc:  # restart in progress: keep trying, the lease decides
+                logger.warning("heartbeat failed: %s", exc)
+                self._scheduler = None
+            self._stop.wait(interval)
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (the lease then lapses unless the pipeline unregisters)."""
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
+            self._heartbeat_thread = None
