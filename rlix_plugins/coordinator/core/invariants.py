@@ -101,10 +101,6 @@ def check_plan(state: SchedulerState, plan: Plan) -> None:
         active_after[m.cluster_id].discard(m.dp_rank)
         for g in state.clusters[m.cluster_id].rank_gpus(m.dp_rank):
             owner[g] = None
-    freed_by: dict[int, str] = {}
-    for m in plan.shrinks:
-        for g in m.gpus:
-            freed_by[g] = m.cluster_id
     taken: dict[int, str] = {}
 
     def take(gpus: tuple[int, ...], who: str) -> None:

@@ -45,6 +45,7 @@ class _Gen:
     """Per generation cluster bookkeeping during one cycle."""
 
     cluster_id: str
+    gpus: tuple[int, ...]
     tp: int
     dp_size: int
     weight: float
@@ -56,6 +57,9 @@ class _Gen:
     fresh: set[int] = field(default_factory=set)
     #: outside the hysteresis band at the start of the cycle: may take ranks from others
     may_rebalance: bool = False
+    #: ranks below this one have no fully idle GPU set. Within the generation step idle GPUs
+    #: only ever get taken (a donor's GPUs go straight to a receiver), so this only grows.
+    free_cursor: int = 0
 
     @property
     def gap(self) -> float:
@@ -82,12 +86,17 @@ class _Cycle:
             self.owner[g] = None
         self.shrinks.append(RankMove(cid, rank, gpus, reason, beneficiary))
 
-    def _expand(self, cid: str, rank: int) -> None:
-        gpus = self.state.clusters[cid].rank_gpus(rank)
-        self.active[cid].add(rank)
-        for g in gpus:
-            self.owner[g] = GpuOwner(cid, rank, Priority.GENERATION)
-        self.expands.append(RankMove(cid, rank, gpus))
+    def _grow(self, g: _Gen, rank: int) -> None:
+        """Expand a rank of an eligible generation cluster (the hot path of big cycles)."""
+        tp = g.tp
+        gpus = g.gpus[rank * tp : rank * tp + tp]
+        g.active.add(rank)
+        g.fresh.add(rank)
+        marker = GpuOwner(g.cluster_id, rank, Priority.GENERATION)
+        owner = self.owner
+        for x in gpus:
+            owner[x] = marker
+        self.expands.append(RankMove(g.cluster_id, rank, gpus))
 
     # -- 1. planned releases -----------------------------------------------------------------
     def planned_releases(self) -> None:
@@ -140,7 +149,9 @@ class _Cycle:
             spec = state.clusters[cid]
             demand = state.demand(spec.pipeline_id) or 0
             weight = state.pipelines[spec.pipeline_id].weight
-            gens[cid] = _Gen(cid, spec.tp, spec.dp_size, weight, demand, pending_seq, active)
+            gens[cid] = _Gen(
+                cid, spec.gpus, spec.tp, spec.dp_size, weight, demand, pending_seq, active
+            )
         return gens
 
     def _set_targets(self, gens: dict[str, _Gen]) -> None:
@@ -179,34 +190,60 @@ class _Cycle:
         for g in order:
             g.may_rebalance = not g.active or g.gap >= self.config.rebalance_threshold
 
+    def _next_free_rank(self, g: _Gen) -> int | None:
+        """Lowest inactive rank of ``g`` whose GPUs are all idle (amortised O(1) per cycle)."""
+        owner = self.owner
+        tp, gpus, active = g.tp, g.gpus, g.active
+        rank = g.free_cursor
+        while rank < g.dp_size:
+            if rank not in active:
+                if tp == 1:
+                    if owner[gpus[rank]] is None:
+                        g.free_cursor = rank
+                        return rank
+                elif all(owner[gpus[rank * tp + i]] is None for i in range(tp)):
+                    g.free_cursor = rank
+                    return rank
+            rank += 1
+        g.free_cursor = rank
+        return None
+
     def _find_rank(self, g: _Gen, gens: dict[str, _Gen]) -> tuple[int, list[GpuOwner]] | None:
         """Cheapest inactive rank of ``g``: all GPUs idle, else taken from donors above target."""
-        spec = self.state.clusters[g.cluster_id]
+        free = self._next_free_rank(g)
+        if free is not None:
+            return free, []
+        if not g.may_rebalance:
+            return None
         starving = not g.active
-        may_rebalance = g.may_rebalance
         best: tuple[int, list[GpuOwner]] | None = None
         owner = self.owner
+        tp, gpus, active = g.tp, g.gpus, g.active
         for rank in range(g.dp_size):
-            if rank in g.active:
+            if rank in active:
                 continue
             donors: dict[tuple[str, int], GpuOwner] = {}
             blocked = False
-            for gpu in spec.rank_gpus(rank):
+            for gpu in gpus[rank * tp : rank * tp + tp]:
                 o = owner[gpu]
                 if o is None:
                     continue
-                if o.dp_rank is None or not may_rebalance:
-                    blocked = True  # a whole-cluster holding (or this cycle's grant)
+                # Cheap filters first: a whole-cluster holding (or this cycle's grant), or a
+                # rank of a pipeline that is not above its target, can never be taken.
+                r = o.dp_rank
+                d = gens.get(o.cluster_id) if r is not None else None
+                if r is None or d is None or len(d.active) <= d.target or r in d.fresh:
+                    blocked = True
                     break
-                donors[(o.cluster_id, o.dp_rank)] = o
-            if blocked:
+                donors[(o.cluster_id, r)] = o
+            if blocked or not donors:
                 continue
-            if not donors:
-                return rank, []
             if (best is None or len(donors) < len(best[1])) and self._donors_allowed(
                 list(donors.values()), gens, starving
             ):
                 best = (rank, list(donors.values()))
+                if len(donors) == 1:
+                    break  # no rank is cheaper than one donor rank
         return best
 
     def _donors_allowed(
@@ -235,20 +272,29 @@ class _Cycle:
         if not gens:
             return
         self._set_targets(gens)
-        heap: list[tuple[int, float, int, str]] = []
-
-        def push(g: _Gen) -> None:
-            if len(g.active) < g.target:
-                starving = 0 if not g.active else 1
-                heapq.heappush(heap, (starving, -g.gap, g.pending_seq or 0, g.cluster_id))
-
-        for g in gens.values():
-            push(g)
+        # Pass 1, idle GPUs: receivers in order (starving first, then largest relative gap)
+        # take idle ranks up to their target. No one loses anything here, so there is nothing
+        # to interleave; this is the bulk of a large cycle and must stay cheap.
+        order = sorted(
+            (g for g in gens.values() if len(g.active) < g.target),
+            key=lambda g: (bool(g.active), -g.gap, g.pending_seq or 0, g.cluster_id),
+        )
+        for g in order:
+            while len(g.active) < g.target and (rank := self._next_free_rank(g)) is not None:
+                self._grow(g, rank)
+        # Pass 2, moves between pipelines: one rank at a time to whoever is furthest below
+        # target, taken from pipelines above theirs (subject to hysteresis and min hold).
+        heap = [
+            (bool(g.active), -g.gap, g.pending_seq or 0, g.cluster_id)
+            for g in order
+            if len(g.active) < g.target
+        ]
+        if not any(len(g.active) > g.target for g in gens.values()):
+            heap = []  # nobody has a rank to give
+        heapq.heapify(heap)
         while heap:
             *_, cid = heapq.heappop(heap)
             g = gens[cid]
-            if len(g.active) >= g.target:
-                continue
             found = self._find_rank(g, gens)
             if found is None:
                 continue
@@ -256,9 +302,9 @@ class _Cycle:
             for o in donors:
                 assert o.dp_rank is not None
                 self._shrink(o.cluster_id, o.dp_rank, ShrinkReason.REBALANCE, cid)
-            self._expand(cid, rank)
-            g.fresh.add(rank)
-            push(g)
+            self._grow(g, rank)
+            if len(g.active) < g.target:
+                heapq.heappush(heap, (True, -g.gap, g.pending_seq or 0, cid))
         if self.config.work_conserving:
             self._fill_idle(gens)
 
@@ -270,17 +316,16 @@ class _Cycle:
             if g.demand > 0 and len(g.active) < g.dp_size
         ]
         heapq.heapify(heap)
-        owner = self.owner
         while heap:
             _, cid = heapq.heappop(heap)
             g = gens[cid]
-            spec = self.state.clusters[cid]
-            for rank in range(g.dp_size):
-                if rank not in g.active and all(owner[x] is None for x in spec.rank_gpus(rank)):
-                    self._expand(cid, rank)
-                    g.fresh.add(rank)
-                    if len(g.active) < g.dp_size:
-                        heapq.heappush(heap, (len(g.active) / (g.weight * g.demand), cid))
+            while (rank := self._next_free_rank(g)) is not None:
+                self._grow(g, rank)
+                if len(g.active) >= g.dp_size:
+                    break
+                key = (len(g.active) / (g.weight * g.demand), cid)
+                if heap and key > heap[0]:
+                    heapq.heappush(heap, key)
                     break
 
     def build(self) -> Plan:
