@@ -187,7 +187,8 @@ def main() -> int:
         )
         print(
             f"{r.pipelines:5d} pipelines x {r.gpus:6d} GPUs: plan {r.plan_ms_median:8.2f} ms "
-            f"(p90 {r.plan_ms_p90:.2f}, wall {r.plan_wall_ms_median:.2f}), check {r.check_ms_median:.2f} ms, "
+            f"(p90 {r.plan_ms_p90:.2f}, wall {r.plan_wall_ms_median:.2f}), "
+            f"check {r.check_ms_median:.2f} ms, "
             f"{r.expands} expands {r.shrinks} shrinks {r.grants} grants "
             f"target {r.target_ms} {verdict}"
         )
