@@ -191,7 +191,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def unpack_bucket(data: torch.Tensor, entries: Iterable[TensorEntry]) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(
+    data: torch.Tensor, entries: Iterable[TensorEntry]
+) -> list[tuple[str, torch.Tensor]]:
     """Views (no copy) of each tensor in a bucket's bytes."""
     out: list[tuple[str, torch.Tensor]] = []
     for e in entries:
@@ -249,9 +251,7 @@ class BucketCache:
     def resident_bytes(self) -> int:
         """Bytes of bucket capacity currently allocated (all versions, retired included)."""
         with self._lock:
-            return sum(
-                int(b.storage.numel()) for cv in self._versions.values() for b in cv.buckets
-            )
+            return sum(int(b.storage.numel()) for cv in self._versions.values() for b in cv.buckets)
 
     def _get(self, version: int) -> CachedVersion:
         cv = self._versions.get(version)
@@ -582,5 +582,5 @@ class BucketCache:
             except BufferError:
                 # A caller still holds a view; the pages go when that view is collected (the
                 # file is already unlinked, so nothing outlives the process).
-                logger.debug("bucket %d still referenced; unmapped on collection", bucket.layout.index)
+                logger.debug("bucket %d still referenced; unmapped later", bucket.layout.index)
             bucket._mmap = None

@@ -104,7 +104,7 @@ def checksum_bytes(data: np.ndarray, kind: ChecksumKind) -> int:
     """Checksum of a 1-D uint8 host array."""
     if kind is ChecksumKind.FLETCHER64:
         return fletcher64_numpy(data)
-    return zlib.crc32(memoryview(data))
+    return zlib.crc32(data.tobytes() if not data.flags.c_contiguous else data.data)
 
 
 def checksum_tensor(data: torch.Tensor, kind: ChecksumKind) -> int:
@@ -114,4 +114,4 @@ def checksum_tensor(data: torch.Tensor, kind: ChecksumKind) -> int:
     if kind is ChecksumKind.FLETCHER64:
         return fletcher64_torch(data)
     # crc32 has no device implementation: copy to host (slow path, only when configured).
-    return zlib.crc32(memoryview(data.cpu().numpy()))
+    return zlib.crc32(data.cpu().numpy().data)

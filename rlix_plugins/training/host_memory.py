@@ -101,7 +101,11 @@ def check_host_memory(
             "or keep fewer cached versions"
         )
     logger.debug(
-        "%s: %d bytes needed, %d available (%s)", what, needed_bytes, mem.available_bytes, mem.source
+        "%s: %d bytes needed, %d available (%s)",
+        what,
+        needed_bytes,
+        mem.available_bytes,
+        mem.source,
     )
     return mem
 

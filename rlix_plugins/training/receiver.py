@@ -13,20 +13,23 @@ extension clears its recorded version when a sync starts and sets it only on suc
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlix_plugins.errors import ChecksumMismatchError, ReceiverGoneError, WeightSyncError
 from rlix_plugins.training.bucket_cache import TensorEntry, unpack_bucket
 from rlix_plugins.training.checksum import checksum_tensor
-from rlix_plugins.training.transports.base import open_receiver_transport
+from rlix_plugins.training.transports.base import ReceiverTransport, open_receiver_transport
 from rlix_plugins.training.transports.selection import ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer, decode, encode
 
 if TYPE_CHECKING:
     import torch
+    import zmq
 
 logger = logging.getLogger(__name__)
 
@@ -39,69 +42,85 @@ def _error_type(exc: BaseException) -> str:
     return "checksum" if isinstance(exc, ChecksumMismatchError) else type(exc).__name__
 
 
-def receive_weights(offer: SyncOffer, load_weights: LoadWeightsFn) -> ReceiveResult:
-    """Receive ``offer.version`` and apply it through ``load_weights``; blocking."""
+@dataclass(slots=True)
+class _Stats:
+    count: int = 0
+    total: int = 0
+    peak: int = 0
+
+
+def _bucket_stream(
+    sock: zmq.Socket[bytes], transport: ReceiverTransport, offer: SyncOffer, stats: _Stats
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield each verified bucket's tensors; ack it once the consumer asks for the next one."""
     import zmq
 
-    ctx = zmq.Context.instance()
+    timeout_ms = int(offer.timeout_s * 1000)
+    while True:
+        if not sock.poll(timeout_ms, zmq.POLLIN):
+            raise ReceiverGoneError(
+                f"shard {offer.shard_id}: sender of pipeline {offer.pipeline_id} sent nothing "
+                f"for {offer.timeout_s:.0f}s (sync {offer.sync_id})"
+            )
+        frames = sock.recv_multipart(copy=False)
+        header = decode(frames[0].buffer)
+        kind = header.get("kind")
+        if kind == "abort":
+            raise WeightSyncError(
+                f"shard {offer.shard_id}: sender aborted sync {offer.sync_id}: "
+                f"{header.get('reason', '')}"
+            )
+        if kind == "end":
+            if stats.count != offer.num_buckets:
+                raise WeightSyncError(
+                    f"shard {offer.shard_id}: got {stats.count} buckets, offer promised "
+                    f"{offer.num_buckets}"
+                )
+            return
+        if kind != "bucket":
+            raise WeightSyncError(f"unexpected control message {header!r}")
+        data = transport.fetch(header, list(frames[1:]))
+        yield _verified(offer, header, data)
+        transport.release()
+        nbytes = int(header["nbytes"])
+        stats.count += 1
+        stats.total += nbytes
+        stats.peak = max(stats.peak, nbytes)
+        sock.send(encode({"ok": True, "kind": "ack", "index": int(header["index"])}))
+
+
+def _run(
+    offer: SyncOffer,
+    consume: Callable[[Iterator[list[tuple[str, torch.Tensor]]]], object],
+) -> ReceiveResult:
+    import zmq
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(offer.control_address)
     started = time.perf_counter()
-    count = 0
-    total = 0
-    peak = 0
-    transport = None
-    timeout_ms = int(offer.timeout_s * 1000)
+    stats = _Stats()
+    transport: ReceiverTransport | None = None
     try:
         transport = open_receiver_transport(offer)
-        while True:
-            if not sock.poll(timeout_ms, zmq.POLLIN):
-                raise ReceiverGoneError(
-                    f"shard {offer.shard_id}: sender of pipeline {offer.pipeline_id} sent nothing "
-                    f"for {offer.timeout_s:.0f}s (sync {offer.sync_id})"
-                )
-            frames = sock.recv_multipart(copy=False)
-            header = decode(frames[0].buffer)
-            kind = header.get("kind")
-            if kind == "abort":
-                raise WeightSyncError(
-                    f"shard {offer.shard_id}: sender aborted sync {offer.sync_id}: "
-                    f"{header.get('reason', '')}"
-                )
-            if kind == "end":
-                if count != offer.num_buckets:
-                    raise WeightSyncError(
-                        f"shard {offer.shard_id}: got {count} buckets, offer promised "
-                        f"{offer.num_buckets}"
-                    )
-                result = ReceiveResult(
-                    shard_id=offer.shard_id,
-                    version=offer.version,
-                    buckets=count,
-                    bytes=total,
-                    seconds=time.perf_counter() - started,
-                    max_bucket_bytes=peak,
-                )
-                sock.send(encode({"ok": True, "kind": "done", "result": result.to_dict()}))
-                return result
-            if kind != "bucket":
-                raise WeightSyncError(f"unexpected control message {header!r}")
-            _apply_bucket(offer, header, transport.fetch(header, list(frames[1:])), load_weights)
-            transport.release()
-            nbytes = int(header["nbytes"])
-            count += 1
-            total += nbytes
-            peak = max(peak, nbytes)
-            sock.send(encode({"ok": True, "kind": "ack", "index": int(header["index"])}))
+        consume(_bucket_stream(sock, transport, offer, stats))
+        result = ReceiveResult(
+            shard_id=offer.shard_id,
+            version=offer.version,
+            buckets=stats.count,
+            bytes=stats.total,
+            seconds=time.perf_counter() - started,
+            max_bucket_bytes=stats.peak,
+        )
+        sock.send(encode({"ok": True, "kind": "done", "result": result.to_dict()}))
+        return result
     except BaseException as exc:
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             sock.send(
                 encode({"ok": False, "error": str(exc), "error_type": _error_type(exc)}),
                 zmq.NOBLOCK,
             )
-        except zmq.ZMQError:
-            pass
         raise
     finally:
         if transport is not None:
@@ -109,9 +128,36 @@ def receive_weights(offer: SyncOffer, load_weights: LoadWeightsFn) -> ReceiveRes
         sock.close(linger=1000)
 
 
-def _apply_bucket(
-    offer: SyncOffer, header: Mapping[str, Any], data: torch.Tensor, load_weights: LoadWeightsFn
-) -> None:
+def receive_weights(offer: SyncOffer, load_weights: LoadWeightsFn) -> ReceiveResult:
+    """Receive ``offer.version``, calling ``load_weights`` once per verified bucket; blocking."""
+
+    def consume(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
+        for tensors in buckets:
+            load_weights(tensors)
+
+    return _run(offer, consume)
+
+
+def receive_weights_streaming(
+    offer: SyncOffer, consume: Callable[[Iterator[tuple[str, torch.Tensor]]], object]
+) -> ReceiveResult:
+    """Receive ``offer.version`` as ONE iterator of (name, tensor) handed to ``consume``.
+
+    For loaders that take a whole weights iterator (vLLM's ``reload_weights``). A bucket is
+    acked when ``consume`` asks for the first tensor after it; tensors it keeps beyond that
+    keep their bucket's memory alive, so the one-bucket bound holds only for consumers that
+    copy as they go.
+    """
+
+    def flatten(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
+        consume(t for tensors in buckets for t in tensors)
+
+    return _run(offer, flatten)
+
+
+def _verified(
+    offer: SyncOffer, header: Mapping[str, Any], data: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
     expected = int(header["checksum"])
     got = checksum_tensor(data, offer.checksum)
     if got != expected:
@@ -121,7 +167,7 @@ def _apply_bucket(
             f"sender computed {expected:#x}; nothing of this bucket was applied"
         )
     entries = [TensorEntry.from_wire(e) for e in header["entries"]]
-    load_weights(unpack_bucket(data, entries))
+    return unpack_bucket(data, entries)
 
 
 class StateDictTarget:

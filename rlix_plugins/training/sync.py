@@ -227,10 +227,13 @@ class _Group:
                 try:
                     m.future = m.receiver.begin_receive(offer)
                 except Exception as exc:
-                    raise _Failure(m.receiver.shard_id, ReceiverGoneError(
-                        f"shard {m.receiver.shard_id}: could not start receiving: {exc}"
-                    )) from exc
-            self._guard(transport.prepare)
+                    raise _Failure(
+                        m.receiver.shard_id,
+                        ReceiverGoneError(
+                            f"shard {m.receiver.shard_id}: could not start receiving: {exc}"
+                        ),
+                    ) from exc
+            self._guard(None, transport.prepare)
             for bucket in cv.buckets:
                 extras, frames = transport.frames(bucket)
                 header = {
@@ -242,20 +245,22 @@ class _Group:
                     **extras,
                 }
                 for m in self.members:
-                    self._guard(lambda m=m: _send(m, header, frames, opts.ack_timeout_s), m)
-                self._guard(lambda: transport.after_headers(bucket) if transport else None)
+                    self._guard(m, _send, m, header, frames, opts.ack_timeout_s)
+                self._guard(None, transport.after_headers, bucket)
                 for m in self.members:
-                    self._guard(lambda m=m: _recv(m, opts.ack_timeout_s, "bucket ack"), m)
+                    self._guard(m, _recv, m, opts.ack_timeout_s, "bucket ack")
             outcomes: list[ShardOutcome] = []
             for m in self.members:
-                self._guard(lambda m=m: _send(m, {"kind": "end"}, [], opts.ack_timeout_s), m)
+                self._guard(m, _send, m, {"kind": "end"}, [], opts.ack_timeout_s)
             for m in self.members:
-                ack = self._guard(lambda m=m: _recv(m, opts.ack_timeout_s, "final ack"), m)
+                ack = self._guard(m, _recv, m, opts.ack_timeout_s, "final ack")
                 assert m.future is not None
                 # the receiver returns right after its final ack; its future carries the result
-                raw = self._guard(lambda m=m: m.future.result(opts.ack_timeout_s), m)  # type: ignore[union-attr]
-                result = raw if isinstance(raw, ReceiveResult) else ReceiveResult.from_dict(
-                    raw if isinstance(raw, Mapping) else ack["result"]
+                raw = self._guard(m, m.future.result, opts.ack_timeout_s)
+                result = (
+                    raw
+                    if isinstance(raw, ReceiveResult)
+                    else ReceiveResult.from_dict(raw if isinstance(raw, Mapping) else ack["result"])
                 )
                 m.done = True
                 outcomes.append(ShardOutcome(m.receiver.shard_id, self.kind, True, result))
@@ -268,9 +273,9 @@ class _Group:
             if transport is not None:
                 transport.close()
 
-    def _guard(self, fn: Any, member: _Member | None = None) -> Any:
+    def _guard(self, member: _Member | None, fn: Any, *args: Any) -> Any:
         try:
-            return fn()
+            return fn(*args)
         except _Failure:
             raise
         except Exception as exc:
@@ -352,7 +357,7 @@ def sync_version(
                     f"shard {r.shard_id}: transport 'shm' needs a cache in shared memory"
                 )
             plan.append((r, kind))
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         members: list[_Member] = []
         try:
             for i, (r, kind) in enumerate(plan):
@@ -395,7 +400,11 @@ def sync_version(
         )
     logger.info(
         "pipeline %s: synced version %d to %s in %.3fs (failed: %s)",
-        cache.pipeline_id, version, report.succeeded, report.seconds, report.failed,
+        cache.pipeline_id,
+        version,
+        report.succeeded,
+        report.seconds,
+        report.failed,
     )
     if report.failed and opts.raise_on_error:
         raise _error_for(report)

@@ -84,8 +84,12 @@ class BroadcastSender(SenderTransport):
         self._size = group_size + 1
         self._timeout_s = timeout_s
         self._host = "127.0.0.1" if kind is TransportKind.GLOO else _node_address()
-        self._store = dist.TCPStore(
-            self._host, 0, self._size, True, timeout=datetime.timedelta(seconds=timeout_s),
+        self._store = dist.TCPStore(  # type: ignore[attr-defined]
+            self._host,
+            0,
+            self._size,
+            True,
+            timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )
         self._prefix = f"rlix-sync-{uuid.uuid4().hex}"
@@ -109,7 +113,13 @@ class BroadcastSender(SenderTransport):
 
         # blocks until every receiver has joined the rendezvous (bounded by the timeout)
         self._group = _make_group(
-            self.kind, dist.PrefixStore(self._prefix, self._store), 0, self._size, self._timeout_s
+            self.kind,
+            dist.PrefixStore(  # type: ignore[attr-defined]
+                self._prefix, self._store
+            ),
+            0,
+            self._size,
+            self._timeout_s,
         )
 
     def frames(self, bucket: Bucket) -> tuple[dict[str, Any], list[Any]]:
@@ -143,13 +153,21 @@ class BroadcastReceiver(ReceiverTransport):
 
         d = offer.details
         kind = offer.transport
-        store = dist.TCPStore(
-            str(d["store_host"]), int(d["store_port"]), int(d["world_size"]), False,
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            str(d["store_host"]),
+            int(d["store_port"]),
+            int(d["world_size"]),
+            False,
             timeout=datetime.timedelta(seconds=offer.timeout_s),
         )
         self._group = _make_group(
-            kind, dist.PrefixStore(str(d["prefix"]), store), int(d["rank"]),
-            int(d["world_size"]), offer.timeout_s,
+            kind,
+            dist.PrefixStore(  # type: ignore[attr-defined]
+                str(d["prefix"]), store
+            ),
+            int(d["rank"]),
+            int(d["world_size"]),
+            offer.timeout_s,
         )
         self._store = store
         device = "cuda" if kind is TransportKind.NCCL else "cpu"

@@ -44,7 +44,7 @@ class CudaIpcSender(SenderTransport):
     def prepare(self) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        fn, args = reduce_tensor(self._staging)
+        fn, args = reduce_tensor(self._staging)  # type: ignore[no-untyped-call]
         self._handle = pickle.dumps((fn, args))
 
     def frames(self, bucket: Bucket) -> tuple[dict[str, Any], list[Any]]:
@@ -75,7 +75,7 @@ class CudaIpcReceiver(ReceiverTransport):
             raise WeightSyncError("cuda_ipc bucket message needs exactly one handle frame")
         raw = bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
         if self._mapped is None or raw != self._key:
-            fn, args = pickle.loads(raw)  # noqa: S301 - our own sender, local socket
+            fn, args = pickle.loads(raw)  # our own sender, over a local socket
             args = list(args)
             args[_DEVICE_ARG] = torch.cuda.current_device()
             self._mapped = fn(*args)

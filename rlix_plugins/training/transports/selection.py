@@ -49,11 +49,7 @@ def select_transport(
     """
     acc = receiver.accepts
     if receiver.gpu_uuid is not None:
-        if (
-            sender.cuda
-            and sender.gpu_uuid == receiver.gpu_uuid
-            and TransportKind.CUDA_IPC in acc
-        ):
+        if sender.cuda and sender.gpu_uuid == receiver.gpu_uuid and TransportKind.CUDA_IPC in acc:
             return TransportKind.CUDA_IPC
         if sender.cuda and TransportKind.NCCL in acc:
             return TransportKind.NCCL

@@ -8,6 +8,7 @@ bucket (shared pages, already resident in the sender).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import warnings
@@ -60,7 +61,9 @@ class ShmReceiver(ReceiverTransport):
         try:
             size = os.fstat(fd).st_size
             if size < nbytes:
-                raise WeightSyncError(f"shared bucket {path} has {size} bytes, header says {nbytes}")
+                raise WeightSyncError(
+                    f"shared bucket {path} has {size} bytes, header says {nbytes}"
+                )
             self._mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) if nbytes else None
         finally:
             os.close(fd)
@@ -76,11 +79,9 @@ class ShmReceiver(ReceiverTransport):
     def release(self) -> None:
         self._view = None
         if self._mm is not None:
-            try:
+            # BufferError: a load_weights callback kept a view; the mapping goes with that view
+            with contextlib.suppress(BufferError):
                 self._mm.close()
-            except BufferError:
-                # a load_weights callback kept a view; the mapping goes with that view
-                pass
             self._mm = None
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ class ZmqSender(SenderTransport):
 
     def frames(self, bucket: Bucket) -> tuple[dict[str, Any], list[Any]]:
         data = bucket.data
-        return {}, [memoryview(data.numpy())]
+        return {}, [data.numpy().data]
 
 
 class ZmqReceiver(ReceiverTransport):
@@ -39,7 +39,9 @@ class ZmqReceiver(ReceiverTransport):
         import torch
 
         if len(frames) != 1:
-            raise WeightSyncError(f"zmq bucket message has {len(frames)} payload frames, expected 1")
+            raise WeightSyncError(
+                f"zmq bucket message has {len(frames)} payload frames, expected 1"
+            )
         self._frame = frames[0]
         buf = self._frame.buffer if hasattr(self._frame, "buffer") else memoryview(self._frame)
         if len(buf) != int(header["nbytes"]):

@@ -1,0 +1,174 @@
+"""A receiver in a spawned child process holding a preallocated state dict.
+
+Stands in for an inference worker where a real one is not needed (multi-process sync tests,
+the bandwidth benchmark): it is a separate process with its own memory, so transports,
+failure detection and peak receiver memory are measured for real. The child resets the
+kernel's peak-RSS counter before each sync (``/proc/self/clear_refs``) and reports how far
+its resident memory rose above the level at the start of the sync.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rlix_plugins.errors import ReceiverGoneError, WeightSyncError
+from rlix_plugins.training.transports.selection import ReceiverLocation
+from rlix_plugins.training.wire import ReceiveResult, SyncOffer
+
+#: name -> (dtype name, shape) of the tensors the child preallocates
+Layout = Mapping[str, tuple[str, tuple[int, ...]]]
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSyncStats:
+    """Receiver-side figures of one sync in the child."""
+
+    result: ReceiveResult
+    rss_before_bytes: int
+    peak_rss_bytes: int
+    checksums: dict[str, str]
+
+    @property
+    def peak_extra_bytes(self) -> int:
+        return max(0, self.peak_rss_bytes - self.rss_before_bytes)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _child(conn: multiprocessing.connection.Connection, layout: dict[str, Any]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    from rlix_plugins.training.bucket_cache import torch_dtype
+    from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+    from rlix_plugins.training.receiver import StateDictTarget, receive_weights
+
+    torch.set_num_threads(1)
+    tensors = {
+        name: torch.zeros(tuple(shape), dtype=torch_dtype(dtype))
+        for name, (dtype, shape) in layout.items()
+    }
+    target = StateDictTarget(tensors)
+    conn.send(("ready", os.getpid()))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        offer = SyncOffer.from_dict(msg)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM so the peak below belongs to this sync
+        except OSError:
+            pass
+        before = _status_kb("VmRSS") * 1024
+        try:
+            result = receive_weights(offer, target.load_weights)
+        except BaseException as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            continue
+        peak = _status_kb("VmHWM") * 1024
+        sums = {
+            n: f"{checksum_tensor(t.reshape(-1).view(torch.uint8), ChecksumKind.FLETCHER64):x}"
+            for n, t in target.tensors.items()
+        }
+        conn.send(("ok", result.to_dict(), before, peak, sums))
+
+
+class SpawnedReceiver:
+    """Sender-side handle of a receiver child process (see module docstring)."""
+
+    def __init__(
+        self,
+        shard_id: str,
+        layout: Layout,
+        location: ReceiverLocation | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self._shard_id = shard_id
+        self._location = location or ReceiverLocation()
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_child,
+            args=(child_conn, {k: (d, tuple(s)) for k, (d, s) in layout.items()}),
+            daemon=True,
+            name=f"rlix-receiver-{shard_id}",
+        )
+        self.process.start()
+        child_conn.close()
+        if not self._conn.poll(start_timeout_s):
+            self.process.kill()
+            raise ReceiverGoneError(f"receiver {shard_id} did not start in {start_timeout_s}s")
+        self._conn.recv()
+        self._lock = threading.Lock()
+        self.last_stats: ChildSyncStats | None = None
+        self.syncs = 0
+
+    @property
+    def shard_id(self) -> str:
+        return self._shard_id
+
+    @property
+    def location(self) -> ReceiverLocation:
+        return self._location
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
+        fut: concurrent.futures.Future[ReceiveResult] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                with self._lock:
+                    self._conn.send(offer.to_dict())
+                    while not self._conn.poll(0.05):
+                        if not self.process.is_alive():
+                            raise ReceiverGoneError(
+                                f"receiver process {self._shard_id} exited "
+                                f"(code {self.process.exitcode})"
+                            )
+                    reply = self._conn.recv()
+                if reply[0] != "ok":
+                    raise WeightSyncError(f"receiver {self._shard_id}: {reply[1]}")
+                _, raw, before, peak, sums = reply
+                result = ReceiveResult.from_dict(raw)
+                self.last_stats = ChildSyncStats(result, before, peak, sums)
+                self.syncs += 1
+                fut.set_result(result)
+            except BaseException as exc:  # EOFError/BrokenPipe when the child died
+                fut.set_exception(
+                    exc
+                    if isinstance(exc, WeightSyncError)
+                    else ReceiverGoneError(f"receiver {self._shard_id}: {exc!r}")
+                )
+
+        threading.Thread(target=run, daemon=True, name=f"rlix-wait-{self._shard_id}").start()
+        return fut
+
+    def kill(self) -> None:
+        """SIGKILL the child (tests of a receiver dying mid-sync)."""
+        self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send(None)
+            except OSError:
+                pass
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+        self._conn.close()

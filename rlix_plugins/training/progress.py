@@ -1,0 +1,222 @@
+"""Generation progress accounting: what a pipeline reports as its demand.
+
+Per train step the pipeline needs ``step_target`` trajectories valid for the current weight
+version. :class:`ProgressTracker` counts them and calls its sink with a
+:class:`~rlix_plugins.protocol.ProgressReport` only when something the coordinator schedules on
+changes: a new batch (always), a new 2% bucket (:func:`~rlix_plugins.protocol.progress_bucket`),
+and 0 remaining. Reporting every trajectory would flood the coordinator for no decision change.
+
+"Valid" follows NeMo RL's replay buffer: a trajectory generated with weight version ``v`` is
+usable at step ``current`` when ``max(0, current - max_age_steps) <= v <= current``
+(:func:`valid_count`). ``max_age_steps=0`` counts only the current version.
+
+The sink is any callable (the hooks implementation forwards to the coordinator; tests collect);
+:func:`hooks_sink` adapts an :class:`~rlix_plugins.hooks.protocol.RLixHooks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from rlix_plugins.hooks.protocol import RLixHooks
+from rlix_plugins.protocol import ProgressReport, progress_bucket
+
+logger = logging.getLogger(__name__)
+
+ProgressSink = Callable[[ProgressReport], None]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionRecord:
+    """A replay-buffer entry's versions: generated with ``trajectory_version``, intended for
+    the step that trains ``target_version`` (None when the buffer does not track it)."""
+
+    trajectory_version: int
+    target_version: int | None = None
+
+
+def is_valid(version: int, current_weight_version: int, max_age_steps: int) -> bool:
+    """NeMo RL's age window: ``max(0, current - max_age) <= version <= current``."""
+    if max_age_steps < 0:
+        raise ValueError(f"max_age_steps must be >= 0, got {max_age_steps}")
+    return max(0, current_weight_version - max_age_steps) <= version <= current_weight_version
+
+
+def valid_count(
+    records: Iterable[int | VersionRecord],
+    current_weight_version: int,
+    max_age_steps: int,
+    *,
+    intended_only: bool = False,
+) -> int:
+    """How many replay-buffer records are usable at ``current_weight_version``.
+
+    ``intended_only`` additionally requires ``target_version == current_weight_version``
+    (records without a target version never match then).
+    """
+    n = 0
+    for rec in records:
+        if isinstance(rec, VersionRecord):
+            v, target = rec.trajectory_version, rec.target_version
+        else:
+            v, target = int(rec), None
+        if not is_valid(v, current_weight_version, max_age_steps):
+            continue
+        if intended_only and target != current_weight_version:
+            continue
+        n += 1
+    return n
+
+
+class ProgressTracker:
+    """Counts valid trajectories for the current batch and reports in 2% buckets.
+
+    Thread-safe (several collector threads may record). The sink runs outside the tracker's
+    lock so a slow coordinator RPC never blocks recording; each report carries a sequence
+    number (``metrics["seq"]``) so a receiver can drop one that arrives late.
+    """
+
+    def __init__(
+        self,
+        pipeline_id: str,
+        sink: ProgressSink,
+        *,
+        on_clear: Callable[[], None] | None = None,
+        mode: str = "train",
+        adapter_id: str | None = None,
+        max_age_steps: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.pipeline_id = pipeline_id
+        self._sink = sink
+        self._on_clear = on_clear
+        self.mode = mode
+        self.adapter_id = adapter_id
+        self.max_age_steps = max_age_steps
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._target = 0
+        self._collected = 0
+        self._step = 0
+        self._version = 0
+        self._batch_ts: float | None = None
+        self._last_bucket: int | None = None
+        self._seq = 0
+        self._active = False
+
+    @property
+    def collected(self) -> int:
+        with self._lock:
+            return self._collected
+
+    @property
+    def active(self) -> bool:
+        with self._lock:
+            return self._active
+
+    def begin_batch(
+        self, *, step: int, step_target: int, weight_version: int, already_collected: int = 0
+    ) -> ProgressReport:
+        """Start counting for a new step; always reports (``new_batch``)."""
+        if step_target < 0:
+            raise ValueError(f"step_target must be >= 0, got {step_target}")
+        with self._lock:
+            self._active = True
+            self._step = step
+            self._target = step_target
+            self._version = weight_version
+            self._collected = min(max(0, already_collected), step_target)
+            self._batch_ts = self._clock()
+            report = self._report_locked(new_batch=True)
+        self._emit(report)
+        return report
+
+    def record(self, n: int = 1, *, weight_version: int) -> ProgressReport | None:
+        """Count ``n`` trajectories generated with ``weight_version`` (ignored if not valid
+        for the current step); reports when the 2% bucket changes."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        with self._lock:
+            if not self._active or not is_valid(weight_version, self._version, self.max_age_steps):
+                return None
+            report = self._set_locked(self._collected + n)
+        if report is not None:
+            self._emit(report)
+        return report
+
+    def set_collected(self, collected: int) -> ProgressReport | None:
+        """Set the count outright (e.g. from :func:`valid_count` over the replay buffer)."""
+        with self._lock:
+            if not self._active:
+                return None
+            report = self._set_locked(max(0, collected))
+        if report is not None:
+            self._emit(report)
+        return report
+
+    def _set_locked(self, collected: int) -> ProgressReport | None:
+        self._collected = min(collected, self._target)
+        if progress_bucket(self._collected, self._target) == self._last_bucket:
+            return None  # same 2% bucket (0 remaining is bucket 50, so it is reported once)
+        return self._report_locked(new_batch=False)
+
+    def end_batch(self) -> None:
+        """The batch is consumed by training: clear the pipeline's demand."""
+        with self._lock:
+            self._active = False
+            self._last_bucket = None
+        if self._on_clear is not None:
+            self._on_clear()
+
+    def _report_locked(self, *, new_batch: bool) -> ProgressReport:
+        self._seq += 1
+        bucket = progress_bucket(self._collected, self._target)
+        self._last_bucket = bucket
+        metrics: dict[str, object] = {
+            "completed": self._collected,
+            "collected": self._collected,
+            "remaining": self._target - self._collected,
+            "bucket": bucket,
+            "new_batch": new_batch,
+            "current_train_step": self._step,
+            "weight_version": self._version,
+            "mode": self.mode,
+            "seq": self._seq,
+        }
+        if self.adapter_id is not None:
+            metrics["adapter_id"] = self.adapter_id
+        return ProgressReport(
+            pipeline_id=self.pipeline_id,
+            step_target_trajectories=self._target,
+            fifo_timestamp=self._batch_ts,
+            metrics=metrics,
+        )
+
+    def _emit(self, report: ProgressReport) -> None:
+        try:
+            self._sink(report)
+        except Exception:
+            # progress is advisory: a failing sink must not break trajectory collection
+            logger.exception("progress sink failed for pipeline %s", self.pipeline_id)
+
+
+def hooks_sink(hooks: RLixHooks) -> ProgressSink:
+    """A sink that forwards reports to ``hooks.report_progress``."""
+
+    def sink(report: ProgressReport) -> None:
+        m = report.metrics or {}
+        adapter = m.get("adapter_id")
+        hooks.report_progress(
+            step_target_trajectories=report.step_target_trajectories,
+            collected=report.completed,
+            current_train_step=int(str(m.get("current_train_step", 0))),
+            new_batch=bool(m.get("new_batch", False)),
+            mode=str(m.get("mode", "train")),
+            adapter_id=None if adapter is None else str(adapter),
+        )
+
+    return sink
