@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 #: host module -> "module:factory" returning that host's HostPatch. Imported lazily, only when
 #: the host module itself is imported in this process.
-PATCHES: dict[str, str] = {}
+PATCHES: dict[str, str] = {
+    "verl": "rlix_plugins.patches.verl:factory",
+}
 
 _lock = threading.Lock()
 _active: dict[str, HostPatch] = {}

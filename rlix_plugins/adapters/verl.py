@@ -1,0 +1,275 @@
+"""The veRL pipeline adapter: a veRL trainer's lifecycle turned into coordinator calls.
+
+One adapter per veRL job, built by the RLix trainer (``patches/verl_trainer.py``) once veRL
+has created its replicas, load balancer and checkpoint managers. It
+
+* registers the pipeline with the orchestrator (``actor_train`` = the trainer GPUs,
+  ``actor_infer`` = every rollout replica, hybrid replicas mapped onto the trainer GPUs and
+  standalone ones after them, so the coordinator sees the partial overlap);
+* serves ``resize_infer`` through the pipeline coordinator actor with a
+  :class:`VerlShardController` (ShardController protocol): shrink = the generation module's
+  preempt (mark -> abort -> drain -> sleep) on veRL replicas, expand = wake -> selective sync
+  from the CPU cache to exactly those replicas -> activate;
+* requests and releases GPUs around each train step through the RLix hooks.
+
+Host details stay here and in patches/; generation/ and training/ never import veRL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rlix_plugins.adapters.verl_shards import LoadBalancerShardState, VerlReplicaEngine
+from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
+from rlix_plugins.generation.shard_state import ShardStatus
+from rlix_plugins.hooks.protocol import RLixHooks
+from rlix_plugins.protocol.names import (
+    ACTOR_INFER,
+    ACTOR_TRAIN,
+    CONTROL_PLANE_NAMESPACE,
+    ORCHESTRATOR_ACTOR,
+    cluster_id,
+    pipeline_namespace,
+)
+from rlix_plugins.protocol.types import Priority
+from rlix_plugins.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: syncs cached weight ``version`` to the replicas with these dp ranks (exactly those)
+SyncFn = Callable[[Sequence[int], int], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class VerlLayout:
+    """Where a veRL job's GPUs are, as the coordinator is told (global GPU ids).
+
+    ``hybrid_replicas`` replicas live on the trainer GPUs (veRL's hybrid engine); the
+    ``standalone_replicas`` after them on their own GPUs. Replica ``d`` uses ``tp`` GPUs.
+    """
+
+    train_gpus: int
+    tp: int
+    hybrid_replicas: int
+    standalone_replicas: int
+    first_gpu: int = 0
+
+    @property
+    def num_replicas(self) -> int:
+        return self.hybrid_replicas + self.standalone_replicas
+
+    def device_mappings(self) -> dict[str, list[int]]:
+        train = list(range(self.first_gpu, self.first_gpu + self.train_gpus))
+        infer_gpus = self.hybrid_replicas * self.tp
+        if infer_gpus > self.train_gpus:
+            raise ValueError(
+                f"{self.hybrid_replicas} hybrid replicas x tp {self.tp} exceed the "
+                f"{self.train_gpus} trainer GPUs they live on"
+            )
+        start = self.first_gpu + self.train_gpus
+        infer = train[:infer_gpus] + list(range(start, start + self.standalone_replicas * self.tp))
+        return {ACTOR_TRAIN: train, ACTOR_INFER: sorted(infer)}
+
+    def tp_configs(self) -> dict[str, int]:
+        return {ACTOR_TRAIN: 1, ACTOR_INFER: self.tp}
+
+
+class _LoopThread:
+    """A private event loop on a daemon thread: the lifecycle's asyncio objects live there,
+    while the coordinator actor calls shrink/expand from its own (sync) threads."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="rlix-verl-shards")
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+
+class VerlShardController:
+    """ShardController over veRL replicas (idempotent per rank, as the protocol requires).
+
+    Args:
+        lifecycle: the generation module's preempt/wake/activate over :class:`VerlReplicaEngine`
+            with the load balancer as state owner.
+        sync: ``sync(dp_ranks, version)`` streams the cached ``version`` to those replicas.
+        version: returns the weight version expanded replicas must load (newest cached).
+    """
+
+    def __init__(
+        self,
+        lifecycle: ShardLifecycle,
+        state: LoadBalancerShardState,
+        sync: SyncFn,
+        version: Callable[[], int | None],
+    ) -> None:
+        self._lifecycle = lifecycle
+        self._state = state
+        self._sync = sync
+        self._version = version
+        self._loop: _LoopThread | None = None
+        self._lock = threading.Lock()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        with self._lock:
+            if self._loop is None:
+                self._loop = _LoopThread()
+            loop = self._loop
+        return loop.run(coro)
+
+    async def _statuses(self) -> tuple[ShardStatus, ...]:
+        return (await self._state.refresh()).statuses
+
+    def shrink(self, dp_ranks: Sequence[int]) -> None:
+        """Preempt ranks that still run or are half-taken-down; sleeping ones are left alone."""
+        statuses = self._run(self._statuses())
+        todo = [r for r in dp_ranks if statuses[r] is not ShardStatus.SLEEPING]
+        if todo:
+            self._run(self._lifecycle.preempt(todo))
+
+    def expand(self, dp_ranks: Sequence[int]) -> None:
+        """Wake sleeping ranks, sync the newest cached weights to exactly them, activate."""
+        statuses = self._run(self._statuses())
+        sleeping = [r for r in dp_ranks if statuses[r] is ShardStatus.SLEEPING]
+        if sleeping:
+            self._run(self._lifecycle.wake(sleeping))
+        woken = [
+            r for r in dp_ranks if statuses[r] in (ShardStatus.SLEEPING, ShardStatus.WOKEN)
+        ]
+        if not woken:
+            return
+        version = self._version()
+        if version is not None:
+            # A woken level-2 replica has no valid weights: it is routed only after this.
+            self._sync(woken, version)
+        self._run(self._lifecycle.activate(woken))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"lifecycle": self._lifecycle, "state": self._state, "sync": self._sync,
+                "version": self._version}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["lifecycle"], state["state"], state["sync"], state["version"]
+        )
+
+
+def make_shard_controller(
+    load_balancer: Any,
+    replica_servers: Sequence[Sequence[Any]],
+    sync: SyncFn,
+    version: Callable[[], int | None],
+    preemption: PreemptionConfig | None = None,
+) -> VerlShardController:
+    """Controller for replicas ``replica_servers[d]`` (server handles of dp rank ``d``)."""
+    engines = [VerlReplicaEngine(servers) for servers in replica_servers]
+    state = LoadBalancerShardState(load_balancer)
+    lifecycle = ShardLifecycle(state, engines, preemption)
+    return VerlShardController(lifecycle, state, sync, version)
+
+
+class VerlPipelineAdapter:
+    """Coordinator-side life of one veRL pipeline (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        pipeline_id: str,
+        layout: VerlLayout,
+        controller: VerlShardController,
+        hooks: RLixHooks,
+        step_target: int,
+    ) -> None:
+        self.settings = settings
+        self.pipeline_id = pipeline_id
+        self.layout = layout
+        self.controller = controller
+        self.hooks = hooks
+        self.step_target = step_target
+        self._coordinator: Any = None
+        self._generation_thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- registration
+    def register(self) -> None:
+        """Register and admit the pipeline, then serve ``resize_infer`` for it."""
+        import ray
+
+        from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
+
+        orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
+        ray.get(
+            orch.register_pipeline.remote(
+                pipeline_id=self.pipeline_id,
+                ray_namespace=pipeline_namespace(self.pipeline_id),
+                cluster_tp_configs=self.layout.tp_configs(),
+                cluster_device_mappings=self.layout.device_mappings(),
+            )
+        )
+        self._coordinator = start_pipeline_coordinator(
+            self.pipeline_id,
+            self.controller,
+            control_namespace=self.settings.namespace or CONTROL_PLANE_NAMESPACE,
+        )
+        ray.get(orch.admit_pipeline.remote(pipeline_id=self.pipeline_id))
+        logger.info("veRL pipeline %s registered: %s", self.pipeline_id, self.layout)
+
+    # ---------------------------------------------------------------- per step
+    def request_generation(self, step: int) -> None:
+        """Ask for generation GPUs for ``step`` (returns at once; the grant arrives as
+        ``resize_infer(add)``); progress starts from zero for the new batch."""
+        self.hooks.report_progress(
+            step_target_trajectories=self.step_target, collected=0,
+            current_train_step=step, new_batch=True,
+        )
+        if self._generation_thread is not None and self._generation_thread.is_alive():
+            return  # an earlier request is still pending; the scheduler keeps it
+        self._generation_thread = threading.Thread(
+            target=self._request_generation, args=(step,), daemon=True,
+            name=f"rlix-verl-gen-{step}",
+        )
+        self._generation_thread.start()
+
+    def _request_generation(self, step: int) -> None:
+        import ray
+
+        try:
+            sched = ray.get_actor("rlix:scheduler", namespace=self.settings.namespace)
+            ray.get(sched.request_gpus.remote(
+                cluster_id=cluster_id(self.pipeline_id, ACTOR_INFER),
+                priority=Priority.GENERATION,
+                global_step=step,
+                step_target_estimate=self.step_target,
+            ))
+        except Exception:
+            logger.exception("generation request for step %d failed", step)
+
+    def report_collected(self, collected: int, step: int) -> None:
+        """Demand for the current step: ``collected`` of ``step_target`` trajectories."""
+        self.hooks.report_progress(
+            step_target_trajectories=self.step_target, collected=collected,
+            current_train_step=step,
+        )
+
+    def before_training(self, step: int) -> None:
+        """Block until the trainer GPUs are granted (overlapping shards shrunk)."""
+        self.hooks.before_training(step)
+
+    def after_training(self, step: int) -> None:
+        """Weights are cached and training state offloaded: release the trainer GPUs."""
+        self.hooks.after_training(step)
+
+    def close(self) -> None:
+        self.hooks.clear_progress()
+        close = getattr(self.hooks, "close", None)
+        if callable(close):
+            close()

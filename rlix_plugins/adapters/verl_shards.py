@@ -1,0 +1,130 @@
+"""veRL replicas as generation shards: the engine and state-view sides of RLix preemption.
+
+:class:`VerlReplicaEngine` is a :class:`~rlix_plugins.generation.engine.ShardEngine` over one
+veRL rollout replica (its server actor handles), so the generation module's
+:class:`~rlix_plugins.generation.preemption.ShardLifecycle` drives veRL's own calls:
+
+* ``abort_all`` -> ``abort_all_requests(reject_request=True)`` on every server of the replica:
+  veRL closes the replica's submission gate (late arrivals come back ``stop_reason="aborted"``
+  at once, so the client re-routes them) and aborts in-flight requests through vLLM's
+  ``pause_generation``; they come back aborted with their partial tokens.
+* ``num_running`` -> the engine's unfinished-request count (drain poll).
+* ``sleep``/``wake_up`` -> engine-level sleep/wake on the RLix server subclass (works for
+  standalone replicas too, which veRL itself never sleeps).
+* ``resume`` -> veRL's ``resume_generation`` (reopens the gate).
+
+:class:`LoadBalancerShardState` is the :class:`~rlix_plugins.generation.state_store.ShardStateView`
+whose owner is the pipeline's :class:`~rlix_plugins.patches.verl_routing.RLixRequestLoadBalancer`
+actor: every agent-loop worker routes through that one actor, so the state it routes by and the
+state the lifecycle changes are the same object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
+from rlix_plugins.generation.shard_state import ShardEvent, ShardSnapshot
+
+
+class VerlReplicaEngine:
+    """ShardEngine over one veRL replica: ``servers[0]`` holds the engine (node rank 0)."""
+
+    def __init__(self, servers: Sequence[Any], *, sleep_level: int | None = None) -> None:
+        if not servers:
+            raise ValueError("a replica needs at least one server handle")
+        self._servers = tuple(servers)
+        self._sleep_level = sleep_level
+
+    @property
+    def servers(self) -> tuple[Any, ...]:
+        return self._servers
+
+    async def generate(self, request: GenerationRequest) -> EngineOutput:
+        """One attempt through veRL's token-in/token-out server call."""
+        params: dict[str, Any] = dict(request.sampling)
+        params["max_tokens"] = request.max_tokens
+        out = await self._servers[0].generate.remote(
+            prompt_ids=list(request.prompt_token_ids),
+            sampling_params=params,
+            request_id=request.request_id,
+        )
+        reason = "abort" if out.stop_reason in ("aborted", "abort") else str(out.stop_reason)
+        logprobs = tuple(out.log_probs) if out.log_probs is not None else None
+        return EngineOutput(tuple(out.token_ids), reason, logprobs)
+
+    async def abort_all(self) -> int:
+        results = await asyncio.gather(
+            *(s.abort_all_requests.remote(reject_request=True) for s in self._servers)
+        )
+        return sum(int(r.get("aborted_count", 0)) for r in results)
+
+    async def num_running(self) -> int:
+        counts = await asyncio.gather(*(s.rlix_num_running.remote() for s in self._servers))
+        return sum(int(c) for c in counts)
+
+    async def sleep(self, level: int | None = None) -> None:
+        lvl = self._sleep_level if level is None else level
+        await asyncio.gather(*(s.rlix_sleep.remote(lvl) for s in self._servers))
+
+    async def wake_up(self) -> None:
+        await asyncio.gather(*(s.rlix_wake_up.remote() for s in self._servers))
+
+    async def resume(self) -> None:
+        # veRL's order: resume the engines with admission closed, then open every gate.
+        await self._servers[0].resume_engine_generation.remote()
+        await asyncio.gather(*(s.open_submission_gate.remote() for s in self._servers))
+
+    async def pause(self) -> int:
+        """Abort in-flight requests but PARK late arrivals (active refresh, not preemption)."""
+        results = await asyncio.gather(
+            *(s.abort_all_requests.remote(reject_request=False) for s in self._servers)
+        )
+        return sum(int(r.get("aborted_count", 0)) for r in results)
+
+
+class LoadBalancerShardState:
+    """ShardStateView whose owner is the RLix load-balancer actor (picklable: a handle)."""
+
+    def __init__(self, load_balancer: Any) -> None:
+        self._lb = load_balancer
+        self._cached: ShardSnapshot | None = None
+
+    def _update(self, snap: ShardSnapshot) -> ShardSnapshot:
+        if self._cached is None or snap.version >= self._cached.version:
+            self._cached = snap
+        return self._cached
+
+    def snapshot(self) -> ShardSnapshot:
+        if self._cached is None:
+            import ray
+
+            return self._update(ray.get(self._lb.shard_snapshot.remote()))
+        return self._cached
+
+    async def refresh(self) -> ShardSnapshot:
+        return self._update(await self._lb.shard_snapshot.remote())
+
+    async def wait_for_update(self, after_version: int, timeout_s: float) -> ShardSnapshot:
+        # Only the lifecycle (one per pipeline, the sole writer) uses this view; polling is
+        # enough and keeps the balancer a plain synchronous actor like veRL's.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        while True:
+            snap = await self.refresh()
+            if snap.version > after_version or loop.time() >= deadline:
+                return snap
+            await asyncio.sleep(0.05)
+
+    async def apply(self, dp_ranks: Iterable[int], event: ShardEvent) -> ShardSnapshot:
+        snap = await self._lb.apply_shard_event.remote(list(dp_ranks), ShardEvent(event).value)
+        return self._update(snap)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"lb": self._lb}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._lb = state["lb"]
+        self._cached = None

@@ -1,0 +1,251 @@
+"""veRL 0.9.1 host patch: what RLix plugs into veRL, and where.
+
+Delivery: ``VERL_USE_EXTERNAL_MODULES=rlix_plugins.autoload`` makes veRL import our autoload
+module during ``import verl`` in EVERY process that imports veRL (driver, TaskRunner, workers,
+vLLM servers, agent-loop workers); with ``RLIX_CONTROL_PLANE=rlix`` that installs the
+post-import hook which applies :class:`VerlPatch` (activation.PATCHES["verl"]). Unset, nothing
+is hooked and veRL runs unchanged. On an existing Ray cluster, workers do not inherit the
+driver's shell: the patch wraps ``main_ppo.get_ppo_ray_runtime_env`` so the driver forwards the
+RLix variables (and ``VERL_USE_EXTERNAL_MODULES``) through ``runtime_env.env_vars``.
+
+What is applied (official seams first; every change goes through ``set_attribute`` or a
+registry entry with an undo step, so ``revert`` restores veRL exactly):
+
+* trainer registry (``TRAINER_REGISTRY``): each registered v1 trainer mode is replaced by an
+  RLix subclass that calls the hooks around the step (``on_sample_end`` -> before training,
+  ``on_step_end`` -> after training) and hands generation to the coordinator (see
+  :mod:`.verl_trainer`);
+* ``router.GlobalRequestLoadBalancer`` (looked up at call time by veRL's router factory) ->
+  :class:`~.verl_routing.RLixRequestLoadBalancer`, which routes only to ACTIVE shards;
+* ``RolloutReplicaRegistry["vllm"]`` -> RLix vLLM replica/server subclasses (lazy loader);
+* ``CheckpointEngineRegistry["rlix_cache"]`` -> the CPU-cache checkpoint engine;
+* ``main_ppo.get_ppo_ray_runtime_env`` -> forwards the RLix environment to Ray workers.
+
+Plug points that live in modules needing vLLM or Megatron (:data:`DEFERRED_PLUG_POINTS`) are
+checked where they are used (the replica loader, the worker-side NCCL calls), not in every
+process that imports veRL, which may have neither installed; :meth:`VerlPatch.check_all`
+checks them too (the doctor's full report).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+from rlix_plugins.errors import HostDriftError
+from rlix_plugins.patches.base import (
+    HostPatch,
+    PlugKind,
+    PlugPoint,
+    PlugPointStatus,
+    check_plug_point,
+    resolve,
+)
+from rlix_plugins.settings import (
+    ENV_CONTROL_PLANE,
+    ENV_LEASE_S,
+    ENV_NAMESPACE,
+    ENV_PIPELINE_ID,
+    ENV_REQUEST_TIMEOUT_S,
+    ENV_RESIZE_TIMEOUT_S,
+    ENV_ROLL_RAY_NAMESPACE,
+    ENV_TRACE_DIR,
+)
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VERL = ("0.9.1",)
+ENV_VERL_EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
+#: variables every veRL Ray worker needs to join the same pipeline
+FORWARDED_ENV = (
+    ENV_CONTROL_PLANE,
+    ENV_VERL_EXTERNAL_MODULES,
+    ENV_NAMESPACE,
+    ENV_REQUEST_TIMEOUT_S,
+    ENV_RESIZE_TIMEOUT_S,
+    ENV_LEASE_S,
+    ENV_TRACE_DIR,
+    ENV_PIPELINE_ID,
+    ENV_ROLL_RAY_NAMESPACE,
+)
+
+_TB = "verl.trainer.ppo.v1.trainer_base"
+_ROUTER = "verl.workers.rollout.router"
+_LLM = "verl.workers.rollout.llm_server"
+_REPLICA = "verl.workers.rollout.replica"
+_CKPT = "verl.checkpoint_engine.base"
+_MAIN = "verl.trainer.main_ppo"
+_VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server"
+_ENGINE_WORKERS = "verl.workers.engine_workers"
+_MEGATRON = "verl.workers.engine.megatron.transformer_impl"
+
+CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
+    PlugPoint("external modules", "verl.utils.import_utils:import_external_libs",
+              PlugKind.EXTENSION_POINT, ("external_libs",),
+              "VERL_USE_EXTERNAL_MODULES delivery into every veRL process"),
+    PlugPoint("trainer registry", f"{_TB}:TRAINER_REGISTRY", PlugKind.EXTENSION_POINT, (),
+              "v1 trainer modes replaced by RLix subclasses"),
+    PlugPoint("trainer lookup", f"{_TB}:get_trainer_cls", PlugKind.READ, ("name",),
+              "TaskRunnerV1 resolves trainer.v1.trainer_mode through the registry"),
+    PlugPoint("on_init_end", f"{_TB}:PPOTrainer.on_init_end", PlugKind.SUBCLASS, ("self",)),
+    PlugPoint("on_step_begin", f"{_TB}:PPOTrainer.on_step_begin", PlugKind.SUBCLASS, ("self",)),
+    PlugPoint("on_sample_end", f"{_TB}:PPOTrainer.on_sample_end", PlugKind.SUBCLASS, ("self",)),
+    PlugPoint("on_step_end", f"{_TB}:PPOTrainer.on_step_end", PlugKind.SUBCLASS, ("self",)),
+    PlugPoint("on_train_end", f"{_TB}:PPOTrainer.on_train_end", PlugKind.SUBCLASS, ("self",)),
+    PlugPoint("get_llm_client", f"{_TB}:PPOTrainer.get_llm_client", PlugKind.SUBCLASS,
+              ("self",), "agent loops get the re-dispatching client"),
+    PlugPoint("hybrid switch", "verl.trainer.ppo.v1.trainer_separate_async:"
+              "PPOTrainerSeparateAsync.switch_to_trainer", PlugKind.SUBCLASS, ("self",),
+              "separate_async's own hybrid switching is handed to the coordinator"),
+    PlugPoint("load balancer", f"{_ROUTER}:GlobalRequestLoadBalancer", PlugKind.ATTRIBUTE,
+              ("__init__", "servers", "max_cache_size", "full_determinism"),
+              "subclassed and replaced where the router factory looks it up"),
+    PlugPoint("lb acquire", f"{_ROUTER}:GlobalRequestLoadBalancer.acquire_server",
+              PlugKind.SUBCLASS, ("request_id",)),
+    PlugPoint("lb add", f"{_ROUTER}:GlobalRequestLoadBalancer.add_servers", PlugKind.SUBCLASS,
+              ("servers",)),
+    PlugPoint("lb remove", f"{_ROUTER}:GlobalRequestLoadBalancer.remove_servers",
+              PlugKind.READ, ("server_ids",)),
+    PlugPoint("router factory", f"{_ROUTER}:_create_global_sticky_inflight", PlugKind.READ,
+              ("servers", "full_determinism", "load_balancer_cls"),
+              "reads GlobalRequestLoadBalancer from the module at call time"),
+    PlugPoint("client generate", f"{_LLM}:LLMServerClient.generate", PlugKind.SUBCLASS,
+              ("request_id", "prompt_ids", "sampling_params")),
+    PlugPoint("client acquire", f"{_LLM}:LLMServerClient._acquire_server", PlugKind.SUBCLASS,
+              ("request_id",)),
+    PlugPoint("replica registry", f"{_REPLICA}:RolloutReplicaRegistry.register",
+              PlugKind.EXTENSION_POINT, ("name", "loader")),
+    PlugPoint("replica abort", f"{_REPLICA}:RolloutReplica.abort_all_requests", PlugKind.READ,
+              ("reject_request",)),
+    PlugPoint("checkpoint registry", f"{_CKPT}:CheckpointEngineRegistry.register",
+              PlugKind.EXTENSION_POINT, ("backend",)),
+    PlugPoint("checkpoint cache seam", f"{_CKPT}:CheckpointEngineWithCache.get_weights",
+              PlugKind.SUBCLASS, ("self",)),
+    PlugPoint("checkpoint manager sync", f"{_CKPT}:CheckpointEngineManager.update_weights",
+              PlugKind.READ, ("global_steps",)),
+    PlugPoint("rollout worker update", f"{_CKPT}:CheckpointEngineWorker.update_weights",
+              PlugKind.READ, ("global_steps",)),
+    PlugPoint("runtime env", f"{_MAIN}:get_ppo_ray_runtime_env", PlugKind.WRAP, ("config",),
+              "forward RLix variables to workers of an existing Ray cluster"),
+)
+
+DEFERRED_PLUG_POINTS: tuple[PlugPoint, ...] = (
+    PlugPoint("vllm server", f"{_VLLM_SERVER}:vLLMHttpServer", PlugKind.SUBCLASS, (),
+              "needs vLLM; checked by the replica loader"),
+    PlugPoint("vllm abort", f"{_VLLM_SERVER}:vLLMHttpServer.abort_all_requests", PlugKind.READ,
+              ("reject_request",)),
+    PlugPoint("vllm gate", f"{_VLLM_SERVER}:vLLMHttpServer.open_submission_gate", PlugKind.READ),
+    PlugPoint("vllm resume", f"{_VLLM_SERVER}:vLLMHttpServer.resume_engine_generation",
+              PlugKind.READ),
+    PlugPoint("vllm sleep level", f"{_VLLM_SERVER}:vLLMHttpServer._resolve_sleep_level",
+              PlugKind.READ),
+    PlugPoint("vllm replica", f"{_VLLM_SERVER}:vLLMReplica", PlugKind.SUBCLASS, ()),
+    PlugPoint("worker checkpoint call", f"{_ENGINE_WORKERS}:"
+              "ActorRolloutRefWorker.execute_checkpoint_engine", PlugKind.READ, ("method",),
+              "runs the NCCL destroy/re-init inside the training workers"),
+    PlugPoint("worker offload", f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.to", PlugKind.READ,
+              ("device", "model", "optimizer", "grad")),
+    PlugPoint("megatron engine offload", f"{_MEGATRON}:MegatronEngine.to", PlugKind.READ,
+              ("device", "model", "optimizer", "grad")),
+)
+
+
+def check_deferred(prefix: str) -> None:
+    """Raise :class:`HostDriftError` if a deferred plug point under ``prefix`` drifted."""
+    bad = [
+        s for s in (check_plug_point(p) for p in DEFERRED_PLUG_POINTS)
+        if s.point.target.startswith(prefix) and not s.ok
+    ]
+    if bad:
+        lines = "; ".join(f"{s.point.name} ({s.point.target}): {s.detail}" for s in bad)
+        raise HostDriftError(f"VerlPatch cannot use veRL's {prefix}: {lines}")
+
+
+def _rlix_vllm_loader() -> type:
+    """``RolloutReplicaRegistry`` loader: imports vLLM only when veRL builds replicas."""
+    check_deferred(_VLLM_SERVER)
+    from rlix_plugins.patches.verl_vllm import load_rlix_vllm_replica
+
+    return load_rlix_vllm_replica()
+
+
+def forwarding_runtime_env(original: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+    """Wrap veRL's runtime-env builder so the RLix variables reach every Ray worker.
+
+    veRL drops variables already set in the driver's shell (a local cluster inherits them),
+    which loses them on an existing cluster; they are added back after its filter.
+    """
+
+    def get_ppo_ray_runtime_env(config: Any = None) -> dict[str, Any]:
+        env = original(config)
+        env_vars = env.setdefault("env_vars", {})
+        for key in FORWARDED_ENV:
+            value = os.environ.get(key)
+            if value is not None:
+                env_vars[key] = value
+        return env
+
+    get_ppo_ray_runtime_env.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_ppo_ray_runtime_env
+
+
+class VerlPatch(HostPatch):
+    """RLix integration of veRL 0.9.1 (see module docstring)."""
+
+    module = "verl"
+    distributions = ("verl",)
+    supported = "verl==0.9.1"
+    plug_points = CORE_PLUG_POINTS
+
+    def version_supported(self, version: str | None) -> bool:
+        return version is not None and version.split("+")[0] in SUPPORTED_VERL
+
+    def check_all(self) -> list[PlugPointStatus]:
+        """Every plug point, deferred ones included (imports vLLM and Megatron)."""
+        return [check_plug_point(p) for p in (*CORE_PLUG_POINTS, *DEFERRED_PLUG_POINTS)]
+
+    def set_item(self, mapping: MutableMapping[str, Any], key: str, value: Any) -> None:
+        """Set ``mapping[key]`` (a host registry) and remember how to restore it."""
+        missing = object()
+        old = mapping.get(key, missing)
+        mapping[key] = value
+
+        def undo() -> None:
+            if old is missing:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = old
+
+        self._undo.append(undo)
+
+    def _apply(self) -> None:
+        version = self.version()
+        if not self.version_supported(version):
+            logger.warning("verl %s is not a tested release (%s); plug points checked OK",
+                           version, self.supported)
+        from rlix_plugins.patches.verl_checkpoint import BACKEND, RLixCacheCheckpointEngine
+        from rlix_plugins.patches.verl_routing import RLixRequestLoadBalancer
+        from rlix_plugins.patches.verl_trainer import rlix_trainer_class
+
+        registry: dict[str, type] = resolve(f"{_TB}:TRAINER_REGISTRY")
+        for name, cls in list(registry.items()):
+            if not getattr(cls, "_rlix_wrapped", False):
+                self.set_item(registry, name, rlix_trainer_class(cls))
+        self.set_attribute(sys.modules[_ROUTER], "GlobalRequestLoadBalancer",
+                           RLixRequestLoadBalancer)
+        replicas: dict[str, Callable[[], type]] = resolve(f"{_REPLICA}:RolloutReplicaRegistry")._registry
+        self.set_item(replicas, "vllm", _rlix_vllm_loader)
+        engines: dict[str, type] = resolve(f"{_CKPT}:CheckpointEngineRegistry")._registry
+        self.set_item(engines, BACKEND, RLixCacheCheckpointEngine)
+        main = sys.modules[_MAIN]
+        self.set_attribute(main, "get_ppo_ray_runtime_env",
+                           forwarding_runtime_env(main.get_ppo_ray_runtime_env))
+
+
+def factory() -> HostPatch:
+    """``activation.PATCHES["verl"]`` factory."""
+    return VerlPatch()
+

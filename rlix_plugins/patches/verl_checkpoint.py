@@ -1,0 +1,296 @@
+"""The ``rlix_cache`` veRL checkpoint-engine backend: weights go through the CPU bucket cache.
+
+Registered in veRL's ``CheckpointEngineRegistry`` (the official seam) under
+:data:`BACKEND`. veRL builds one engine per process: in every training worker (``send_weights``)
+and in every rollout worker (``receive_weights``).
+
+Training side: ``send_weights(weights, global_steps)`` consumes veRL's per-tensor generator
+(collective on every rank) into a :class:`~rlix_plugins.training.bucket_cache.BucketCache`;
+only the owner rank (global rank 0) keeps the bytes. Nothing is sent: the GPUs can be released
+right after. ``rlix_serve(version, receivers)`` (reached through veRL's
+``execute_checkpoint_engine``) then streams that cached version to EXACTLY the given rollout
+workers with :func:`~rlix_plugins.training.sync.sync_version` - the replicas being woken, or
+the active ones for an in-place refresh; no other replica is contacted.
+
+Rollout side: :class:`RayRolloutReceiver` hands the offer to the rollout worker
+(``rlix_accept_offer``) and calls veRL's own ``update_weights`` there, which pulls
+``receive_weights(global_steps)``: this engine runs the receiver on a thread and yields whole
+tensors bucket by bucket (a queue of one bucket bounds the extra memory), which veRL's server
+adapter loads into the engine as with any other backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from verl.checkpoint_engine.base import CheckpointEngineWithCache
+
+from rlix_plugins.errors import WeightSyncError
+from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
+from rlix_plugins.training.transports.selection import ReceiverLocation
+from rlix_plugins.training.wire import SyncOffer
+
+logger = logging.getLogger(__name__)
+
+#: backend name in veRL's CheckpointEngineRegistry (``rollout.checkpoint_engine.backend``)
+BACKEND = "rlix_cache"
+#: how long a rollout worker waits for the offer of the version it was asked to load
+OFFER_WAIT_S = 120.0
+
+_END = object()
+
+
+def _global_rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # no torch.distributed in this process: a single-rank sender
+        pass
+    return int(os.environ.get("RANK", "0"))
+
+
+class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc]
+    """veRL checkpoint engine backed by the RLix CPU bucket cache (see module docstring).
+
+    Args:
+        bucket_size: veRL's ``update_weights_bucket_megabytes`` in bytes; the cache bucket size
+            (a tensor larger than one bucket is an error, see the cache's docs).
+        pipeline_id: cache owner id (default ``PIPELINE_ID`` or ``"verl"``).
+        offer_wait_s: bound on a rollout worker's wait for its offer.
+    """
+
+    def __init__(
+        self,
+        bucket_size: int,
+        is_master: bool = False,
+        *,
+        pipeline_id: str | None = None,
+        offer_wait_s: float = OFFER_WAIT_S,
+        **kwargs: Any,
+    ) -> None:
+        del kwargs, is_master
+        self.bucket_size = int(bucket_size)
+        self.pipeline_id = pipeline_id or os.environ.get("PIPELINE_ID") or "verl"
+        self.offer_wait_s = offer_wait_s
+        self._cache: BucketCache | None = None
+        self._offers: dict[int, SyncOffer] = {}
+        self._offer_cv = threading.Condition()
+        self.loaded_versions: list[int] = []
+
+    # ---------------------------------------------------------------- veRL's lifecycle
+    def prepare(self) -> dict[str, Any]:
+        """No process group to build: the cache is the meeting point."""
+        return {"backend": BACKEND, "rank": _global_rank()}
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        del actor_wg_world_size, rollout_world_size, metadata
+        return {}, {}
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        del kwargs
+
+    def finalize(self) -> None:
+        return None
+
+    # ---------------------------------------------------------------- training side
+    @property
+    def cache(self) -> BucketCache:
+        """This process's cache (created on first use; only the owner rank fills it)."""
+        if self._cache is None:
+            self._cache = BucketCache(self.pipeline_id, CacheConfig(bucket_bytes=self.bucket_size))
+        return self._cache
+
+    async def send_weights(
+        self, weights: Iterable[tuple[str, Any]], global_steps: int | None = None
+    ) -> dict[str, Any]:
+        """Cache ``weights`` as version ``global_steps`` (every rank drains; rank 0 keeps)."""
+        version = int(global_steps or 0)
+        owner = _global_rank() == 0
+        # A sync generator is consumed on a thread, tensor by tensor (never materialised: its
+        # tensors live on the training GPU); only an async one must be collected first.
+        items = await _collect(weights) if hasattr(weights, "__aiter__") else weights
+        info = await asyncio.to_thread(self.cache.build, version, items, is_owner=owner)
+        if info is None:
+            return {}
+        return {"rlix/cache_version": version, "rlix/cache_bytes": int(info.total_bytes)}
+
+    def rlix_serve(self, version: int, receivers: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+        """Stream cached ``version`` to exactly ``receivers`` ((shard id, rollout worker))."""
+        from rlix_plugins.training.sync import sync_version
+
+        if self._cache is None:
+            raise WeightSyncError(f"this process holds no weight cache (asked for v{version})")
+        handles = [RayRolloutReceiver(shard_id, worker) for shard_id, worker in receivers]
+        report = sync_version(self._cache, int(version), handles)
+        logger.info(
+            "synced v%d to %s in %.3fs", version, list(report.succeeded), report.seconds
+        )
+        return {
+            "version": report.version,
+            "succeeded": list(report.succeeded),
+            "failed": list(report.failed),
+            "bytes": report.total_bytes,
+            "seconds": report.seconds,
+        }
+
+    def rlix_release_parallel_state(self) -> dict[str, Any]:
+        """Destroy this training worker's Megatron process groups (frees NCCL buffers)."""
+        return release_parallel_state()
+
+    def rlix_restore_parallel_state(self) -> bool:
+        """Re-create them from the saved parallel config before the next train step."""
+        return restore_parallel_state()
+
+    def rlix_cached_versions(self) -> list[int]:
+        return list(self._cache.versions) if self._cache is not None else []
+
+    # ---------------------------------------------------------------- rollout side
+    def rlix_accept_offer(self, offer: dict[str, Any]) -> int:
+        """Remember the offer of one version; ``receive_weights`` picks it up."""
+        parsed = SyncOffer.from_dict(offer)
+        with self._offer_cv:
+            self._offers[parsed.version] = parsed
+            self._offer_cv.notify_all()
+        return parsed.version
+
+    def _take_offer(self, version: int | None) -> SyncOffer:
+        deadline = time.monotonic() + self.offer_wait_s
+        with self._offer_cv:
+            while True:
+                if version is None and self._offers:
+                    version = max(self._offers)
+                if version is not None and version in self._offers:
+                    return self._offers.pop(version)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightSyncError(
+                        f"no offer for weight version {version} arrived in {self.offer_wait_s:g}s"
+                    )
+                self._offer_cv.wait(left)
+
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, Any]]:
+        """Pull the offered version bucket by bucket and yield whole tensors."""
+        from rlix_plugins.training.receiver import receive_weights
+
+        offer = await asyncio.to_thread(self._take_offer, global_steps)
+        chunks: queue.Queue[object] = queue.Queue(maxsize=1)
+
+        def load(batch: list[tuple[str, Any]]) -> None:
+            # Copies: the bucket's memory is released as soon as this returns.
+            chunks.put([(name, t.clone()) for name, t in batch])
+
+        def run() -> None:
+            try:
+                receive_weights(offer, load)
+                chunks.put(_END)
+            except BaseException as exc:
+                chunks.put(exc)
+
+        worker = threading.Thread(target=run, name=f"rlix-recv-v{offer.version}", daemon=True)
+        worker.start()
+        while True:
+            item = await asyncio.to_thread(chunks.get)
+            if item is _END:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, list)
+            for pair in item:
+                yield pair
+        self.loaded_versions.append(offer.version)
+
+    async def get_weights(self) -> AsyncIterator[tuple[str, Any]]:
+        """The newest cached version, tensor by tensor (veRL's cache seam)."""
+        latest = self.cache.latest_version
+        if latest is None:
+            return
+        for pair in self.cache.named_tensors(latest):
+            yield pair
+
+
+class RayRolloutReceiver:
+    """A veRL rollout worker (``CheckpointEngineWorker`` actor) as a sync receiver."""
+
+    def __init__(self, shard_id: str, worker: Any, location: ReceiverLocation | None = None):
+        self._shard_id = shard_id
+        self._worker = worker
+        self._location = location or ReceiverLocation()
+
+    @property
+    def shard_id(self) -> str:
+        return self._shard_id
+
+    @property
+    def location(self) -> ReceiverLocation:
+        return self._location
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[Any]:
+        self._worker.execute_checkpoint_engine.remote("rlix_accept_offer", offer.to_dict())
+        # veRL's own rollout-side update: receive_weights() -> server adapter load.
+        ref = self._worker.update_weights.remote(global_steps=offer.version)
+        fut: concurrent.futures.Future[Any] = ref.future()
+        return fut
+
+
+async def _collect(weights: Any) -> list[tuple[str, Any]]:
+    """An async weight generator, collected (the cache consumes a plain iterable)."""
+    return [pair async for pair in weights]
+
+
+# ---------------------------------------------------------------- Megatron NCCL lifecycle
+# These run inside veRL's training workers through ``execute_checkpoint_engine`` (the engine
+# object lives in the worker process, which is where Megatron's parallel_state lives).
+
+_lifecycle: Any = None
+
+
+def _parallel_config_from_state() -> Any:
+    from megatron.core import parallel_state as ps
+
+    from rlix_plugins.training.nccl_lifecycle import ParallelConfig
+
+    return ParallelConfig.of(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+    )
+
+
+def release_parallel_state() -> dict[str, Any]:
+    """Destroy every Megatron process group of this worker (config saved for re-init)."""
+    global _lifecycle
+    from rlix_plugins.training.nccl_lifecycle import MegatronParallelLifecycle
+
+    if _lifecycle is None:
+        _lifecycle = MegatronParallelLifecycle.adopt(_parallel_config_from_state())
+    if not _lifecycle.initialized:
+        return {"destroyed": 0}
+    report = _lifecycle.destroy()
+    return {"destroyed": len(getattr(report, "destroyed", ()) or ())}
+
+
+def restore_parallel_state() -> bool:
+    """Re-create the groups destroyed by :func:`release_parallel_state` (no-op if alive)."""
+    if _lifecycle is None or _lifecycle.initialized:
+        return False
+    _lifecycle.reinitialize()
+    return True
+

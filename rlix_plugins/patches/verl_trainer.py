@@ -1,0 +1,217 @@
+"""RLix subclasses of veRL's v1 trainer modes (installed into veRL's trainer registry).
+
+The job keeps its ``trainer.v1.trainer_mode``; the registry entry of that mode is replaced by
+``RLix<Mode>``, which adds to veRL's own hooks:
+
+* ``on_init_end``: after veRL's initial weight sync, build the
+  :class:`~rlix_plugins.adapters.verl.VerlPipelineAdapter` (bind the replicas as shards in the
+  load balancer, register with the coordinator, serve ``resize_infer``);
+* ``get_llm_client``: the re-dispatching :class:`~.verl_routing.RLixLLMServerClient` on the
+  same load balancer (agent loops receive it pickled);
+* ``on_step_begin``: ask for generation GPUs for the step (non-blocking) and reset progress;
+* ``on_sample_end`` (batch collected, training about to start): block until the trainer GPUs
+  are granted, then re-create Megatron's NCCL groups;
+* ``on_step_end`` (after veRL's weight update, which with the ``rlix_cache`` backend fills the
+  CPU cache): destroy Megatron's NCCL groups, then release the trainer GPUs.
+
+separate_async's own hybrid switching (remove/abort/sleep hybrid replicas, add them back) is
+disabled: the coordinator decides which replicas run, through ``resize_infer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: seconds between progress reports read from the replay buffer
+PROGRESS_PERIOD_S = 1.0
+
+
+def _uses_cache_backend(config: Any) -> bool:
+    from rlix_plugins.patches.verl_checkpoint import BACKEND
+
+    try:
+        return bool(config.actor_rollout_ref.rollout.checkpoint_engine.backend == BACKEND)
+    except AttributeError:
+        return False
+
+
+def _uses_megatron(config: Any) -> bool:
+    try:
+        return bool(config.actor_rollout_ref.actor.strategy == "megatron")
+    except AttributeError:
+        return False
+
+
+class VerlCacheSync:
+    """``sync(dp_ranks, version)``: the cache owner (training rank 0) streams ``version`` to
+    the rollout workers of exactly those replicas (picklable: Ray handles only)."""
+
+    def __init__(self, owner_worker: Any, replica_workers: list[list[Any]]) -> None:
+        self.owner = owner_worker
+        self.replica_workers = replica_workers
+
+    def __call__(self, dp_ranks: Any, version: int) -> Any:
+        import ray
+
+        receivers = [
+            (f"replica{d}-w{i}", w)
+            for d in dp_ranks
+            for i, w in enumerate(self.replica_workers[d])
+        ]
+        return ray.get(
+            self.owner.execute_checkpoint_engine.remote("rlix_serve", version, receivers)
+        )
+
+    def latest_version(self) -> int | None:
+        import ray
+
+        versions = ray.get(self.owner.execute_checkpoint_engine.remote("rlix_cached_versions"))
+        return max(versions) if versions else None
+
+
+def build_adapter(trainer: Any) -> Any:
+    """The pipeline adapter of a veRL trainer whose replicas are up (after init)."""
+    import ray
+
+    from rlix_plugins.adapters.verl import VerlLayout, VerlPipelineAdapter, make_shard_controller
+    from rlix_plugins.hooks import make_hooks
+    from rlix_plugins.protocol.names import new_pipeline_id
+    from rlix_plugins.settings import load_settings
+
+    settings = load_settings()
+    pipeline_id = settings.pipeline_id or new_pipeline_id("ft")
+    hybrid = list(trainer.llm_server_manager.get_replicas())
+    standalone_mgr = getattr(trainer, "standalone_server_manager", None)
+    standalone = list(standalone_mgr.get_replicas()) if standalone_mgr is not None else []
+    replicas = hybrid + standalone
+    routing_mgr = standalone_mgr or trainer.llm_server_manager
+    lb = routing_mgr.global_load_balancer
+    ray.get(lb.bind_shards.remote([(r.server_address, r.server_handle) for r in replicas]))
+    sync = VerlCacheSync(trainer.actor_rollout_wg.workers[0], [list(r.workers) for r in replicas])
+    controller = make_shard_controller(
+        lb, [list(r.servers) for r in replicas], sync, sync.latest_version
+    )
+    cfg = trainer.config
+    rollout = cfg.actor_rollout_ref.rollout
+    layout = VerlLayout(
+        train_gpus=int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes),
+        tp=int(rollout.tensor_model_parallel_size),
+        hybrid_replicas=len(hybrid),
+        standalone_replicas=len(standalone),
+    )
+    adapter = VerlPipelineAdapter(
+        settings=settings,
+        pipeline_id=pipeline_id,
+        layout=layout,
+        controller=controller,
+        hooks=make_hooks(settings, pipeline_id=pipeline_id),
+        step_target=int(cfg.data.train_batch_size) * int(rollout.n),
+    )
+    adapter.register()
+    return adapter
+
+
+class RLixTrainerMixin:
+    """The RLix additions; combined with a veRL trainer class by :func:`rlix_trainer_class`."""
+
+    _rlix_wrapped = True
+    _rlix_adapter: Any = None
+    _rlix_progress: threading.Event | None = None
+
+    # veRL attributes this mixin relies on (set by PPOTrainer)
+    config: Any
+    global_steps: int
+
+    def on_init_end(self) -> None:
+        super().on_init_end()  # type: ignore[misc]
+        self._rlix_adapter = build_adapter(self)
+
+    def get_llm_client(self) -> Any:
+        from rlix_plugins.patches.verl_routing import RLixLLMServerClient
+
+        stock = super().get_llm_client()  # type: ignore[misc]
+        return RLixLLMServerClient(config=self.config, load_balancer_handle=stock._load_balancer)
+
+    def on_train_begin(self) -> None:
+        super().on_train_begin()  # type: ignore[misc]
+        self._start_progress()
+
+    def on_step_begin(self) -> None:
+        super().on_step_begin()  # type: ignore[misc]
+        if self._rlix_adapter is not None:
+            self._rlix_adapter.request_generation(self.global_steps)
+
+    def on_sample_end(self) -> None:
+        super().on_sample_end()  # type: ignore[misc]
+        if self._rlix_adapter is not None:
+            self._rlix_adapter.before_training(self.global_steps)
+        self._worker_call("rlix_restore_parallel_state")
+
+    def on_step_end(self) -> None:
+        super().on_step_end()  # type: ignore[misc]
+        self._worker_call("rlix_release_parallel_state")
+        if self._rlix_adapter is not None:
+            self._rlix_adapter.after_training(self.global_steps)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()  # type: ignore[misc]
+        if self._rlix_progress is not None:
+            self._rlix_progress.set()
+        if self._rlix_adapter is not None:
+            self._rlix_adapter.close()
+
+    # separate_async: the coordinator owns which replicas run
+    def switch_to_trainer(self) -> None:
+        return None
+
+    def switch_to_rollout(self, *, already_registered: bool = False) -> None:
+        del already_registered
+
+    def add_replicas_to_balancer(self) -> None:
+        return None
+
+    def remove_replicas_from_balancer(self) -> None:
+        return None
+
+    # ---------------------------------------------------------------- helpers
+    def _worker_call(self, method: str) -> None:
+        """Run a cache-engine method in every training worker (Megatron + rlix_cache only)."""
+        if not (_uses_megatron(self.config) and _uses_cache_backend(self.config)):
+            return
+        import ray
+
+        wg = self.actor_rollout_wg  # type: ignore[attr-defined]
+        ray.get(wg.execute_checkpoint_engine([method] * wg.world_size))
+
+    def _start_progress(self) -> None:
+        """Report collected groups (the replay buffer the agent loops fill) as demand."""
+        if self._rlix_adapter is None or self._rlix_progress is not None:
+            return
+        stop = threading.Event()
+        self._rlix_progress = stop
+        n = int(self.config.actor_rollout_ref.rollout.n)
+
+        def loop() -> None:
+            while not stop.wait(PROGRESS_PERIOD_S):
+                try:
+                    groups = self.replay_buffer.get_sampleable_count(  # type: ignore[attr-defined]
+                        self.global_steps, "train"
+                    )
+                    self._rlix_adapter.report_collected(int(groups) * n, self.global_steps)
+                except Exception:
+                    logger.exception("progress report failed; retrying")
+
+        threading.Thread(target=loop, daemon=True, name="rlix-verl-progress").start()
+
+
+def rlix_trainer_class(base: type) -> type:
+    """``RLix<base>``: veRL trainer ``base`` with the RLix hooks (see module docstring)."""
+    cls = type(f"RLix{base.__name__}", (RLixTrainerMixin, base), {
+        "__module__": __name__,
+        "__doc__": f"{base.__name__} under the RLix coordinator.",
+    })
+    return cls

@@ -1,0 +1,67 @@
+"""veRL's vLLM server and replica with the calls RLix preemption needs.
+
+veRL's ``vLLMHttpServer.sleep``/``wake_up`` act only in hybrid/colocated mode (standalone
+replicas never sleep in veRL) and it has no running-request count. Under RLix every replica is
+a shard the coordinator may put to sleep, so :class:`RLixvLLMHttpServer` adds, on node rank 0
+(the one holding ``AsyncLLM``): ``rlix_num_running``, ``rlix_sleep(level)``,
+``rlix_wake_up(tags)`` and ``rlix_is_sleeping``. Ray freezes a decorated actor class, so the
+methods are added by subclassing the undecorated server and decorating that subclass
+(:class:`RLixvLLMReplica` sets ``server_class``); veRL's class is never touched.
+
+:func:`load_rlix_vllm_replica` is the loader registered in veRL's ``RolloutReplicaRegistry``
+under ``"vllm"`` (the official seam), so ``LLMServerManager`` builds RLix replicas. It imports
+vLLM lazily, like veRL's own loader.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+logger = logging.getLogger(__name__)
+
+
+class RLixvLLMHttpServer(vLLMHttpServer):  # type: ignore[misc]
+    """veRL's vLLM server plus engine-level sleep/wake/count usable in every rollout mode."""
+
+    async def rlix_num_running(self) -> int:
+        """Unfinished requests in this server's engine (0 on non-leader nodes)."""
+        if self.node_rank != 0 or self.engine is None:
+            return 0
+        return int(self.engine.get_num_unfinished_requests())
+
+    async def rlix_sleep(self, level: int | None = None) -> None:
+        """Sleep the engine at ``level`` (default: veRL's resolved level, 2 for full weights)."""
+        if self.node_rank != 0:
+            return
+        await self.engine.sleep(level=self._resolve_sleep_level() if level is None else level)
+
+    async def rlix_wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the engine (all tags by default); the prefix cache is stale, so reset it."""
+        if self.node_rank != 0:
+            return
+        await self.engine.wake_up(tags=tags or self._get_wake_up_tags())
+        await self.engine.reset_prefix_cache(reset_connector=True)
+
+    async def rlix_is_sleeping(self) -> bool:
+        """Whether the engine is asleep."""
+        if self.node_rank != 0:
+            return False
+        return bool(await self.engine.is_sleeping())
+
+
+class RLixvLLMReplica(vLLMReplica):  # type: ignore[misc]
+    """veRL's vLLM replica whose servers are :class:`RLixvLLMHttpServer` actors."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import ray
+
+        self.server_class = ray.remote(RLixvLLMHttpServer)
+
+
+def load_rlix_vllm_replica() -> type[RLixvLLMReplica]:
+    """``RolloutReplicaRegistry`` loader for ``"vllm"`` under RLix."""
+    return RLixvLLMReplica

