@@ -66,6 +66,14 @@ class _Gen:
         return (self.target - len(self.active)) / self.target if self.target else 0.0
 
 
+def _collecting(state: SchedulerState, pipeline_id: str) -> bool:
+    """The pipeline reported remaining demand for its step: it is generating even when every
+    rank it had was preempted (no pending request then), so it must stay eligible or it would
+    wait forever for ranks nobody plans to give it."""
+    streams = state.progress.get(pipeline_id)
+    return bool(streams) and any(r.remaining > 0 for r in streams.values())
+
+
 class _Cycle:
     def __init__(self, state: SchedulerState, now: float, config: PolicyConfig) -> None:
         self.state = state
@@ -144,9 +152,9 @@ class _Cycle:
             pending_seq = (
                 pending.seq if pending and pending.priority is Priority.GENERATION else None
             )
-            if pending_seq is None and not active:
-                continue
             spec = state.clusters[cid]
+            if pending_seq is None and not active and not _collecting(state, spec.pipeline_id):
+                continue
             demand = state.demand(spec.pipeline_id) or 0
             weight = state.pipelines[spec.pipeline_id].weight
             gens[cid] = _Gen(

@@ -1,0 +1,90 @@
+"""``rlix-plugins simulate``: compare exclusive allocation, RLix's policy and ours."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from rlix_plugins.sim.calibrate import calibrate_lengths
+from rlix_plugins.sim.engine import EngineConfig
+from rlix_plugins.sim.report import compare, format_table
+from rlix_plugins.sim.runner import POLICIES
+from rlix_plugins.sim.scenario import load_scenario
+from rlix_plugins.sim.workloads import (
+    PLEXRL_TABLE2,
+    ROLLMUX_RANGES,
+    Workload,
+    long_tail_agentic,
+    plexrl_two_jobs,
+    rollmux_trace,
+)
+
+log = logging.getLogger(__name__)
+
+WORKLOADS = (
+    "long-tail",
+    *(f"plexrl-{r.model}" for r in PLEXRL_TABLE2),
+    *(f"rollmux-{p}" for p in (*ROLLMUX_RANGES, "mixed")),
+)
+
+
+def build_workload(name: str, *, jobs: int | None, steps: int | None, nodes: int | None,
+                   seed: int) -> Workload:
+    """A named workload from :mod:`rlix_plugins.sim.workloads` (PlexRL ones calibrated)."""
+    if name == "long-tail":
+        return long_tail_agentic(num_jobs=jobs or 16, nodes=nodes or 8, steps=steps or 4)
+    if name.startswith("plexrl-"):
+        row = next(r for r in PLEXRL_TABLE2 if r.model == name.removeprefix("plexrl-"))
+        probe = plexrl_two_jobs(row, steps=steps or 8)
+        scale = calibrate_lengths(probe, row.cycle_s, seed=seed)
+        return plexrl_two_jobs(row, steps=steps or 8, length_scale=scale)
+    if name.startswith("rollmux-"):
+        return rollmux_trace(
+            name.removeprefix("rollmux-"), num_jobs=jobs or 16, nodes=nodes or 8,
+            steps=steps or 10, seed=seed,
+        )
+    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``rlix-plugins simulate``."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--workload", choices=WORKLOADS, default="long-tail")
+    src.add_argument("--scenario", type=Path, help="scenario file (.json/.toml), see docs")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help=f"comma-separated subset of {POLICIES}")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--jobs", type=int, help="number of jobs (long-tail, rollmux)")
+    parser.add_argument("--steps", type=int, help="training steps per job")
+    parser.add_argument("--nodes", type=int, help="nodes of 8 GPUs (long-tail, rollmux)")
+    parser.add_argument("--out", type=Path, default=Path("sim-results"),
+                        help="directory for JSON + PNG results")
+    parser.add_argument("--no-plots", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison, print the table, save JSON and plots."""
+    policies = tuple(p.strip() for p in str(args.policies).split(",") if p.strip())
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        print(f"unknown policies {bad}; expected a subset of {POLICIES}")
+        return 2
+    if args.scenario is not None:
+        workload = load_scenario(args.scenario)
+    else:
+        workload = build_workload(
+            args.workload, jobs=args.jobs, steps=args.steps, nodes=args.nodes, seed=args.seed
+        )
+    config = EngineConfig(record_tenures=not args.no_plots)
+    comparison = compare(
+        workload, seed=args.seed, out_dir=args.out, policies=policies, config=config,
+        plot=not args.no_plots,
+    )
+    print(format_table(comparison))
+    for s in workload.sources:
+        print(f"  source: {s}")
+    for a in workload.assumptions:
+        print(f"  assumption: {a}")
+    print(f"results written to {args.out}/")
+    return 0

@@ -1,0 +1,95 @@
+"""Figures of merit of a run, computed the same way for every policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlix_plugins.sim.engine import RunResult
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What ``rlix-plugins simulate`` prints and the benchmark saves, per policy."""
+
+    policy: str
+    num_gpus: int
+    makespan_s: float
+    trajectories: int
+    #: trajectories consumed by training per hour of makespan (cluster-wide)
+    rollout_throughput_per_h: float
+    steps: int
+    gpu_hours_per_step: float
+    #: useful GPU-seconds / (GPUs x makespan)
+    gpu_utilisation: float
+    #: 1 - training compute / (training GPUs x job lifetime), mean over jobs (PlexRL's bubble)
+    train_bubble: float
+    mean_jct_s: float
+    p95_jct_s: float
+    mean_slowdown: float
+    max_slowdown: float
+    jain_fairness: float
+    preemptions: int
+    rebalances: int
+    idle_preemptions: int
+    aborted_trajectories: int
+    cycles: int
+    plan_ms_mean: float
+    plan_ms_max: float
+
+
+def jain(values: list[float]) -> float:
+    """Jain's fairness index: 1 = perfectly even, 1/n = one job gets everything."""
+    if not values:
+        return 1.0
+    s = sum(values)
+    sq = sum(v * v for v in values)
+    return (s * s) / (len(values) * sq) if sq > 0 else 1.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def slowdowns(result: RunResult, isolated: dict[str, float]) -> dict[str, float]:
+    """JCT (arrival to finish, queueing included) over the job's JCT alone on its own GPUs."""
+    return {j.job: (j.finished - j.arrival) / isolated[j.job] for j in result.jobs}
+
+
+def summarize(policy: str, result: RunResult, isolated: dict[str, float]) -> Summary:
+    """Compute every figure of merit of one run."""
+    jcts = [j.finished - j.arrival for j in result.jobs]
+    slow = slowdowns(result, isolated)
+    bubbles = [
+        1.0 - j.train_compute_gpu_s / (j.train_gpus * max(1e-9, j.finished - j.admitted))
+        for j in result.jobs
+    ]
+    steps = len(result.steps)
+    c = result.cycles
+    return Summary(
+        policy=policy,
+        num_gpus=result.num_gpus,
+        makespan_s=result.makespan,
+        trajectories=result.trajectories,
+        rollout_throughput_per_h=result.trajectories / result.makespan * 3600.0,
+        steps=steps,
+        gpu_hours_per_step=result.num_gpus * result.makespan / 3600.0 / max(1, steps),
+        gpu_utilisation=result.useful_gpu_s / (result.num_gpus * result.makespan),
+        train_bubble=sum(bubbles) / len(bubbles),
+        mean_jct_s=sum(jcts) / len(jcts),
+        p95_jct_s=_percentile(jcts, 0.95),
+        mean_slowdown=sum(slow.values()) / len(slow),
+        max_slowdown=max(slow.values()),
+        # Fairness over normalised progress rates (isolated JCT / JCT), as in RollMux/Themis.
+        jain_fairness=jain([1.0 / s for s in slow.values()]),
+        preemptions=c.preempt_shrinks,
+        rebalances=c.rebalance_shrinks,
+        idle_preemptions=c.idle_preemptions,
+        aborted_trajectories=result.aborted,
+        cycles=c.cycles,
+        plan_ms_mean=1000.0 * c.plan_wall_s_total / max(1, c.cycles),
+        plan_ms_max=1000.0 * c.plan_wall_s_max,
+    )

@@ -1,0 +1,129 @@
+"""The simulator's own physics checks: GPU tenancy, utilisation bounds, trajectory counts.
+
+These run on every event that touches a GPU and on every step, independently of the
+scheduling core's invariants (which the engine also checks every cycle): the core can only say
+who *owns* a GPU; the ledger says who physically *uses* it, including switch times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlix_plugins.errors import RlixPluginsError
+
+_EPS = 1e-6
+
+
+class PhysicsViolation(RlixPluginsError, AssertionError):
+    """The simulated cluster did something physically impossible."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenure:
+    """One occupant's stay on a GPU: from its start until ``end`` (None while open)."""
+
+    who: str
+    start: float
+    end: float | None
+
+
+class GpuLedger:
+    """Physical occupancy of every GPU: at most one tenant at a time, no overlap in time."""
+
+    def __init__(self, num_gpus: int) -> None:
+        self.num_gpus = num_gpus
+        self.current: list[Tenure | None] = [None] * num_gpus
+        #: time each GPU is physically free (end of its last tenure)
+        self.free_at: list[float] = [0.0] * num_gpus
+        #: busy (useful compute) GPU-seconds per GPU, and GPU-seconds of all tenures
+        self.useful: list[float] = [0.0] * num_gpus
+        self.tenured: list[float] = [0.0] * num_gpus
+        self.tenures = 0
+
+    def ready_time(self, gpus: tuple[int, ...], now: float) -> float:
+        """Earliest time all of ``gpus`` are physically free."""
+        return max([now, *(self.free_at[g] for g in gpus)])
+
+    def begin(self, gpus: tuple[int, ...], who: str, start: float) -> None:
+        """``who`` occupies ``gpus`` from ``start``; raise if someone is still there."""
+        for g in gpus:
+            cur = self.current[g]
+            if cur is not None and (cur.end is None or cur.end > start + _EPS):
+                raise PhysicsViolation(
+                    f"GPU {g}: {who} starts at {start:.3f} while {cur.who} still occupies it "
+                    f"(until {cur.end})"
+                )
+            if start + _EPS < self.free_at[g]:
+                raise PhysicsViolation(
+                    f"GPU {g}: {who} starts at {start:.3f} before it is free ({self.free_at[g]})"
+                )
+            self.current[g] = Tenure(who, start, None)
+        self.tenures += 1
+
+    def end(self, gpus: tuple[int, ...], who: str, end: float) -> None:
+        """``who`` leaves ``gpus`` at ``end`` (may be in the future: a sleep in progress)."""
+        for g in gpus:
+            cur = self.current[g]
+            if cur is None or cur.who != who or cur.end is not None:
+                raise PhysicsViolation(f"GPU {g}: {who} leaves but the tenant is {cur}")
+            if end + _EPS < cur.start:
+                raise PhysicsViolation(f"GPU {g}: {who} leaves at {end} before it came")
+            self.current[g] = Tenure(who, cur.start, end)
+            self.free_at[g] = end
+            self.tenured[g] += end - cur.start
+
+    def occupant(self, gpu: int) -> str | None:
+        cur = self.current[gpu]
+        return None if cur is None or cur.end is not None else cur.who
+
+    def add_useful(self, gpus: tuple[int, ...], who: str, seconds: float, at: float) -> None:
+        """Credit useful compute to ``gpus``; the tenant must be ``who`` (no GPU serves two)."""
+        if seconds < -_EPS:
+            raise PhysicsViolation(f"{who}: negative useful time {seconds}")
+        for g in gpus:
+            cur = self.current[g]
+            if cur is None or cur.who != who or (cur.end is not None and cur.end < at - _EPS):
+                raise PhysicsViolation(f"GPU {g}: {who} computes at {at:.3f}; tenant is {cur}")
+            self.useful[g] += seconds
+
+    def check_bounds(self, horizon: float) -> None:
+        """Utilisation per GPU never above 100% of the elapsed time."""
+        for g in range(self.num_gpus):
+            if self.useful[g] > horizon + 1e-3:
+                raise PhysicsViolation(
+                    f"GPU {g}: {self.useful[g]:.3f} useful GPU-s in {horizon:.3f} s (> 100%)"
+                )
+
+
+class TrajectoryCounter:
+    """Every trajectory is generated exactly once and consumed by exactly one step."""
+
+    def __init__(self) -> None:
+        self.created = 0
+        self.completed: set[int] = set()
+        self.consumed = 0
+        self.aborted = 0
+
+    def create(self, n: int) -> range:
+        ids = range(self.created, self.created + n)
+        self.created += n
+        return ids
+
+    def complete(self, tid: int) -> None:
+        if tid in self.completed:
+            raise PhysicsViolation(f"trajectory {tid} generated twice")
+        if not 0 <= tid < self.created:
+            raise PhysicsViolation(f"trajectory {tid} was never created")
+        self.completed.add(tid)
+
+    def consume(self, n: int, done_for_step: int, batch: int) -> None:
+        if done_for_step != batch or n != batch:
+            raise PhysicsViolation(f"a step consumed {n} of {done_for_step} done, batch {batch}")
+        self.consumed += n
+
+    def check_final(self, expected: int) -> None:
+        if self.consumed != expected or len(self.completed) != self.consumed:
+            raise PhysicsViolation(
+                f"trajectories: expected {expected} consumed, got {self.consumed}; "
+                f"completed {len(self.completed)} of {self.created} created"
+            )

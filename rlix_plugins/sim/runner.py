@@ -1,0 +1,105 @@
+"""Run one workload under each policy on the same seeds (and isolated runs for slowdown)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from rlix_plugins.coordinator.core import DemandSharePlanner, Planner, Topology
+from rlix_plugins.sim.engine import EngineConfig, RunResult, SimCluster
+from rlix_plugins.sim.exclusive import ExclusivePlanner
+from rlix_plugins.sim.placement import ExclusivePlacer, Placer, SpanPlacer, StaticPlacer
+from rlix_plugins.sim.rlix_policy import RlixPlanner
+from rlix_plugins.sim.workloads import JobSpec, Workload
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("exclusive", "rlix", "ours")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyRun:
+    """One policy's run of a workload."""
+
+    policy: str
+    result: RunResult
+
+
+def make_planner(policy: str) -> Planner:
+    if policy == "exclusive":
+        return ExclusivePlanner()
+    if policy == "rlix":
+        return RlixPlanner()
+    if policy == "ours":
+        return DemandSharePlanner()
+    raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+
+
+def run_policy(
+    workload: Workload,
+    policy: str,
+    *,
+    seed: int,
+    config: EngineConfig | None = None,
+    planner: Planner | None = None,
+) -> RunResult:
+    """Simulate ``workload`` under ``policy`` (its own deployment: dedicated or shared)."""
+    base = config or EngineConfig()
+    gpn = workload.gpus_per_node
+    placer: Placer
+    if policy == "exclusive":
+        topo = Topology(workload.exclusive_nodes, gpn)
+        placer = ExclusivePlacer(topo.num_gpus, gpn)
+        cfg = replace(base, resident=True, allows_idle_preemption=False)
+    else:
+        topo = Topology(workload.shared_nodes, gpn)
+        if workload.shared_placements is not None:
+            placer = StaticPlacer(workload.shared_placements)
+        else:
+            placer = SpanPlacer(topo.num_gpus, gpn, workload.span_factor)
+        cfg = replace(base, resident=False, allows_idle_preemption=policy == "rlix")
+    sim = SimCluster(
+        topo, planner or make_planner(policy), placer, workload.jobs, seed=seed, config=cfg
+    )
+    result = sim.run()
+    log.info(
+        "%s/%s: makespan %.0f s, %d cycles, %d events",
+        workload.name,
+        policy,
+        result.makespan,
+        result.cycles.cycles,
+        result.events,
+    )
+    return result
+
+
+def isolated_jct(job: JobSpec, gpus_per_node: int, *, seed: int) -> float:
+    """JCT of ``job`` alone on its dedicated GPUs (the slowdown denominator)."""
+    alone = replace(job, arrival_s=0.0)
+    nodes = -(-job.footprint // gpus_per_node)
+    wl = Workload(
+        name=f"isolated_{job.name}",
+        description="one job alone",
+        jobs=(alone,),
+        gpus_per_node=gpus_per_node,
+        exclusive_nodes=nodes,
+        shared_nodes=nodes,
+    )
+    cfg = EngineConfig(record_tenures=False)
+    return run_policy(wl, "exclusive", seed=seed, config=cfg).makespan
+
+
+def run_all(
+    workload: Workload,
+    *,
+    seed: int,
+    policies: tuple[str, ...] = POLICIES,
+    config: EngineConfig | None = None,
+) -> tuple[tuple[PolicyRun, ...], dict[str, float]]:
+    """Every policy on the same workload and seed, plus each job's isolated JCT."""
+    runs = tuple(
+        PolicyRun(p, run_policy(workload, p, seed=seed, config=config)) for p in policies
+    )
+    # A job's random stream is keyed by (seed, job name): alone it draws the same lengths.
+    isolated = {job.name: isolated_jct(job, workload.gpus_per_node, seed=seed) for job in workload.jobs}
+    return runs, isolated

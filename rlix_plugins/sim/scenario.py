@@ -1,0 +1,129 @@
+"""Load a small scenario file (JSON or TOML) into a :class:`Workload`.
+
+For comparing the simulator with a real run (e.g. the gate-2 CPU rehearsal: two pipelines
+time-sharing GPUs on Ray). A scenario names the cluster, each pipeline's device mappings and
+phase times; anything omitted takes the :class:`JobSpec` defaults below::
+
+    {"name": "gate2", "gpus_per_node": 2, "nodes": 1,
+     "pipelines": [
+       {"name": "ft_000000000001", "train": [0], "infer": [0, 1], "infer_tp": 1,
+        "steps": 3, "batch": 8, "max_age": 1,
+        "lengths": {"kind": "lognormal", "a": 2.0, "b": 0.5, "cap_s": 8.0},
+        "phases": {"old_log_probs_s": 0.5, "ref_log_probs_s": 0.5,
+                   "update_actor_s": 2.0, "sync_weight_s": 0.3},
+        "costs": {"gen_sleep_s": 0.2, "gen_wake_s": 0.3, "init_load_s": 1.0}}]}
+
+With explicit mappings the shared policies use them as given; the exclusive baseline gives
+each pipeline ``len(train) + len(infer without train)`` dedicated GPUs on a cluster large
+enough to hold them all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlix_plugins.sim.workloads import (
+    JobSpec,
+    LengthDistribution,
+    PhaseTimes,
+    Placement,
+    SwitchCosts,
+    Workload,
+)
+
+
+class ScenarioError(ValueError):
+    """A scenario file is malformed; the message names the field."""
+
+
+def _get(d: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...) -> Any:
+    if key not in d:
+        if default is ...:
+            raise ScenarioError(f"{where}: missing field {key!r}")
+        return default
+    value = d[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ScenarioError(f"{where}: {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _record(cls: type, d: object, where: str) -> Any:
+    if not isinstance(d, Mapping):
+        raise ScenarioError(f"{where}: expected a table/object")
+    fields = getattr(cls, "__dataclass_fields__", {})
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ScenarioError(f"{where}: unknown fields {unknown}; expected {sorted(fields)}")
+    try:
+        return cls(**{k: float(v) if isinstance(v, int) else v for k, v in d.items()})
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
+
+
+def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
+    """Parse a scenario (path to .json/.toml, or an already-parsed mapping)."""
+    if isinstance(source, Mapping):
+        data: Mapping[str, Any] = source
+    else:
+        path = Path(source)
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    name = _get(data, "name", str, "scenario", "scenario")
+    gpn = _get(data, "gpus_per_node", int, "scenario")
+    nodes = _get(data, "nodes", int, "scenario")
+    pipes = _get(data, "pipelines", list, "scenario")
+    if not pipes:
+        raise ScenarioError("scenario: needs at least one pipeline")
+    jobs: list[JobSpec] = []
+    placements: list[Placement] = []
+    for i, p in enumerate(pipes):
+        where = f"pipelines[{i}]"
+        if not isinstance(p, Mapping):
+            raise ScenarioError(f"{where}: expected a table/object")
+        train = tuple(int(g) for g in _get(p, "train", list, where))
+        infer = tuple(int(g) for g in _get(p, "infer", list, where))
+        tp = _get(p, "infer_tp", int, where, 1)
+        batch = _get(p, "batch", int, where)
+        ranks = max(1, len(infer) // tp)
+        dedicated_infer = len([g for g in infer if g not in train]) or len(infer)
+        dedicated_infer = -(-dedicated_infer // tp) * tp
+        turn = _get(p, "turn_s", float, where, math.inf)
+        jobs.append(
+            JobSpec(
+                name=_get(p, "name", str, where, f"ft_{i + 1:012x}"),
+                arrival_s=_get(p, "arrival_s", float, where, 0.0),
+                steps=_get(p, "steps", int, where),
+                batch=batch,
+                train_gpus=-(-len(train) // tp) * tp,
+                infer_gpus=dedicated_infer,
+                infer_tp=tp,
+                n_sat=_get(p, "n_sat", int, where, -(-batch // ranks)),
+                max_seqs=_get(p, "max_seqs", int, where, 2 * -(-batch // ranks)),
+                lengths=_record(LengthDistribution, _get(p, "lengths", dict, where), where),
+                turn_s=turn,
+                phases=_record(PhaseTimes, _get(p, "phases", dict, where), where),
+                costs=_record(SwitchCosts, _get(p, "costs", dict, where, {}), where),
+                max_age=_get(p, "max_age", int, where, 0),
+                weight=_get(p, "weight", float, where, 1.0),
+                source=f"scenario {name}",
+            )
+        )
+        placements.append(Placement(train, infer))
+    footprint = sum(j.footprint for j in jobs)
+    return Workload(
+        name=name,
+        description=_get(data, "description", str, "scenario", f"scenario {name}"),
+        jobs=tuple(jobs),
+        gpus_per_node=gpn,
+        exclusive_nodes=-(-footprint // gpn),
+        shared_nodes=nodes,
+        shared_placements=tuple(placements),
+        sources=(f"scenario {name}",),
+    )
