@@ -98,6 +98,10 @@ class PipelineCoordinator:
             else shard_controller(pipeline_id)
         )
         self.control_namespace = control_namespace
+        from rlix_plugins.coordinator.service import rlix_compat
+
+        # Rollout schedulers of a ROLL pipeline send RLix's classes pickled by reference.
+        rlix_compat.install()
         self._scheduler = scheduler
         self._resize_lock = threading.Lock()
         self._progress_lock = threading.Lock()

@@ -41,6 +41,7 @@ from rlix_plugins.coordinator.core import (
 )
 from rlix_plugins.coordinator.core.snapshot import restore, settle_inflight, snapshot
 from rlix_plugins.coordinator.core.status import CoordinatorStatus, DeadPipeline, build_status
+from rlix_plugins.coordinator.service import rlix_compat
 from rlix_plugins.coordinator.service.config import ServiceConfig
 from rlix_plugins.coordinator.service.liveness import (
     Liveness,
@@ -72,6 +73,8 @@ class SchedulerService:
 
     def __init__(self, config: ServiceConfig | None = None) -> None:
         self.cfg = config or ServiceConfig()
+        # ROLL sends RLix's classes pickled by reference; make them loadable here.
+        rlix_compat.install()
         self._planner = DemandSharePlanner(self.cfg.policy)
         self._store: StateStore = (
             FileStateStore(Path(self.cfg.state_file))
@@ -622,10 +625,13 @@ class SchedulerService:
                 self._persist()
         # A failed expand leaves the shard's state unknown: the pipeline is fenced and the rank
         # is committed as active, so its GPUs stay with it until it is confirmed dead.
-        await self._resize_all(to_send, remove=False)
+        unsent = await self._resize_all(to_send, remove=False)
+        unsent -= {c for c in unsent if parse_cluster_id(c)[0] in self._fencing}
         async with self._lock:
             now = self._now()
-            applied = dataclasses.replace(plan, expands=sendable)
+            applied = dataclasses.replace(
+                plan, expands=tuple(m for m in sendable if m.cluster_id not in unsent)
+            )
             result = self._state.commit(applied, now=now, failed_shrinks=failed_shrinks)
             self._inflight = None
             try:
@@ -660,9 +666,8 @@ class SchedulerService:
                 now,
                 beneficiary=move.beneficiary,
             )
-        if self._metrics is not None:
-            if expanded:
-                self._metrics.allocated("generation_rank", "GENERATION", len(expanded))
+        if self._metrics is not None and expanded:
+            self._metrics.allocated("generation_rank", "GENERATION", len(expanded))
         self._observe_trace(now)
         for cid, gpus in granted.items():
             started = self._requested_at.pop(cid, None)
@@ -676,7 +681,13 @@ class SchedulerService:
                 fut.set_result(list(gpus))
 
     async def _resize_all(self, calls: dict[str, list[int]], *, remove: bool) -> set[str]:
-        """Send ``resize_infer`` per cluster concurrently; return the clusters that failed."""
+        """Send ``resize_infer`` per cluster concurrently; return the clusters NOT applied.
+
+        For shrinks every one of them failed (and fenced its pipeline). For expands these are
+        only the calls that were never sent (no coordinator actor yet): nothing changed on the
+        pipeline side, so they are not committed. A sent expand that failed is not in the set
+        (see :meth:`_cycle`).
+        """
         if not calls:
             return set()
         results = await asyncio.gather(
@@ -691,7 +702,11 @@ class SchedulerService:
             return False
         handle = await self._coordinator(pid)
         if handle is None:
-            self._fence(pid, f"{what}: coordinator actor not found")
+            if remove or pid in self._seen:
+                self._fence(pid, f"{what}: coordinator actor not found")
+            else:
+                # Registered before its coordinator actor exists: not an error, just not yet.
+                logger.info("%s skipped: the pipeline has no coordinator actor yet", what)
             return False
 
         async def call() -> Any:

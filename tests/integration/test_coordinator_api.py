@@ -1,0 +1,200 @@
+"""The wire API: typed errors that leave state unchanged, RLix's own classes, ownership."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from rlix_plugins.coordinator.core.status import CoordinatorStatus
+from rlix_plugins.errors import (
+    OwnershipError,
+    ProtocolError,
+    RegistrationError,
+    RequestStateError,
+    UnknownClusterError,
+    UnknownPipelineError,
+)
+from rlix_plugins.protocol.names import pipeline_namespace
+from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver
+
+pytestmark = pytest.mark.integration
+
+
+def _status(plane: Any) -> CoordinatorStatus:
+    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
+    return status
+
+
+def _register(plane: Any, pid: str, tps: dict[str, Any], maps: dict[str, Any]) -> None:
+    ray.get(
+        plane.orchestrator.register_pipeline.remote(
+            pipeline_id=pid,
+            ray_namespace=pipeline_namespace(pid),
+            cluster_tp_configs=tps,
+            cluster_device_mappings=maps,
+        )
+    )
+
+
+MALFORMED = [
+    ({"actor_train": 3}, {"actor_train": [0, 1, 2]}, "tp=3"),
+    ({"actor_train": 1}, {"actor_train": [1, 0]}, "sorted"),
+    ({"actor_train": 1}, {"actor_train": [7, 8]}, "outside"),
+    ({"actor_train": 1}, {"policy": [0]}, "unknown cluster"),
+    ({}, {"actor_train": [0]}, "no tp config"),
+    ({"actor_infer": 2}, {"actor_infer": [0, 2]}, "not contiguous"),
+    ({"actor_train": 1}, {"actor_train": []}, "non-empty"),
+]
+
+
+def test_bad_calls_get_typed_errors_and_leave_state_unchanged(coordinator: Any) -> None:
+    sched = coordinator.scheduler
+    _register(
+        coordinator,
+        "ft_good00000001",
+        {"actor_train": 1, "actor_infer": 1},
+        {"actor_train": [0], "actor_infer": [0, 1]},
+    )
+    ray.get(sched.request_gpus.remote(cluster_id="ft_good00000001_actor_train", priority=0))
+    before = _status(coordinator)
+    for tps, maps, match in MALFORMED:
+        with pytest.raises(RegistrationError, match=match):
+            _register(coordinator, "ft_bad000000001", tps, maps)
+    with pytest.raises(RegistrationError, match="already registered"):
+        _register(coordinator, "ft_good00000001", {"actor_train": 1}, {"actor_train": [3]})
+    with pytest.raises(RegistrationError, match="invalid characters"):
+        _register(coordinator, "ft:bad", {"actor_train": 1}, {"actor_train": [3]})
+    calls = [
+        (
+            UnknownClusterError,
+            sched.request_gpus.remote(cluster_id="ft_nobody000001_actor_train", priority=1),
+        ),
+        (ProtocolError, sched.request_gpus.remote(cluster_id="ft_good00000001_policy", priority=1)),
+        (
+            ProtocolError,
+            sched.request_gpus.remote(cluster_id="ft_good00000001_actor_train", priority=9),
+        ),
+        (
+            RequestStateError,
+            sched.request_gpus.remote(cluster_id="ft_good00000001_actor_train", priority=6),
+        ),
+        (
+            OwnershipError,
+            sched.notify_release_gpus.remote(
+                cluster_id="ft_good00000001_actor_train", pipeline_id="ft_other0000001"
+            ),
+        ),
+        (
+            UnknownClusterError,
+            sched.notify_release_gpus.remote(cluster_id="ft_nobody000001_actor_infer"),
+        ),
+        (
+            UnknownClusterError,
+            sched.await_release_gpus.remote(cluster_id="ft_nobody000001_actor_infer"),
+        ),
+        (
+            RequestStateError,
+            sched.await_release_gpus.remote(cluster_id="ft_good00000001_actor_train"),
+        ),
+        (ProtocolError, sched.report_progress.remote({"pipeline_id": "ft_good00000001"})),
+        (
+            UnknownPipelineError,
+            sched.report_progress.remote(
+                {"pipeline_id": "ft_nobody000001", "step_target_trajectories": 4}
+            ),
+        ),
+        (UnknownPipelineError, sched.heartbeat.remote("ft_nobody000001")),
+        (
+            UnknownPipelineError,
+            coordinator.orchestrator.admit_pipeline.remote(pipeline_id="ft_nobody000001"),
+        ),
+        (
+            OwnershipError,
+            sched.notify_release_then_request_gpus.remote(
+                release_cluster_id="ft_good00000001_actor_train",
+                release_global_step=0,
+                request_cluster_id="ft_good00000001_actor_infer",
+                request_priority=6,
+                pipeline_id="ft_other0000001",
+            ),
+        ),
+    ]
+    for error, ref in calls:
+        with pytest.raises(error):
+            ray.get(ref)
+    after = _status(coordinator)
+    assert after == before
+
+
+def test_rlix_own_progress_report_class_is_accepted(
+    coordinator: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # RLix's module exists only on this driver's sys.path: the coordinator processes cannot
+    # import it and must still read the instances ROLL pickles by reference.
+    pkg = tmp_path / "rlixsrc" / "rlix" / "protocol"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "types.py").write_text(
+        textwrap.dedent("""
+        import enum
+        from dataclasses import dataclass
+        from typing import Any, Dict, Optional
+
+        class Priority(enum.IntEnum):
+            INITIALIZATION = 0
+            ACTOR_TRAINING = 1
+            CRITIC_TRAINING = 2
+            OLD_LOG_PROBS = 3
+            REF_LOG_PROBS = 4
+            VALUE_COMPUTE = 5
+            GENERATION = 6
+
+        @dataclass(frozen=True)
+        class ProgressReport:
+            pipeline_id: str
+            step_target_trajectories: int
+            fifo_timestamp: Optional[float] = None
+            metrics: Optional[Dict[str, Any]] = None
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "rlixsrc"))
+    for name in [m for m in sys.modules if m == "rlix" or m.startswith("rlix.")]:
+        monkeypatch.delitem(sys.modules, name)
+    from rlix.protocol.types import Priority as RlixPriority  # type: ignore[import-not-found]
+    from rlix.protocol.types import ProgressReport as RlixReport
+
+    assert RlixReport.__module__ == "rlix.protocol.types"
+    sched = coordinator.scheduler
+    pid = "ft_rlixreport01"
+    _register(coordinator, pid, {"actor_infer": 1}, {"actor_infer": [4, 5]})
+    ray.get(
+        sched.report_progress.remote(
+            RlixReport(pid, 40, 1.0, {"mode": "train", "completed": 10, "bucket": 12})
+        )
+    )
+    assert _status(coordinator).pipeline(pid).demand == 30  # type: ignore[union-attr]
+    ray.get(sched.report_progress.remote(RlixReport(pid, 40, 2.0, {"collected": 35})))
+    assert _status(coordinator).pipeline(pid).demand == 5  # type: ignore[union-attr]
+    # RLix's Priority enum also arrives by reference and is read by value.
+    ray.get(sched.clear_progress.remote(pipeline_id=pid))
+    ledger = GpuLedger.remote()
+    driver = RollPipelineDriver(
+        coordinator, ledger, train=[2], infer=[2, 3], steps=2, report_cls=RlixReport
+    )
+    driver.setup()
+    gpus = ray.get(
+        sched.request_gpus.remote(
+            cluster_id=driver.train_cluster, priority=RlixPriority.INITIALIZATION
+        )
+    )
+    assert gpus == [2]
+    ray.get(sched.notify_release_gpus.remote(cluster_id=driver.train_cluster))
+    result = driver.run()  # progress goes through the pipeline coordinator actor too
+    assert result.error is None, repr(result.error)
+    assert result.steps_done == 2

@@ -1,0 +1,154 @@
+"""Failures: dead pipelines, lost leases, failed resizes, a coordinator crash."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from rlix_plugins.coordinator.core.status import CoordinatorStatus
+from rlix_plugins.errors import PipelineFailedError
+from rlix_plugins.protocol.names import pipeline_namespace
+from rlix_plugins.protocol.types import Priority
+from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _status(plane: Any) -> CoordinatorStatus:
+    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
+    return status
+
+
+def _holds(plane: Any, pipeline_id: str) -> set[int]:
+    return {g.gpu for g in _status(plane).gpus if g.owner_pipeline == pipeline_id}
+
+
+def _register(plane: Any, pid: str, **maps: list[int]) -> None:
+    ray.get(
+        plane.orchestrator.register_pipeline.remote(
+            pipeline_id=pid,
+            ray_namespace=pipeline_namespace(pid),
+            cluster_tp_configs={name: 1 for name in maps},
+            cluster_device_mappings=maps,
+        )
+    )
+
+
+def test_killed_pipeline_returns_its_gpus_and_the_other_finishes(coordinator: Any) -> None:
+    ledger = GpuLedger.remote()
+    a = RollPipelineDriver(coordinator, ledger, train=[0, 1], infer=[0, 1, 2, 3, 4, 5], steps=4)
+    b = RollPipelineDriver(
+        coordinator, ledger, train=[4, 5], infer=[2, 3, 4, 5, 6, 7], steps=50, tick_s=0.05
+    )
+    a.setup()
+    b.setup()
+    b.start()
+    b.wait_for_step(1, 60)
+    a.start()
+    wait_until(lambda: bool(_holds(coordinator, b.pipeline_id)), 30)
+    killed_at = time.monotonic()
+    b.kill_actors()
+    took = wait_until(lambda: _status(coordinator).pipeline(b.pipeline_id) is None, 10)
+    assert took < 5.0, f"GPUs of the dead pipeline came back after {took:.1f}s"
+    assert not _holds(coordinator, b.pipeline_id)
+    dead = {d.pipeline_id: d.reason for d in _status(coordinator).dead_pipelines}
+    assert "died" in dead[b.pipeline_id]
+    rb = b.join(60)
+    assert isinstance(rb.error, (PipelineFailedError, ray.exceptions.RayActorError)), rb.error
+    ra = a.join(90)
+    assert ra.error is None, repr(ra.error)
+    assert ra.steps_done == 4
+    violations, _, _ = ray.get(ledger.report.remote())
+    assert violations == []
+    assert time.monotonic() - killed_at < 90
+
+
+def test_lease_expiry_unregisters_and_fails_waiters(coordinator: Any) -> None:
+    holder, leased = "ft_holder000001", "ft_leased000001"
+    _register(coordinator, holder, actor_train=[2, 3])
+    _register(coordinator, leased, actor_train=[0, 1], critic=[3])
+    sched = coordinator.scheduler
+    ray.get(sched.request_gpus.remote(cluster_id=f"{holder}_actor_train", priority=1))
+    ray.get(sched.heartbeat.remote(leased))
+    assert ray.get(sched.request_gpus.remote(cluster_id=f"{leased}_actor_train", priority=1)) == [
+        0,
+        1,
+    ]
+    blocked = sched.request_gpus.remote(cluster_id=f"{leased}_critic", priority=2)
+    # ROLL-style pipeline (never beats) is not subject to the lease.
+    start = time.monotonic()
+    with pytest.raises(PipelineFailedError, match="lease expired"):
+        ray.get(blocked, timeout=15)
+    assert time.monotonic() - start < 6
+    status = _status(coordinator)
+    assert status.pipeline(leased) is None
+    assert status.owners()[0] is None and status.owners()[1] is None
+    assert status.pipeline(holder) is not None, "a pipeline that never beat keeps its GPUs"
+    with pytest.raises(PipelineFailedError):
+        ray.get(sched.heartbeat.remote(leased))
+
+
+def test_failed_shrink_fences_the_pipeline_and_only_then_hands_its_gpu_on(
+    coordinator: Any,
+) -> None:
+    ledger = GpuLedger.remote()
+    victim = RollPipelineDriver(coordinator, ledger, train=[0], infer=[0, 1, 2, 3], steps=1)
+    victim.setup()
+    sched = coordinator.scheduler
+    ray.get(
+        sched.request_gpus.remote(
+            cluster_id=victim.infer_cluster, priority=Priority.GENERATION, step_target_estimate=64
+        )
+    )
+    wait_until(lambda: _holds(coordinator, victim.pipeline_id) == {0, 1, 2, 3}, 10)
+    ray.get(victim.coordinator.set_failure.remote("shrink"))
+    other = "ft_trainer00001"
+    _register(coordinator, other, actor_train=[2, 3])
+    got = ray.get(
+        sched.request_gpus.remote(cluster_id=f"{other}_actor_train", priority=1), timeout=20
+    )
+    assert got == [2, 3]
+    status = _status(coordinator)
+    assert status.pipeline(victim.pipeline_id) is None
+    dead = {d.pipeline_id: d.reason for d in status.dead_pipelines}
+    assert "resize_infer" in dead[victim.pipeline_id]
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(victim.coordinator.active_ranks.remote())  # fenced: its actor was killed
+    violations, _, _ = ray.get(ledger.report.remote())
+    assert violations == []
+
+
+def test_scheduler_crash_recovers_state_and_drops_pipelines_that_died_meanwhile(
+    coordinator: Any,
+) -> None:
+    ledger = GpuLedger.remote()
+    a = RollPipelineDriver(coordinator, ledger, train=[0, 1], infer=[0, 1, 2, 3], steps=6)
+    gone = RollPipelineDriver(coordinator, ledger, train=[6], infer=[6, 7], steps=1)
+    a.setup()
+    gone.setup()
+    sched = coordinator.scheduler
+    ray.get(
+        sched.request_gpus.remote(
+            cluster_id=gone.infer_cluster, priority=Priority.GENERATION, step_target_estimate=8
+        )
+    )
+    wait_until(lambda: bool(_holds(coordinator, gone.pipeline_id)), 10)
+    a.start()
+    a.wait_for_step(2, 60)
+    before = _status(coordinator)
+    ray.kill(sched, no_restart=False)  # crash; Ray restarts it (max_restarts=-1)
+    gone.kill_actors()  # dies while there is no scheduler to notice
+    ray.get(sched.ping.remote(), timeout=60)  # Ray retries the call on the restarted actor
+    recovered = _status(coordinator)
+    assert recovered.revision > before.revision
+    assert recovered.pipeline(a.pipeline_id) is not None
+    wait_until(lambda: _status(coordinator).pipeline(gone.pipeline_id) is None, 10)
+    ra = a.join(120)
+    assert ra.error is None, repr(ra.error)
+    assert ra.steps_done == 6
+    violations, _, _ = ray.get(ledger.report.remote())
+    assert violations == []
+    assert _status(coordinator).idle_gpus == tuple(range(8))
