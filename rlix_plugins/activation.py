@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 #: host module -> "module:factory" returning that host's HostPatch. Imported lazily, only when
 #: the host module itself is imported in this process.
 PATCHES: dict[str, str] = {
+    "nemo_rl": "rlix_plugins.patches.nemo_rl:factory",
     "verl": "rlix_plugins.patches.verl:factory",
 }
 

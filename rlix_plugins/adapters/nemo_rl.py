@@ -1,0 +1,510 @@
+"""Pipeline adapter for NeMo RL async GRPO: NeMo RL's lifecycle -> coordinator calls.
+
+Wiring (installed by :mod:`rlix_plugins.patches.nemo_rl`, nothing in NeMo RL is edited):
+
+* ``RLixVllmGeneration.__init__`` (driver, in ``grpo.setup``) calls :func:`attach_generation`:
+  the pipeline registers (``allocate_pipeline_id`` / ``register_pipeline`` / ``admit_pipeline``),
+  starts its ``rlix:coordinator:{id}`` actor (``resize_infer`` -> :class:`NemoRlShardController`),
+  creates the one shard-state owner (:class:`~rlix_plugins.generation.ray_state.RayShardState`),
+  attaches the router, and installs :class:`RLixWeightSynchronizer` as the generation's
+  ``weight_synchronizer`` (NeMo RL then skips its native NCCL refit and its trainer<->inference
+  NCCL world). ``PIPELINE_ID`` is exported so the collector/buffer actors inherit it.
+* The ``Policy`` subclass (:func:`make_policy_class`) passes the Megatron worker extension
+  (``worker_extension_cls_fqn``) and runs :meth:`NemoRlPipeline.before_training` the first time a
+  step touches the training GPUs (``prepare_for_lp_inference`` or ``prepare_for_training``):
+  request the GPUs (blocks; overlapping shards are preempted by the coordinator), re-initialise
+  the Megatron NCCL groups in the workers.
+* ``refit_policy_generation`` -> ``RLixWeightSynchronizer.sync_weights``: cache the new weights
+  (collective HF gather, owner rank keeps them), offload, destroy the NCCL groups in the
+  workers, refresh the still-active shards, release the training GPUs (``after_training``), ask
+  for generation GPUs for the next step. The first call (before any step) caches version 0 and
+  puts every shard to sleep; the coordinator wakes them as demand warrants.
+* The collector reports progress (:func:`progress_tracker_for_collector`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rlix_plugins.errors import RegistrationError
+from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
+from rlix_plugins.generation.shard_state import ShardStatus
+from rlix_plugins.generation.state_store import ShardStateView
+from rlix_plugins.hooks.protocol import RLixHooks
+from rlix_plugins.protocol.names import (
+    ACTOR_INFER,
+    ACTOR_TRAIN,
+    ORCHESTRATOR_ACTOR,
+    SCHEDULER_ACTOR,
+    cluster_id,
+    pipeline_namespace,
+)
+from rlix_plugins.protocol.types import Priority, ProgressReport
+from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, load_settings
+from rlix_plugins.training.progress import ProgressTracker
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RLIX_MEGATRON_WORKER_FQN = "rlix_plugins.patches.megatron.RLixMegatronPolicyWorker"
+
+
+# ---------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True, slots=True)
+class NemoRlLayout:
+    """Global GPU ids of the pipeline's clusters (partial overlap: train within infer)."""
+
+    infer_gpus: tuple[int, ...]
+    train_gpus: tuple[int, ...]
+    infer_tp: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.infer_gpus or not self.train_gpus:
+            raise RegistrationError("a NeMo RL pipeline needs inference and training GPUs")
+        if len(self.infer_gpus) % self.infer_tp:
+            raise RegistrationError(
+                f"{len(self.infer_gpus)} inference GPUs are not a multiple of tp={self.infer_tp}"
+            )
+        extra = sorted(set(self.train_gpus) - set(self.infer_gpus))
+        if extra:
+            raise RegistrationError(
+                f"training GPUs {extra} are not inference GPUs; under the coordinator the "
+                "training GPUs must be a subset of the inference GPUs (partial overlap)"
+            )
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.infer_gpus) // self.infer_tp
+
+    def tp_configs(self) -> dict[str, int]:
+        return {ACTOR_INFER: self.infer_tp, ACTOR_TRAIN: len(self.train_gpus)}
+
+    def device_mappings(self) -> dict[str, list[int]]:
+        return {ACTOR_INFER: sorted(self.infer_gpus), ACTOR_TRAIN: sorted(self.train_gpus)}
+
+    @classmethod
+    def from_generation_config(cls, cfg: Any, num_shards: int, tp: int) -> NemoRlLayout:
+        """``policy.generation.rlix.{infer_gpus,train_gpus}`` or, absent, all inference GPUs
+        with training on the first ``rlix.train_gpu_count`` (default 1) of them."""
+        rl = dict((cfg or {}).get("rlix") or {})
+        infer = tuple(int(g) for g in rl.get("infer_gpus", range(num_shards * tp)))
+        count = int(rl.get("train_gpu_count", 1))
+        train = tuple(int(g) for g in rl.get("train_gpus", infer[:count]))
+        return cls(infer, train, tp)
+
+
+# ---------------------------------------------------------------------------- shard control
+
+
+class _LoopThread:
+    """One event loop in a daemon thread: the coordinator actor's resize calls are sync."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="rlix-nemo-rl-shards")
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+class CacheSync:
+    """Sends a cached weight version from the cache owner (Megatron rank 0) to shard leaders.
+
+    Picklable (actor handles only). The owner streams bucket by bucket, so a receiver's peak
+    extra memory is one bucket (``RLixMegatronWorkerMixin.rlix_push_weights``).
+    """
+
+    def __init__(self, owner: Any, leaders: Sequence[Any]) -> None:
+        self.owner = owner
+        self.leaders = list(leaders)
+
+    def latest(self) -> int | None:
+        import ray
+
+        version: int | None = ray.get(self.owner.rlix_latest_version.remote())
+        return version
+
+    def __call__(self, dp_ranks: Sequence[int], version: int) -> None:
+        import ray
+
+        targets = [self.leaders[r] for r in dp_ranks]
+        ray.get(self.owner.rlix_push_weights.remote(version, targets))
+
+
+class PendingController:
+    """Placeholder until the policy (the cache owner) exists: resizes fail with a reason."""
+
+    def shrink(self, dp_ranks: Sequence[int]) -> None:
+        raise RuntimeError(f"pipeline not ready (policy not built); cannot shrink {list(dp_ranks)}")
+
+    def expand(self, dp_ranks: Sequence[int]) -> None:
+        raise RuntimeError(f"pipeline not ready (policy not built); cannot expand {list(dp_ranks)}")
+
+
+class NemoRlShardController:
+    """:class:`~rlix_plugins.adapters.pipeline_coordinator.ShardController` for NeMo RL shards.
+
+    ``shrink`` = preempt (abort -> drain -> sleep); ``expand`` = wake -> selective sync of the
+    newest cached version to exactly those ranks -> activate. Idempotent per rank.
+    """
+
+    def __init__(self, lifecycle: ShardLifecycle, state: ShardStateView, sync: CacheSync) -> None:
+        self._lifecycle = lifecycle
+        self._state = state
+        self._sync = sync
+        self._loop: _LoopThread | None = None
+        self._lock = threading.Lock()
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        with self._lock:
+            if self._loop is None:
+                self._loop = _LoopThread()
+            loop = self._loop
+        return loop.run(coro)
+
+    def _statuses(self) -> tuple[ShardStatus, ...]:
+        async def read() -> tuple[ShardStatus, ...]:
+            return (await self._state.refresh()).statuses
+
+        return self._run(read())
+
+    def shrink(self, dp_ranks: Sequence[int]) -> None:
+        statuses = self._statuses()
+        todo = [r for r in dp_ranks if statuses[r] in (ShardStatus.ACTIVE, ShardStatus.WOKEN)]
+        if todo:
+            self._run(self._lifecycle.preempt(todo))
+
+    def expand(self, dp_ranks: Sequence[int]) -> None:
+        statuses = self._statuses()
+        sleeping = [r for r in dp_ranks if statuses[r] is ShardStatus.SLEEPING]
+        if sleeping:
+            self._run(self._lifecycle.wake(sleeping))
+        woken = [r for r in dp_ranks if statuses[r] in (ShardStatus.SLEEPING, ShardStatus.WOKEN)]
+        if not woken:
+            return
+        version = self._sync.latest()
+        if version is not None:
+            # Woken from level-2 sleep a shard has no valid weights: routed only after this.
+            self._sync(woken, version)
+        self._run(self._lifecycle.activate(woken))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"lifecycle": self._lifecycle, "state": self._state, "sync": self._sync}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["lifecycle"], state["state"], state["sync"])  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------- pipeline
+
+
+class NemoRlPipeline:
+    """Driver-side life of one NeMo RL pipeline under the coordinator (one per driver)."""
+
+    def __init__(self, settings: Settings, generation: Any, layout: NemoRlLayout,
+                 hooks: RLixHooks, pipeline_id: str) -> None:
+        self.settings = settings
+        self.generation = generation
+        self.layout = layout
+        self.hooks = hooks
+        self.pipeline_id = pipeline_id
+        self.policy: Any = None
+        self.state: Any = None
+        self.coordinator: Any = None
+        self.step = 0
+        self._holding_train = False
+        self._nccl_destroyed = False
+        self._cached_once = False
+        self._gen_thread: threading.Thread | None = None
+
+    # registration -------------------------------------------------------------------------
+    def register(self) -> None:
+        """Register + admit, create the shard-state owner, serve ``resize_infer``, route."""
+        import ray
+
+        from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
+        from rlix_plugins.generation.ray_state import RayShardState
+
+        orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
+        ray.get(orch.register_pipeline.remote(
+            pipeline_id=self.pipeline_id,
+            ray_namespace=pipeline_namespace(self.pipeline_id),
+            cluster_tp_configs=self.layout.tp_configs(),
+            cluster_device_mappings=self.layout.device_mappings(),
+        ))
+        # Shards start ACTIVE (NeMo RL loads and refits them during setup); the first
+        # sync_weights puts them to sleep and the coordinator takes over.
+        self.state = RayShardState.create(
+            self.layout.num_shards, name=f"rlix:shard_state:{self.pipeline_id}",
+            namespace=pipeline_namespace(self.pipeline_id), initial=ShardStatus.ACTIVE,
+        )
+        self.generation.rlix_attach(self.state)
+        self.coordinator = start_pipeline_coordinator(
+            self.pipeline_id, PendingController(),
+            control_namespace=self.settings.namespace,
+        )
+        ray.get(orch.admit_pipeline.remote(pipeline_id=self.pipeline_id))
+        logger.info("NeMo RL pipeline %s registered: %s", self.pipeline_id, self.layout)
+
+    def controller(self) -> NemoRlShardController:
+        """The shard controller (needs the policy: its rank 0 worker owns the cache)."""
+        assert self.policy is not None and self.state is not None
+        shards = self.generation.rlix_shards()
+        wg = self.generation.worker_group
+        leaders = [wg.workers[wg.get_dp_leader_worker_idx(r)] for r in range(wg.dp_size)]
+        owner = self.policy.worker_group.workers[0]
+        lifecycle = ShardLifecycle(self.state, shards, PreemptionConfig())
+        return NemoRlShardController(lifecycle, self.state, CacheSync(owner, leaders))
+
+    def attach_policy(self, policy: Any) -> None:
+        """Called by the Policy subclass once its workers exist."""
+        import ray
+
+        self.policy = policy
+        ctrl = self.controller()
+        # The coordinator actor was started before the policy existed: hand it the controller.
+        ray.get(self.coordinator.__ray_call__.remote(_set_controller, ctrl))
+
+    # training cycle -----------------------------------------------------------------------
+    def before_training(self) -> None:
+        """First touch of the training GPUs in a step: request them, re-init NCCL groups."""
+        if self._holding_train:
+            return
+        self.hooks.before_training(self.step)
+        self._holding_train = True
+        if self._nccl_destroyed and self.policy is not None:
+            import ray
+
+            ray.get(self.policy.run_all_workers_single_data("rlix_reinit_parallel_state"))
+            self._nccl_destroyed = False
+
+    def after_training(self) -> dict[str, float]:
+        """Cache, offload, destroy NCCL groups, refresh active shards, release, re-request."""
+        import ray
+
+        assert self.policy is not None, "the Policy subclass did not attach the policy"
+        version = self.step + 1 if self._cached_once else 0
+        ray.get(self.policy.run_all_workers_single_data("rlix_build_cache", version))
+        if not self._cached_once:
+            # Init: every shard was loaded by NeMo RL; from now on the coordinator decides.
+            self._cached_once = True
+            ctrl = self.controller()
+            ctrl.shrink(list(range(self.layout.num_shards)))
+            self._request_generation()
+            return {"rlix/cached_version": float(version)}
+        self.policy.offload_before_refit()
+        self.policy.offload_after_refit()
+        ray.get(self.policy.run_all_workers_single_data("rlix_destroy_parallel_state"))
+        self._nccl_destroyed = True
+        active = list(self.state.snapshot().active)
+        if active:
+            # Active refresh: shards that never slept take the new version without draining
+            # (the collector is paused by NeMo RL around the refit).
+            self.controller()._sync(active, version)
+        self.hooks.after_training(self.step)
+        self._holding_train = False
+        self.step += 1
+        self._request_generation()
+        return {"rlix/cached_version": float(version), "rlix/refreshed_shards": float(len(active))}
+
+    def _request_generation(self) -> None:
+        """Ask for generation GPUs for this step (returns at once; grants arrive as expands)."""
+        if self._gen_thread is not None and self._gen_thread.is_alive():
+            return
+        step = self.step
+
+        def run() -> None:
+            import ray
+
+            try:
+                sched = ray.get_actor(SCHEDULER_ACTOR, namespace=self.settings.namespace)
+                ray.get(sched.request_gpus.remote(
+                    cluster_id=cluster_id(self.pipeline_id, ACTOR_INFER),
+                    priority=Priority.GENERATION, global_step=step,
+                ))
+            except Exception:
+                logger.exception("generation request for step %d failed", step)
+
+        self._gen_thread = threading.Thread(target=run, daemon=True, name=f"rlix-gen-{step}")
+        self._gen_thread.start()
+
+
+def _set_controller(actor_self: Any, controller: NemoRlShardController) -> None:
+    actor_self.shards = controller
+
+
+_pipeline: NemoRlPipeline | None = None
+_pipeline_lock = threading.Lock()
+
+
+def current_pipeline() -> NemoRlPipeline | None:
+    """This driver's pipeline, once registered."""
+    return _pipeline
+
+
+def attach_generation(generation: Any) -> None:
+    """``RLixVllmGeneration`` construction hook (driver): register the pipeline."""
+    global _pipeline
+    settings = load_settings()
+    if not settings.enabled:
+        return
+    import ray
+
+    from rlix_plugins.hooks import make_hooks
+
+    with _pipeline_lock:
+        if _pipeline is not None:
+            return
+        orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=settings.namespace)
+        pid: str = settings.pipeline_id or str(ray.get(orch.allocate_pipeline_id.remote("ft")))
+        os.environ[ENV_PIPELINE_ID] = pid  # inherited by the collector and buffer actors
+        layout = NemoRlLayout.from_generation_config(
+            generation.cfg, generation.dp_size, generation.model_parallel_size
+        )
+        hooks = make_hooks(settings, pipeline_id=pid)
+        pipeline = NemoRlPipeline(settings, generation, layout, hooks, pid)
+        pipeline.register()
+        generation.weight_synchronizer = RLixWeightSynchronizer(pipeline)
+        _pipeline = pipeline
+
+
+class RLixWeightSynchronizer:
+    """NeMo RL ``WeightSynchronizer`` seam: the after-training half of the cycle.
+
+    ``refit_policy_generation`` returns ``sync_weights(...)`` when a synchronizer is set, so the
+    native refit (a broadcast to EVERY inference rank, sleeping ones included) never runs.
+    """
+
+    def __init__(self, pipeline: NemoRlPipeline) -> None:
+        self.pipeline = pipeline
+        self._stale = True
+
+    @property
+    def is_stale(self) -> bool:
+        return self._stale
+
+    def init_communicator(self) -> None:
+        """Nothing to set up: no trainer<->inference NCCL world under RLix."""
+
+    def sync_weights(self, timer: Any = None, kv_scales: Any = None) -> dict[str, float]:
+        if kv_scales:
+            logger.warning("rlix: FP8 KV scales are not carried by the selective sync")
+        metrics = self.pipeline.after_training()
+        self._stale = False
+        return metrics
+
+    def shutdown(self) -> None:
+        """The coordinator actor and shard state die with the job's Ray namespace."""
+
+
+def make_policy_class(base: type) -> type:
+    """``Policy`` subclass: Megatron extension + the before-training half of the cycle."""
+
+    class RLixPolicy(base):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            config = kwargs.get("config", args[1] if len(args) > 1 else {})
+            if (config.get("megatron_cfg") or {}).get("enabled") and kwargs.get(
+                "worker_extension_cls_fqn"
+            ) is None:
+                kwargs["worker_extension_cls_fqn"] = RLIX_MEGATRON_WORKER_FQN
+            super().__init__(*args, **kwargs)
+            pipeline = current_pipeline()
+            if pipeline is not None:
+                pipeline.attach_policy(self)
+
+        def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> Any:
+            pipeline = current_pipeline()
+            if pipeline is not None:
+                pipeline.before_training()
+            return super().prepare_for_lp_inference(*args, **kwargs)
+
+        def prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+            pipeline = current_pipeline()
+            if pipeline is not None:
+                pipeline.before_training()
+            return super().prepare_for_training(*args, **kwargs)
+
+    RLixPolicy.__qualname__ = f"RLix{base.__name__}"
+    return RLixPolicy
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+def _num_prompts_per_step(master_config: Any) -> int | None:
+    grpo = getattr(master_config, "grpo", None)
+    if grpo is None and isinstance(master_config, dict):
+        grpo = master_config.get("grpo")
+    if grpo is None:
+        return None
+    value = getattr(grpo, "num_prompts_per_step", None)
+    if value is None and isinstance(grpo, dict):
+        value = grpo.get("num_prompts_per_step")
+    return None if value is None else int(value)
+
+
+class SchedulerProgressSink:
+    """Progress sink that sends reports to ``rlix:scheduler`` (fire and forget; picklable)."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+
+    def __call__(self, report: ProgressReport) -> None:
+        import ray
+
+        ray.get_actor(SCHEDULER_ACTOR, namespace=self.namespace).report_progress.remote(report)
+
+    def clear(self, pipeline_id: str) -> None:
+        import ray
+
+        sched = ray.get_actor(SCHEDULER_ACTOR, namespace=self.namespace)
+        sched.clear_progress.remote(pipeline_id=pipeline_id)
+
+
+def progress_tracker_for_collector(master_config: Any) -> ProgressTracker | None:
+    """The collector's tracker (None when standalone or no pipeline id is known)."""
+    settings = load_settings()
+    if not settings.enabled or not settings.pipeline_id:
+        return None
+    target = _num_prompts_per_step(master_config)
+    if target is None:
+        logger.warning("rlix: grpo.num_prompts_per_step unknown; no progress reports")
+        return None
+    sink = SchedulerProgressSink(settings.namespace)
+    pid = settings.pipeline_id
+    tracker = ProgressTracker(pid, sink, on_clear=lambda: sink.clear(pid))
+    tracker._rlix_step_target = target  # type: ignore[attr-defined]
+    return tracker
+
+
+def begin_progress_batch(tracker: ProgressTracker, weight_version: int,
+                         already_collected: int = 0) -> ProgressReport:
+    """New weight version = new step: count groups targeted at it from ``already_collected``."""
+    target = int(getattr(tracker, "_rlix_step_target", 0))
+    return tracker.begin_batch(step=weight_version, step_target=target,
+                               weight_version=weight_version,
+                               already_collected=already_collected)
+
+
+# RLixVllmGeneration runs attach_generation at construction (the patch sets the class hook).
+__all__ = [
+    "CacheSync",
+    "NemoRlLayout",
+    "NemoRlPipeline",
+    "NemoRlShardController",
+    "RLixWeightSynchronizer",
+    "attach_generation",
+    "begin_progress_batch",
+    "make_policy_class",
+    "progress_tracker_for_collector",
+]

@@ -1,0 +1,82 @@
+"""NeMo RL's trajectory collector with progress reports (runs in the collector's venv).
+
+``AsyncTrajectoryCollector`` is decorated with ``@ray.remote`` and has no undecorated twin; Ray
+keeps the user class as ``__ray_metadata__.modified_class.__ray_actor_class__``, which we
+subclass and decorate again. After each prompt group is buffered
+(``_enqueue_rollout_group``) the collector's progress tracker counts it for the step it
+targets and reports (2% buckets) through the pipeline's progress sink.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+from nemo_rl.algorithms.async_utils import trajectory_collector as _tc
+
+from rlix_plugins.training.progress import ProgressTracker
+
+logger = logging.getLogger(__name__)
+
+
+def undecorated(actor_class: Any) -> type:
+    """The user class behind a ``@ray.remote`` actor class."""
+    meta = getattr(actor_class, "__ray_metadata__", None)
+    modified = getattr(meta, "modified_class", None)
+    original = getattr(modified, "__ray_actor_class__", None)
+    if not isinstance(original, type):
+        raise TypeError(f"{actor_class!r} is not a Ray actor class with a recoverable user class")
+    return original
+
+
+_Base: Any = undecorated(_tc.AsyncTrajectoryCollector)
+
+
+class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
+    """The collector plus progress after each buffered prompt group."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from rlix_plugins.adapters.nemo_rl import progress_tracker_for_collector
+
+        self._rlix_progress: ProgressTracker | None = progress_tracker_for_collector(
+            kwargs.get("master_config")
+        )
+
+    async def _enqueue_rollout_group(
+        self,
+        rollout_result: Any,
+        generation_weight_version: int,
+        target_weight_version: int,
+        expected_prompt_groups: int,
+        buffered_group_indices: set[int],
+        collection_started_at: float,
+    ) -> None:
+        await super()._enqueue_rollout_group(
+            rollout_result,
+            generation_weight_version,
+            target_weight_version,
+            expected_prompt_groups,
+            buffered_group_indices,
+            collection_started_at,
+        )
+        tracker = self._rlix_progress
+        if tracker is None:
+            return
+        try:
+            # One prompt group buffered for the step that trains target_weight_version.
+            tracker.record(1, weight_version=int(target_weight_version))
+        except Exception:  # progress must never stop collection
+            logger.exception("rlix: progress report failed; collection continues")
+
+    def set_weight_version(self, version: int) -> None:
+        super().set_weight_version(version)
+        tracker = self._rlix_progress
+        if tracker is not None:
+            from rlix_plugins.adapters.nemo_rl import begin_progress_batch
+
+            begin_progress_batch(tracker, int(version))
+
+
+RLixAsyncTrajectoryCollector = ray.remote(RLixAsyncTrajectoryCollectorImpl)

@@ -1,0 +1,342 @@
+"""NeMo RL host patch: what is plugged where when ``RLIX_CONTROL_PLANE=rlix``.
+
+Supported NeMo RL: NVIDIA-NeMo/RL commit ``7ea279abf`` (main, 2026-08-22; package version
+0.6.0). NeMo RL's own seams first, replacement of call-time-looked-up names second, nothing is
+wrapped in place:
+
+====================  ====================================================================
+process               what is plugged, through which seam
+====================  ====================================================================
+every process         ``ACTOR_ENVIRONMENT_REGISTRY`` gains our worker FQNs (same venvs as the
+                      stock classes) - the actor-environment registry seam
+driver                ``grpo.VllmGeneration`` -> :class:`RLixVllmGeneration` (router);
+                      ``grpo.Policy`` -> a ``Policy`` subclass that passes
+                      ``worker_extension_cls_fqn`` (Megatron extension) and runs the
+                      before-training half of the cycle; the generation's
+                      ``weight_synchronizer`` (NeMo RL's ``WeightSynchronizer`` seam) runs the
+                      after-training half with the native refit skipped
+driver / any          ``vllm_generation.resolve_generation_worker_cls`` (looked up at call
+                      time) maps the stock async worker FQN to ours
+driver                ``async_utils.ReplayBuffer`` / ``AsyncTrajectoryCollector`` (imported at
+                      call time inside ``async_grpo_train``) -> subclasses of their undecorated
+                      classes, re-decorated: ``valid_count`` and progress reports
+====================  ====================================================================
+
+The patch is triggered by the import of ``nemo_rl`` (the post-import hook of
+:mod:`rlix_plugins.activation`); each part is applied when ITS module is imported in that
+process (a vLLM worker never imports ``grpo``, and must not be made to). Drift of a part's plug
+points raises :class:`~rlix_plugins.errors.HostDriftError` at that import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+from rlix_plugins.errors import HostDriftError
+from rlix_plugins.patches.base import (
+    HostPatch,
+    PlugKind,
+    PlugPoint,
+    PlugPointStatus,
+    check_plug_point,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The NeMo RL commit this patch was written and tested against (full and short form).
+SUPPORTED_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
+SUPPORTED_COMMIT_SHORT = SUPPORTED_COMMIT[:9]
+#: ``nemo_rl.__version__`` at that commit.
+SUPPORTED_VERSION = "0.6.0"
+
+_GRPO = "nemo_rl.algorithms.grpo"
+_ASYNC = "nemo_rl.algorithms.async_utils"
+_REPLAY = "nemo_rl.algorithms.async_utils.replay_buffer"
+_COLLECTOR = "nemo_rl.algorithms.async_utils.trajectory_collector"
+_VGEN = "nemo_rl.models.generation.vllm.vllm_generation"
+_VWORKER = "nemo_rl.models.generation.vllm.vllm_worker_async"
+_REGISTRY = "nemo_rl.distributed.ray_actor_environment_registry"
+_POLICY = "nemo_rl.models.policy.lm_policy"
+_MEGATRON = "nemo_rl.models.policy.workers.megatron_policy_worker"
+_WSYNC = "nemo_rl.weight_sync.interfaces"
+_WGROUP = "nemo_rl.distributed.worker_groups"
+
+#: FQNs NeMo RL's builders import for our worker classes.
+RLIX_VLLM_WORKER_FQN = "rlix_plugins.adapters.nemo_rl_workers.RLixVllmAsyncGenerationWorker"
+STOCK_VLLM_WORKER_FQN = f"{_VWORKER}.VllmAsyncGenerationWorker"
+RLIX_MEGATRON_WORKER_FQN = "rlix_plugins.patches.megatron.RLixMegatronPolicyWorker"
+STOCK_MEGATRON_WORKER_FQN = f"{_MEGATRON}.MegatronPolicyWorker"
+
+
+def _p(name: str, target: str, kind: PlugKind, params: tuple[str, ...] = (), why: str = "") -> (
+    PlugPoint
+):
+    return PlugPoint(name, target, kind, params, why)
+
+
+#: Plug points of each part, keyed by the module whose import applies the part.
+PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
+    _REGISTRY: (
+        _p("actor venv registry", f"{_REGISTRY}:ACTOR_ENVIRONMENT_REGISTRY",
+           PlugKind.EXTENSION_POINT, why="our worker FQNs run in the stock classes' venvs"),
+        _p("actor venv lookup", f"{_REGISTRY}:get_actor_python_env", PlugKind.READ,
+           ("actor_class_fqn",)),
+    ),
+    _VGEN: (
+        _p("vLLM worker class resolver", f"{_VGEN}:resolve_generation_worker_cls",
+           PlugKind.ATTRIBUTE, ("default_cls", "config"),
+           why="looked up at call time in VllmGeneration.__init__: maps to our worker FQN"),
+        _p("VllmGeneration", f"{_VGEN}:VllmGeneration.__init__", PlugKind.SUBCLASS,
+           ("cluster", "config", "name_prefix", "workers_per_node", "defer_model_load")),
+        _p("routing entry", f"{_VGEN}:VllmGeneration._async_generate_base", PlugKind.READ,
+           ("data", "method_name", "data_validation_fn", "greedy"),
+           why="NeMo RL's real request path; it calls the two overridden methods below"),
+        _p("shard choice", f"{_VGEN}:VllmGeneration._next_dp_shard_idx", PlugKind.SUBCLASS),
+        _p("shard dispatch", f"{_VGEN}:VllmGeneration._generate_on_shard", PlugKind.SUBCLASS,
+           ("data", "method_name", "greedy", "dp_shard_idx", "leader_worker_idx")),
+        _p("trainer<->inference NCCL world", f"{_VGEN}:VllmGeneration.init_collective",
+           PlugKind.SUBCLASS, ("ip", "port", "world_size", "train_world_size")),
+        _p("dp leader of a shard", f"{_WGROUP}:RayWorkerGroup.get_dp_leader_worker_idx",
+           PlugKind.READ, ("dp_shard_idx",)),
+        _p("worker handles", f"{_WGROUP}:RayWorkerGroup.workers", PlugKind.READ),
+        _p("one-worker call", f"{_WGROUP}:RayWorkerGroup.run_single_worker_single_data",
+           PlugKind.READ, ("method_name", "worker_idx")),
+    ),
+    _VWORKER: (
+        _p("async vLLM worker (undecorated)", f"{_VWORKER}:VllmAsyncGenerationWorkerImpl",
+           PlugKind.SUBCLASS, why="Ray freezes the decorated class; we subclass the Impl"),
+        _p("engine creation", f"{_VWORKER}:VllmAsyncGenerationWorkerImpl._create_engine",
+           PlugKind.SUBCLASS, ("llm_kwargs",), why="wrap self.llm behind the dispatch gate"),
+        _p("sleep (level 1 hard-coded)", f"{_VWORKER}:VllmAsyncGenerationWorkerImpl.sleep_async",
+           PlugKind.SUBCLASS),
+        _p("per-request generation", f"{_VWORKER}:VllmAsyncGenerationWorkerImpl.generate_async",
+           PlugKind.READ, ("data", "greedy"),
+           why="calls self.llm.generate(prompt=, sampling_params=, request_id=)"),
+    ),
+    _GRPO: (
+        _p("generation class", f"{_GRPO}:VllmGeneration", PlugKind.ATTRIBUTE,
+           why="grpo.setup's init_vllm looks the name up at call time"),
+        _p("policy class", f"{_GRPO}:Policy", PlugKind.ATTRIBUTE,
+           why="grpo.setup uses Policy when no policy_factory is given"),
+        _p("setup", f"{_GRPO}:setup", PlugKind.READ, ("master_config", "policy_factory")),
+        _p("refit", f"{_GRPO}:refit_policy_generation", PlugKind.READ,
+           ("policy", "policy_generation", "colocated_inference", "timer", "kv_scales"),
+           why="returns early into policy_generation.weight_synchronizer.sync_weights"),
+        _p("async GRPO loop", f"{_GRPO}:async_grpo_train", PlugKind.READ,
+           ("policy", "policy_generation", "max_trajectory_age_steps")),
+    ),
+    _ASYNC: (
+        _p("replay buffer actor", f"{_ASYNC}:ReplayBuffer", PlugKind.ATTRIBUTE,
+           why="imported at call time inside async_grpo_train"),
+        _p("collector actor", f"{_ASYNC}:AsyncTrajectoryCollector", PlugKind.ATTRIBUTE,
+           why="imported at call time inside async_grpo_train"),
+        _p("replay buffer (undecorated)", f"{_REPLAY}:ReplayBufferImpl", PlugKind.SUBCLASS,
+           ("max_size",)),
+        _p("replay buffer add", f"{_REPLAY}:ReplayBufferImpl.add", PlugKind.READ,
+           ("weight_version", "target_weight_version")),
+        _p("collector enqueue", f"{_COLLECTOR}:AsyncTrajectoryCollector", PlugKind.SUBCLASS,
+           why="progress after each buffered group (_enqueue_rollout_group)"),
+    ),
+    _POLICY: (
+        _p("Policy", f"{_POLICY}:Policy.__init__", PlugKind.SUBCLASS,
+           ("cluster", "config", "worker_extension_cls_fqn")),
+        _p("before logprobs", f"{_POLICY}:Policy.prepare_for_lp_inference", PlugKind.SUBCLASS),
+        _p("before training", f"{_POLICY}:Policy.prepare_for_training", PlugKind.SUBCLASS),
+        _p("offload before refit", f"{_POLICY}:Policy.offload_before_refit", PlugKind.READ),
+        _p("offload after refit", f"{_POLICY}:Policy.offload_after_refit", PlugKind.READ),
+        _p("all-worker call", f"{_POLICY}:Policy.run_all_workers_single_data", PlugKind.READ,
+           ("method_name",)),
+    ),
+    _MEGATRON: (
+        _p("Megatron worker (undecorated)", f"{_MEGATRON}:MegatronPolicyWorkerImpl",
+           PlugKind.SUBCLASS),
+        _p("HF-weight gather (collective)",
+           f"{_MEGATRON}:MegatronPolicyWorkerImpl._iter_params_with_optional_kv_scales",
+           PlugKind.READ),
+    ),
+    _WSYNC: (
+        _p("weight synchronizer seam", f"{_WSYNC}:WeightSynchronizer", PlugKind.EXTENSION_POINT),
+        _p("sync_weights", f"{_WSYNC}:WeightSynchronizer.sync_weights", PlugKind.READ,
+           ("timer", "kv_scales")),
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    module: str
+    apply: Callable[[NemoRlPatch, Any], None]
+
+
+def _apply_registry(patch: NemoRlPatch, module: Any) -> None:
+    registry: dict[str, str] = module.ACTOR_ENVIRONMENT_REGISTRY
+    for ours, stock in (
+        (RLIX_VLLM_WORKER_FQN, STOCK_VLLM_WORKER_FQN),
+        (RLIX_MEGATRON_WORKER_FQN, STOCK_MEGATRON_WORKER_FQN),
+        ("rlix_plugins.adapters.nemo_rl_replay.RLixReplayBuffer", f"{_ASYNC}.ReplayBuffer"),
+        ("rlix_plugins.adapters.nemo_rl_collector.RLixAsyncTrajectoryCollector",
+         f"{_ASYNC}.AsyncTrajectoryCollector"),
+    ):
+        if stock in registry:
+            patch.set_item(registry, ours, registry[stock])
+
+
+def _apply_vgen(patch: NemoRlPatch, module: Any) -> None:
+    stock = module.resolve_generation_worker_cls
+
+    def resolve_generation_worker_cls(default_cls: str, config: dict[str, Any]) -> str:
+        resolved: str = stock(default_cls, config)
+        if resolved == STOCK_VLLM_WORKER_FQN:
+            return RLIX_VLLM_WORKER_FQN
+        if resolved != default_cls:
+            logger.warning("rlix: vLLM worker %s (quantized) has no time-sharing subclass; "
+                           "its shards cannot be preempted", resolved)
+        return resolved
+
+    patch.set_attribute(module, "resolve_generation_worker_cls", resolve_generation_worker_cls)
+
+
+def _apply_grpo(patch: NemoRlPatch, module: Any) -> None:
+    from rlix_plugins.adapters.nemo_rl import attach_generation, make_policy_class
+    from rlix_plugins.adapters.nemo_rl_generation import RLixVllmGeneration
+
+    patch.set_attribute(RLixVllmGeneration, "_rlix_on_init", staticmethod(attach_generation))
+    patch.set_attribute(module, "VllmGeneration", RLixVllmGeneration)
+    patch.set_attribute(module, "Policy", make_policy_class(module.Policy))
+
+
+def _apply_async(patch: NemoRlPatch, module: Any) -> None:
+    from rlix_plugins.adapters.nemo_rl_collector import RLixAsyncTrajectoryCollector
+    from rlix_plugins.adapters.nemo_rl_replay import RLixReplayBuffer
+
+    patch.set_attribute(module, "ReplayBuffer", RLixReplayBuffer)
+    patch.set_attribute(module, "AsyncTrajectoryCollector", RLixAsyncTrajectoryCollector)
+
+
+_PARTS: tuple[_Part, ...] = (
+    _Part(_REGISTRY, _apply_registry),
+    _Part(_VGEN, _apply_vgen),
+    _Part(_GRPO, _apply_grpo),
+    _Part(_ASYNC, _apply_async),
+)
+
+# The points of _VWORKER, _POLICY, _MEGATRON and _WSYNC are only checked (we subclass there,
+# in our own modules, and replace nothing in the host module): doctor checks them all.
+
+
+class NemoRlPatch(HostPatch):
+    """Time-sharing integration of NeMo RL (see module docstring)."""
+
+    module = "nemo_rl"
+    distributions = ("nemo-rl", "nemo_rl")
+    supported = f"NVIDIA-NeMo/RL commit {SUPPORTED_COMMIT_SHORT} (nemo_rl {SUPPORTED_VERSION})"
+    plug_points: Sequence[PlugPoint] = tuple(p for pts in PART_POINTS.values() for p in pts)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._enabled = False
+        self._parts_done: set[str] = set()
+        self._parts_lock = threading.RLock()
+
+    def version(self) -> str | None:
+        found = super().version()
+        if found is not None:
+            return found
+        module = sys.modules.get("nemo_rl")
+        return getattr(module, "__version__", None) if module is not None else None
+
+    def version_supported(self, version: str | None) -> bool:
+        return version == SUPPORTED_VERSION
+
+    def check(self) -> list[PlugPointStatus]:
+        """Check the points of every part whose module is already imported here.
+
+        The rest are checked by each part when its module is imported (so checking never
+        imports ``grpo`` into a vLLM worker); ``rlix-plugins doctor`` checks them all.
+        """
+        return [
+            check_plug_point(p)
+            for mod, pts in PART_POINTS.items()
+            if mod in sys.modules
+            for p in pts
+        ]
+
+    def set_item(self, mapping: dict[str, Any], key: str, value: Any) -> None:
+        """``mapping[key] = value``, remembered for :meth:`revert` (like ``set_attribute``)."""
+        missing = object()
+        old = mapping.get(key, missing)
+        mapping[key] = value
+
+        def undo() -> None:
+            if old is missing:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = old
+
+        self._undo.append(undo)
+
+    def _apply(self) -> None:
+        self._enabled = True
+
+        def disable() -> None:
+            self._enabled = False
+            self._parts_done.clear()
+
+        self._undo.append(disable)
+        for part in _PARTS:
+            # Fires at once if the module is imported already, else at its import.
+            wrapt.register_post_import_hook(self._hook(part), part.module)
+
+    def _hook(self, part: _Part) -> Callable[[Any], None]:
+        def hook(module: Any) -> None:
+            self.apply_part(part.module, module)
+
+        return hook
+
+    def apply_part(self, module_name: str, module: Any | None = None) -> bool:
+        """Apply one part now (idempotent); False when the patch is not enabled."""
+        with self._parts_lock:
+            if not self._enabled or module_name in self._parts_done:
+                return False
+            module = module if module is not None else importlib.import_module(module_name)
+            drift = [s for s in map(check_plug_point, PART_POINTS[module_name]) if not s.ok]
+            if drift:
+                lines = "; ".join(f"{s.point.name} ({s.point.target}): {s.detail}" for s in drift)
+                raise HostDriftError(
+                    f"NemoRlPatch cannot apply to {module_name} (supported: {self.supported}): "
+                    f"{lines}"
+                )
+            part = next(p for p in _PARTS if p.module == module_name)
+            part.apply(self, module)
+            self._parts_done.add(module_name)
+            logger.info("rlix: NeMo RL part %s applied", module_name)
+            return True
+
+    @property
+    def parts_applied(self) -> frozenset[str]:
+        """Modules whose part is applied in this process."""
+        return frozenset(self._parts_done)
+
+
+def factory() -> NemoRlPatch:
+    """Factory registered in :data:`rlix_plugins.activation.PATCHES`."""
+    return NemoRlPatch()
+
+
+__all__ = [
+    "PART_POINTS",
+    "RLIX_MEGATRON_WORKER_FQN",
+    "RLIX_VLLM_WORKER_FQN",
+    "SUPPORTED_COMMIT",
+    "SUPPORTED_VERSION",
+    "NemoRlPatch",
+    "factory",
+]
