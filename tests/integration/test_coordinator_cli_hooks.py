@@ -1,0 +1,158 @@
+"""`rlix-plugins coordinator/status` commands and CoordinatorHooks against the real coordinator."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from rlix_plugins import cli
+from rlix_plugins.coordinator.core.status import CoordinatorStatus
+from rlix_plugins.errors import PipelineFailedError
+from rlix_plugins.hooks import make_hooks
+from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
+from rlix_plugins.protocol.names import pipeline_namespace
+from rlix_plugins.settings import load_settings
+from tests.support.roll_pipeline import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _status(plane: Any) -> CoordinatorStatus:
+    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
+    return status
+
+
+def _register(plane: Any, pid: str, maps: dict[str, list[int]]) -> None:
+    ray.get(
+        plane.orchestrator.register_pipeline.remote(
+            pipeline_id=pid,
+            ray_namespace=pipeline_namespace(pid),
+            cluster_tp_configs={n: 1 for n in maps},
+            cluster_device_mappings=maps,
+        )
+    )
+
+
+def test_cli_start_status_stop(
+    ray_session: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    ns = f"rlix_cli_{tmp_path.name[-8:]}"
+    assert (
+        cli.main(
+            ["coordinator", "start", "--namespace", ns, "--nodes", "1", "--gpus-per-node", "8"]
+        )
+        == 0
+    )
+    assert "1 node(s) x 8 GPU(s)" in capsys.readouterr().out
+    try:
+        from rlix_plugins.coordinator.service.client import connect
+
+        plane = connect(namespace=ns, create_if_missing=False)
+        _register(plane, "ft_cli000000001", {"actor_train": [0, 1], "critic": [1]})
+        sched = plane.scheduler
+        ray.get(sched.request_gpus.remote(cluster_id="ft_cli000000001_actor_train", priority=3))
+        waiting = sched.request_gpus.remote(cluster_id="ft_cli000000001_critic", priority=2)
+        wait_until(lambda: len(_status(plane).wait_queue) == 1, 10)
+        assert cli.main(["status", "--namespace", ns]) == 0
+        out = capsys.readouterr().out
+        assert "ft_cli000000001_actor_train" in out and "OLD_LOG_PROBS" in out
+        assert "WAIT QUEUE" in out and "CRITIC_TRAINING" in out
+        # The real entry point, in another process, on this Ray cluster.
+        address = ray.get_runtime_context().gcs_address
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlix_plugins.cli",
+                "status",
+                "--namespace",
+                ns,
+                "--address",
+                address,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        record = json.loads(proc.stdout)
+        assert record["gpus"][0]["owner_cluster"] == "ft_cli000000001_actor_train"
+        assert record["wait_queue"][0]["cluster_id"] == "ft_cli000000001_critic"
+        assert json.loads(json.dumps(dataclasses.asdict(_status(plane))))["gpus"] == record["gpus"]
+        ray.get(sched.notify_release_gpus.remote(cluster_id="ft_cli000000001_actor_train"))
+        assert ray.get(waiting, timeout=10) == [1]
+    finally:
+        assert cli.main(["coordinator", "stop", "--namespace", ns]) == 0
+    assert "stopped" in capsys.readouterr().out
+    assert cli.main(["status", "--namespace", ns]) == 2
+
+
+def test_hooks_block_release_report_and_keep_the_lease(
+    coordinator: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    monkeypatch.setenv("RLIX_NAMESPACE", coordinator.namespace)
+    monkeypatch.setenv("RLIX_LEASE_S", "1.5")
+    settings = load_settings()
+    pid, other = "ft_hooks0000001", "ft_hooksother01"
+    _register(coordinator, pid, {"actor_train": [0, 1], "actor_infer": [0, 1, 2, 3]})
+    _register(coordinator, other, {"actor_train": [1]})
+    sched = coordinator.scheduler
+    ray.get(sched.request_gpus.remote(cluster_id=f"{other}_actor_train", priority=1))
+    hooks = make_hooks(settings, pipeline_id=pid)
+    assert isinstance(hooks, CoordinatorHooks)
+    try:
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (hooks.before_training(0), done.set()))
+        t.start()
+        # Blocked behind the other pipeline's training on GPU 1.
+        wait_until(lambda: len(_status(coordinator).wait_queue) == 1, 10)
+        assert not done.is_set()
+        ray.get(sched.notify_release_gpus.remote(cluster_id=f"{other}_actor_train"))
+        assert done.wait(10)
+        t.join()
+        owners = _status(coordinator).owners()
+        assert owners[0] == owners[1] == pid
+        hooks.after_training(0)
+        assert _status(coordinator).owners()[0] is None
+        # Progress: 2% buckets; the scheduler sees the remaining demand.
+        sent = []
+        real_call = hooks._call
+
+        def counting(method: str, *a: Any, **kw: Any) -> Any:
+            sent.append(method)
+            return real_call(method, *a, **kw)
+
+        monkeypatch.setattr(hooks, "_call", counting)
+        for collected in range(0, 101):
+            hooks.report_progress(
+                step_target_trajectories=1000, collected=collected, current_train_step=1
+            )
+        assert sent.count("report_progress") == 6  # buckets 0..5 (20 trajectories each)
+        status = _status(coordinator).pipeline(pid)
+        assert status is not None and status.demand == 900
+        hooks.report_progress(step_target_trajectories=1000, collected=1000, current_train_step=1)
+        assert _status(coordinator).pipeline(pid).demand == 0  # type: ignore[union-attr]
+        hooks.clear_progress()
+        assert _status(coordinator).pipeline(pid).progress_streams == 0  # type: ignore[union-attr]
+        # The heartbeat thread keeps the lease well past lease_s: let three leases elapse
+        # (the property under test is about time passing, nothing to synchronise on).
+        time.sleep(3 * settings.lease_s)
+        assert _status(coordinator).pipeline(pid) is not None
+    finally:
+        hooks.close()  # type: ignore[union-attr]
+    # Without heartbeats the lease lapses and the pipeline is declared dead.
+    wait_until(lambda: _status(coordinator).pipeline(pid) is None, 10)
+    with pytest.raises(PipelineFailedError):
+        hooks.before_training(1)
