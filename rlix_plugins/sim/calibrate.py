@@ -41,6 +41,11 @@ def calibrate_lengths(workload: Workload, target_cycle_s: float, seed: int) -> f
         f1, c1 = max(0.05, f2), exclusive_cycle(scaled(max(0.05, f2)), seed)
         if abs(c1 - target_cycle_s) / target_cycle_s < 0.01:
             break
-    log.info("%s: length scale %.3f gives exclusive cycle %.1f s (target %.1f)",
-             workload.name, f1, c1, target_cycle_s)
+    log.info(
+        "%s: length scale %.3f gives exclusive cycle %.1f s (target %.1f)",
+        workload.name,
+        f1,
+        c1,
+        target_cycle_s,
+    )
     return f1

@@ -29,8 +29,9 @@ WORKLOADS = (
 )
 
 
-def build_workload(name: str, *, jobs: int | None, steps: int | None, nodes: int | None,
-                   seed: int) -> Workload:
+def build_workload(
+    name: str, *, jobs: int | None, steps: int | None, nodes: int | None, seed: int
+) -> Workload:
     """A named workload from :mod:`rlix_plugins.sim.workloads` (PlexRL ones calibrated)."""
     if name == "long-tail":
         return long_tail_agentic(num_jobs=jobs or 16, nodes=nodes or 8, steps=steps or 4)
@@ -41,8 +42,11 @@ def build_workload(name: str, *, jobs: int | None, steps: int | None, nodes: int
         return plexrl_two_jobs(row, steps=steps or 8, length_scale=scale)
     if name.startswith("rollmux-"):
         return rollmux_trace(
-            name.removeprefix("rollmux-"), num_jobs=jobs or 16, nodes=nodes or 8,
-            steps=steps or 10, seed=seed,
+            name.removeprefix("rollmux-"),
+            num_jobs=jobs or 16,
+            nodes=nodes or 8,
+            steps=steps or 10,
+            seed=seed,
         )
     raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
 
@@ -52,14 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--workload", choices=WORKLOADS, default="long-tail")
     src.add_argument("--scenario", type=Path, help="scenario file (.json/.toml), see docs")
-    parser.add_argument("--policies", default=",".join(POLICIES),
-                        help=f"comma-separated subset of {POLICIES}")
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES), help=f"comma-separated subset of {POLICIES}"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--jobs", type=int, help="number of jobs (long-tail, rollmux)")
     parser.add_argument("--steps", type=int, help="training steps per job")
     parser.add_argument("--nodes", type=int, help="nodes of 8 GPUs (long-tail, rollmux)")
-    parser.add_argument("--out", type=Path, default=Path("sim-results"),
-                        help="directory for JSON + PNG results")
+    parser.add_argument(
+        "--out", type=Path, default=Path("sim-results"), help="directory for JSON + PNG results"
+    )
     parser.add_argument("--no-plots", action="store_true")
 
 
@@ -78,7 +84,11 @@ def run(args: argparse.Namespace) -> int:
         )
     config = EngineConfig(record_tenures=not args.no_plots)
     comparison = compare(
-        workload, seed=args.seed, out_dir=args.out, policies=policies, config=config,
+        workload,
+        seed=args.seed,
+        out_dir=args.out,
+        policies=policies,
+        config=config,
         plot=not args.no_plots,
     )
     print(format_table(comparison))

@@ -230,9 +230,7 @@ class SimCluster:
         if release_cid is not None:
             self.state.release(release_cid)
         self.state.cancel_request(request_cid)
-        self.request(
-            request_cid, Priority.GENERATION, step_target_estimate=step_target_estimate
-        )
+        self.request(request_cid, Priority.GENERATION, step_target_estimate=step_target_estimate)
 
     def plan_release(self, cid: str) -> bool:
         done = self.state.plan_release(cid, now=self.clock.now)
@@ -280,7 +278,9 @@ class SimCluster:
         # RLix's eager preemption frees GPUs nobody takes (our P5 forbids it): check the rest
         # of the plan against every invariant, and the eager shrinks for P1 only.
         ids = {id(m) for m in idle}
-        check_plan(self.state, replace(plan, shrinks=tuple(m for m in plan.shrinks if id(m) not in ids)))
+        check_plan(
+            self.state, replace(plan, shrinks=tuple(m for m in plan.shrinks if id(m) not in ids))
+        )
         seen = {(m.cluster_id, m.dp_rank) for m in plan.shrinks if id(m) not in ids}
         for m in idle:
             key = (m.cluster_id, m.dp_rank)

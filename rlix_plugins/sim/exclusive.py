@@ -69,4 +69,3 @@ class ExclusivePlanner:
             grants=tuple(grants),
             completed_releases=tuple(released),
         )
-

@@ -101,7 +101,8 @@ def compare(
             for policy, r in results.items():
                 if r.tenures:
                     plots.ownership_timeline(
-                        r, f"{workload.name}/{policy}",
+                        r,
+                        f"{workload.name}/{policy}",
                         out_dir / f"{workload.name}_{policy}_ownership.png",
                     )
             plots.utilisation(results, workload.name, out_dir / f"{workload.name}_util.png")
@@ -136,9 +137,7 @@ def format_table(comparison: Comparison) -> str:
     header = f"{'policy':<10}" + "".join(f"{c[0]:>14}" for c in cols)
     lines.append(header)
     for s in comparison.summaries:
-        row = f"{s.policy:<10}" + "".join(
-            f"{c[2].format(getattr(s, c[1])):>14}" for c in cols
-        )
+        row = f"{s.policy:<10}" + "".join(f"{c[2].format(getattr(s, c[1])):>14}" for c in cols)
         lines.append(row)
     for k, v in comparison.ratios().items():
         lines.append(f"  {k}: {v:.3f}")

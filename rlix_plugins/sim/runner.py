@@ -97,9 +97,9 @@ def run_all(
     config: EngineConfig | None = None,
 ) -> tuple[tuple[PolicyRun, ...], dict[str, float]]:
     """Every policy on the same workload and seed, plus each job's isolated JCT."""
-    runs = tuple(
-        PolicyRun(p, run_policy(workload, p, seed=seed, config=config)) for p in policies
-    )
+    runs = tuple(PolicyRun(p, run_policy(workload, p, seed=seed, config=config)) for p in policies)
     # A job's random stream is keyed by (seed, job name): alone it draws the same lengths.
-    isolated = {job.name: isolated_jct(job, workload.gpus_per_node, seed=seed) for job in workload.jobs}
+    isolated = {
+        job.name: isolated_jct(job, workload.gpus_per_node, seed=seed) for job in workload.jobs
+    }
     return runs, isolated

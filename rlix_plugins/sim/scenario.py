@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from rlix_plugins.sim.workloads import (
     JobSpec,
@@ -49,7 +50,7 @@ def _get(d: Mapping[str, Any], key: str, kind: type, where: str, default: Any = 
     value = d[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ScenarioError(f"{where}: {key!r} must be {kind.__name__}, got {value!r}")
     return value
 

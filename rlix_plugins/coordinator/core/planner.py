@@ -70,8 +70,8 @@ def _collecting(state: SchedulerState, pipeline_id: str) -> bool:
     """The pipeline reported remaining demand for its step: it is generating even when every
     rank it had was preempted (no pending request then), so it must stay eligible or it would
     wait forever for ranks nobody plans to give it."""
-    streams = state.progress.get(pipeline_id)
-    return bool(streams) and any(r.remaining > 0 for r in streams.values())
+    streams = state.progress.get(pipeline_id) or {}
+    return any(r.remaining > 0 for r in streams.values())
 
 
 class _Cycle:

@@ -1,0 +1,1 @@
+"""Cluster-efficiency benchmark (simulator): see run.py."""
