@@ -84,7 +84,10 @@ def fletcher64_torch(data: torch.Tensor) -> int:
         raise ValueError(f"expected a 1-D uint8 tensor, got {data.dtype} {tuple(data.shape)}")
     n = int(data.shape[0])
     full = n - n % 8
-    words = data[:full].view(torch.int64)
+    if full:
+        words = data[:full].view(torch.int64)
+    else:  # an empty uint8 slice cannot be viewed as int64
+        words = torch.zeros(0, dtype=torch.int64, device=data.device)
     if full != n:
         tail = torch.zeros(8, dtype=torch.uint8, device=data.device)
         tail[: n - full] = data[full:]

@@ -10,6 +10,7 @@ its resident memory rose above the level at the start of the sync.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -163,10 +164,8 @@ class SpawnedReceiver:
 
     def close(self) -> None:
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 self._conn.send(None)
-            except OSError:
-                pass
             self.process.join(10)
             if self.process.is_alive():
                 self.process.kill()

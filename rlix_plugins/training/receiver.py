@@ -80,7 +80,12 @@ def _bucket_stream(
         if kind != "bucket":
             raise WeightSyncError(f"unexpected control message {header!r}")
         data = transport.fetch(header, list(frames[1:]))
-        yield _verified(offer, header, data)
+        tensors = _verified(offer, header, data)
+        # Drop every local reference to this bucket before it is acked: the next bucket
+        # arrives right after the ack, and a live reference here would double the peak.
+        del frames, data
+        yield tensors
+        del tensors
         transport.release()
         nbytes = int(header["nbytes"])
         stats.count += 1
@@ -134,6 +139,7 @@ def receive_weights(offer: SyncOffer, load_weights: LoadWeightsFn) -> ReceiveRes
     def consume(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
         for tensors in buckets:
             load_weights(tensors)
+            del tensors  # the loop variable would keep this bucket alive into the next one
 
     return _run(offer, consume)
 

@@ -87,12 +87,17 @@ class RlixWeightReceiverExtension:
     def rlix_param_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """Fletcher-64 (hex) of each named model parameter's bytes (all when ``names`` is None).
 
-        Lets a caller verify what a worker holds without shipping the tensors back.
+        Lets a caller verify what a worker holds without shipping the tensors back. Parameters
+        left empty by kernel repacking (CPU linear layers) are omitted.
         """
         wanted = None if names is None else set(names)
         out: dict[str, str] = {}
         for name, param in self._rlix_model().named_parameters():
             if wanted is not None and name not in wanted:
+                continue
+            if param.numel() == 0:
+                # vLLM's CPU backend repacks linear weights into its GEMM kernel and leaves an
+                # empty parameter behind: nothing to fingerprint there
                 continue
             raw = param.detach().contiguous().reshape(-1).view(_uint8())
             out[name] = f"{checksum_tensor(raw, ChecksumKind.FLETCHER64):016x}"

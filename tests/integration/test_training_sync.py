@@ -1,0 +1,296 @@
+"""Selective chunked weight sync over real transports (shm, zmq, gloo) to real receivers.
+
+Receivers are the library's real receive loop: on threads of this process (ThreadReceiver) or
+in spawned child processes (SpawnedReceiver). GPU transports are at the end, marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rlix_plugins.errors import (
+    ChecksumMismatchError,
+    ReceiverGoneError,
+    UnknownWeightVersionError,
+    WeightSyncError,
+)
+from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind
+from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+from rlix_plugins.training.process_receiver import SpawnedReceiver
+from rlix_plugins.training.receiver import StateDictTarget, ThreadReceiver
+from rlix_plugins.training.sync import SyncOptions, sync_version
+from rlix_plugins.training.transports.selection import ReceiverLocation, SenderLocation
+from rlix_plugins.training.wire import SyncOffer, TransportKind
+
+pytestmark = pytest.mark.integration
+
+BUCKET = 64 << 10
+
+
+def _weights(seed: int, n: int = 12, size: int = 5000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        dtype = (torch.bfloat16, torch.float32, torch.float16)[i % 3]
+        out[f"layers.{i}.weight"] = torch.randn(size, generator=g).to(dtype)
+    return out
+
+
+def _zeros_like(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in w.items()}
+
+
+def _cache(pipeline: str, version: int, w: dict[str, torch.Tensor]) -> BucketCache:
+    cache = BucketCache(
+        pipeline, CacheConfig(bucket_bytes=BUCKET, storage=StorageKind.SHARED, ram_reserve_bytes=0)
+    )
+    cache.build(version, w.items())
+    return cache
+
+
+@pytest.mark.parametrize("kind", [TransportKind.SHM, TransportKind.ZMQ, TransportKind.GLOO])
+def test_sync_reaches_exactly_the_chosen_receivers(kind: TransportKind) -> None:
+    w = _weights(1)
+    cache = _cache("ft_a", 3, w)
+    targets = [StateDictTarget(_zeros_like(w)) for _ in range(4)]
+    receivers = [ThreadReceiver(f"shard{i}", t.load_weights) for i, t in enumerate(targets)]
+    chosen = [receivers[1], receivers[3]]
+    report = sync_version(
+        cache,
+        3,
+        chosen,
+        options=SyncOptions(transports={r.shard_id: kind for r in chosen}, ack_timeout_s=30),
+    )
+    assert report.succeeded == ("shard1", "shard3") and report.failed == ()
+    assert report.num_buckets > 1
+    for o in report.outcomes:
+        assert o.transport is kind and o.result is not None
+        assert o.result.buckets == report.num_buckets and o.result.version == 3
+        assert o.result.max_bucket_bytes <= BUCKET
+    for i, t in enumerate(targets):
+        for name, ref in w.items():
+            if i in (1, 3):
+                assert torch.equal(t.tensors[name], ref), (i, name)
+            else:
+                assert not t.tensors[name].any(), (i, name)  # never touched
+    assert receivers[0].versions == [] and receivers[2].versions == []
+    assert receivers[1].versions == [3]
+    for r in receivers:
+        r.close()
+    cache.close()
+
+
+def test_transport_is_selected_by_capability() -> None:
+    w = _weights(2, n=3)
+    cache = _cache("ft_sel", 1, w)
+    here = ReceiverLocation()
+    other_host = ReceiverLocation(host="elsewhere:boot")
+    t1, t2 = StateDictTarget(_zeros_like(w)), StateDictTarget(_zeros_like(w))
+    r1 = ThreadReceiver("local", t1.load_weights, here)
+    r2 = ThreadReceiver("remote", t2.load_weights, other_host)
+    report = sync_version(
+        cache, 1, [r1, r2], sender=SenderLocation(), options=SyncOptions(advertise_host="127.0.0.1")
+    )
+    kinds = {o.shard_id: o.transport for o in report.outcomes}
+    assert kinds == {"local": TransportKind.SHM, "remote": TransportKind.ZMQ}
+    assert all(torch.equal(t2.tensors[k], v) for k, v in w.items())
+    r1.close()
+    r2.close()
+    cache.close()
+
+
+def test_two_pipelines_sync_concurrently() -> None:
+    # Each receiver waits inside its first load_weights until the OTHER pipeline's receiver is
+    # also inside one: this passes only if neither sync waits for the other (no global lock).
+    barrier = threading.Barrier(2, timeout=20)
+    caches, targets, receivers = [], [], []
+    for p in range(2):
+        w = _weights(10 + p)
+        caches.append(_cache(f"ft_p{p}", 1, w))
+        target = StateDictTarget(_zeros_like(w))
+        seen = {"first": True}
+
+        def load(
+            ts: list[tuple[str, torch.Tensor]],
+            target: StateDictTarget = target,
+            seen: dict[str, bool] = seen,
+        ) -> None:
+            if seen["first"]:
+                seen["first"] = False
+                barrier.wait()
+            target.load_weights(ts)
+
+        targets.append((target, w))
+        receivers.append(ThreadReceiver(f"p{p}-shard0", load))
+    results: dict[int, object] = {}
+
+    def run(p: int) -> None:
+        try:
+            results[p] = sync_version(caches[p], 1, [receivers[p]])
+        except Exception as exc:
+            results[p] = exc
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert all(not isinstance(r, Exception) for r in results.values()), results
+    for target, w in targets:
+        assert all(torch.equal(target.tensors[k], v) for k, v in w.items())
+    for r in receivers:
+        r.close()
+    for c in caches:
+        c.close()
+
+
+def test_unknown_version_fails_before_contacting_anyone() -> None:
+    cache = _cache("ft_u", 1, _weights(3, n=2))
+    called: list[SyncOffer] = []
+
+    class Recording(ThreadReceiver):
+        def begin_receive(self, offer: SyncOffer):  # type: ignore[no-untyped-def]
+            called.append(offer)
+            return super().begin_receive(offer)
+
+    r = Recording("s", StateDictTarget(allocate_missing=True).load_weights)
+    with pytest.raises(UnknownWeightVersionError, match="weight version 2 is not cached"):
+        sync_version(cache, 2, [r])
+    assert called == []
+    r.close()
+    cache.close()
+
+
+def test_corrupted_bucket_is_detected_and_not_applied() -> None:
+    w = _weights(4)
+    cache = _cache("ft_c", 1, w)
+    with cache.pinned(1) as cv:
+        cv.buckets[0].storage[100] ^= 0xFF  # bytes change after the checksum was taken
+    good_target = StateDictTarget(_zeros_like(w))
+    bad = ThreadReceiver("s0", good_target.load_weights)
+    with pytest.raises(ChecksumMismatchError, match=r"failed for \['s0'\].*bucket 0"):
+        sync_version(cache, 1, [bad], options=SyncOptions(ack_timeout_s=10))
+    assert all(not t.any() for t in good_target.tensors.values())  # nothing applied
+    bad.close()
+    cache.close()
+
+
+def test_receiver_failing_mid_sync_fails_only_itself() -> None:
+    w = _weights(5)
+    cache = _cache("ft_f", 1, w)
+    calls = {"n": 0}
+    ok_target = StateDictTarget(_zeros_like(w))
+
+    def crash(ts: list[tuple[str, torch.Tensor]]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("worker crashed")
+
+    crashing = ThreadReceiver("bad", crash)
+    healthy = ThreadReceiver("good", ok_target.load_weights)
+    report = sync_version(
+        cache, 1, [crashing, healthy], options=SyncOptions(raise_on_error=False, ack_timeout_s=10)
+    )
+    assert report.succeeded == ("good",) and report.failed == ("bad",)
+    assert "worker crashed" in (report.outcomes[0].error or "")
+    assert all(torch.equal(ok_target.tensors[k], v) for k, v in w.items())
+    with pytest.raises(WeightSyncError, match=r"failed for \['bad'\] \(succeeded: \['good'\]\)"):
+        calls["n"] = 0
+        sync_version(cache, 1, [crashing, healthy], options=SyncOptions(ack_timeout_s=10))
+    crashing.close()
+    healthy.close()
+    cache.close()
+
+
+def _layout(w: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in w.items()}
+
+
+def _fp(t: torch.Tensor) -> str:
+    return f"{checksum_tensor(t.reshape(-1).view(torch.uint8), ChecksumKind.FLETCHER64):x}"
+
+
+def test_spawned_receivers_get_the_version_with_one_bucket_of_extra_memory() -> None:
+    # 16 tensors of 1 MiB = 16 MiB per version, 2 MiB buckets: a receiver that buffered the
+    # version would rise by >= 16 MiB; one bucket at a time stays far below.
+    g = torch.Generator().manual_seed(7)
+    w = {f"w{i}": torch.randn(512, 512, generator=g).to(torch.float32) for i in range(16)}
+    bucket = 2 << 20
+    cache = BucketCache(
+        "ft_mp",
+        CacheConfig(bucket_bytes=bucket + 4096, storage=StorageKind.SHARED, ram_reserve_bytes=0),
+    )
+    cache.build(1, w.items())
+    receivers = [
+        SpawnedReceiver("zmq0", _layout(w)),
+        SpawnedReceiver("shm0", _layout(w)),
+        SpawnedReceiver("idle", _layout(w)),
+    ]
+    try:
+        opts = SyncOptions(transports={"zmq0": TransportKind.ZMQ, "shm0": TransportKind.SHM})
+        # the first sync in a process also pays one-time costs (imports, ZMQ context, heap
+        # growth: ~6 MiB measured); the bound is asserted on the second, steady-state sync
+        sync_version(cache, 1, receivers[:2], options=opts)
+        report = sync_version(cache, 1, receivers[:2], options=opts)
+        assert report.succeeded == ("zmq0", "shm0")
+        expected = {k: _fp(v) for k, v in w.items()}
+        for r in receivers[:2]:
+            stats = r.last_stats
+            assert stats is not None and stats.checksums == expected
+            assert stats.peak_extra_bytes < 2 * bucket, (r.shard_id, stats.peak_extra_bytes)
+        assert receivers[2].syncs == 0
+    finally:
+        for r in receivers:
+            r.close()
+        cache.close()
+
+
+def test_dead_receiver_process_is_reported_gone_quickly() -> None:
+    w = _weights(6, n=4)
+    cache = _cache("ft_d", 1, w)
+    dead = SpawnedReceiver("dead", _layout(w))
+    alive = SpawnedReceiver("alive", _layout(w))
+    dead.kill()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ReceiverGoneError, match=r"failed for \['dead'\]"):
+            sync_version(cache, 1, [dead, alive], options=SyncOptions(ack_timeout_s=60))
+        assert time.monotonic() - started < 20  # detected from the dead process, not a timeout
+        assert alive.syncs == 1
+    finally:
+        dead.close()
+        alive.close()
+        cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [TransportKind.CUDA_IPC, TransportKind.NCCL])
+def test_gpu_transports(kind: TransportKind) -> None:  # pragma: no cover - needs a GPU
+    """UNVERIFIED here (no GPU): CUDA IPC to a process on the same GPU, NCCL to another."""
+    w = _weights(8)
+    cache = BucketCache("ft_gpu", CacheConfig(bucket_bytes=BUCKET, ram_reserve_bytes=0))
+    cache.build(1, w.items())
+    gpu = (
+        torch.cuda.get_device_properties(0).uuid
+        if hasattr(torch.cuda.get_device_properties(0), "uuid")
+        else "gpu0"
+    )
+    receiver = SpawnedReceiver("g0", _layout(w), ReceiverLocation(gpu_uuid=str(gpu)))
+    try:
+        report = sync_version(
+            cache,
+            1,
+            [receiver],
+            sender=SenderLocation(gpu_uuid=str(gpu), cuda=True),
+            options=SyncOptions(transports={"g0": kind}),
+        )
+        assert report.succeeded == ("g0",)
+        stats = receiver.last_stats
+        assert stats is not None and stats.checksums == {k: _fp(v) for k, v in w.items()}
+    finally:
+        receiver.close()
+        cache.close()
