@@ -129,6 +129,10 @@ def test_bad_calls_get_typed_errors_and_leave_state_unchanged(coordinator: Any) 
             ray.get(ref)
     after = _status(coordinator)
     assert after == before
+    # RLix's shutdown ends every pipeline's scheduling but leaves Ray (and us) running.
+    assert ray.get(coordinator.orchestrator.shutdown.remote(reason="test")) == 1
+    assert _status(coordinator).pipelines == ()
+    assert _status(coordinator).idle_gpus == tuple(range(8))
 
 
 def test_rlix_own_progress_report_class_is_accepted(

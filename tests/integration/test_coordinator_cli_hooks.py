@@ -156,3 +156,44 @@ def test_hooks_block_release_report_and_keep_the_lease(
     wait_until(lambda: _status(coordinator).pipeline(pid) is None, 10)
     with pytest.raises(PipelineFailedError):
         hooks.before_training(1)
+
+
+def test_hooks_ride_through_a_recreated_coordinator(
+    coordinator: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlix_plugins.coordinator.service.client import connect, stop_coordinator
+
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    monkeypatch.setenv("RLIX_NAMESPACE", coordinator.namespace)
+    settings = load_settings()
+    pid, other = "ft_recreate0001", "ft_recreateoth1"
+    _register(coordinator, pid, {"actor_train": [0]})
+    _register(coordinator, other, {"actor_train": [0]})
+    ray.get(
+        coordinator.scheduler.request_gpus.remote(cluster_id=f"{other}_actor_train", priority=1)
+    )
+    hooks = CoordinatorHooks(pid, settings, heartbeat=False)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def train() -> None:
+        try:
+            hooks.before_training(0)
+        except BaseException as exc:
+            errors.append(exc)
+        done.set()
+
+    t = threading.Thread(target=train)
+    t.start()
+    wait_until(lambda: len(_status(coordinator).wait_queue) == 1, 10)
+    # Stop (keeping the saved state) and start a new coordinator: new actor ids.
+    stop_coordinator(coordinator.namespace, clear_state=False)
+    plane = connect(namespace=coordinator.namespace, config=None)
+    assert plane.scheduler._actor_id != coordinator.scheduler._actor_id
+    owners = _status(plane).owners()
+    assert owners[0] == other, "the recovered state still has the other pipeline's grant"
+    ray.get(plane.scheduler.notify_release_gpus.remote(cluster_id=f"{other}_actor_train"))
+    assert done.wait(30), "before_training returned after the coordinator came back"
+    t.join()
+    assert errors == []
+    assert _status(plane).owners()[0] == pid

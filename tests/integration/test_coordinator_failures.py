@@ -52,6 +52,7 @@ def test_killed_pipeline_returns_its_gpus_and_the_other_finishes(coordinator: An
     killed_at = time.monotonic()
     b.kill_actors()
     took = wait_until(lambda: _status(coordinator).pipeline(b.pipeline_id) is None, 10)
+    print(f"GPUs of the killed pipeline back after {took:.2f}s")
     assert took < 5.0, f"GPUs of the dead pipeline came back after {took:.1f}s"
     assert not _holds(coordinator, b.pipeline_id)
     dead = {d.pipeline_id: d.reason for d in _status(coordinator).dead_pipelines}

@@ -80,4 +80,4 @@ def test_trace_has_a_track_per_gpu_and_preemptions(coordinator: Any, tmp_path: P
     for g in range(8):
         track = sorted((e["ts"], e["ts"] + e["dur"]) for e in slices if e["tid"] == g)
         for (_, end), (start, _) in itertools.pairwise(track):
-            assert start >= end - 1e-3
+            assert start >= end - 0.2  # µs, rounding of the JSON timestamps

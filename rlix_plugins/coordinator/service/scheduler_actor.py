@@ -53,6 +53,7 @@ from rlix_plugins.coordinator.service.persistence import FileStateStore, KvState
 from rlix_plugins.coordinator.service.resource_manager import topology_from_ray
 from rlix_plugins.coordinator.service.trace import Holder, OwnershipTrace
 from rlix_plugins.errors import (
+    CoordinatorUnavailableError,
     PipelineFailedError,
     ProtocolError,
     RegistrationError,
@@ -565,7 +566,8 @@ class SchedulerService:
         self._write_trace(self._now())
         for cid, fut in list(self._waiters.items()):
             if not fut.done():
-                fut.set_exception(PipelineFailedError("the coordinator is stopping"))
+                # Not the pipeline's fault: clients retry this against the next coordinator.
+                fut.set_exception(CoordinatorUnavailableError("the coordinator is stopping"))
             self._waiters.pop(cid, None)
         if clear_state:
             self._store.clear()

@@ -60,7 +60,8 @@ class OwnershipTrace:
             "pid": 1,
             "tid": gpu,
             "ts": self._us(since),
-            "dur": max(0.0, round((until - since) * 1e6, 1)),
+            # From the rounded ends, so a slice ends exactly where the next one starts.
+            "dur": max(0.0, round(self._us(until) - self._us(since), 1)),
             "args": args,
         }
 
