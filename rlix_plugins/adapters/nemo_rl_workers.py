@@ -160,8 +160,8 @@ class RLixVllmWorkerMixin:
         return True
 
 
-class RLixVllmAsyncGenerationWorkerImpl(  # type: ignore[misc]
-    RLixVllmWorkerMixin, VllmAsyncGenerationWorkerImpl
+class RLixVllmAsyncGenerationWorkerImpl(
+    RLixVllmWorkerMixin, VllmAsyncGenerationWorkerImpl  # type: ignore[misc]
 ):
     """NeMo RL's async vLLM worker with the time-sharing methods (undecorated, subclassable)."""
 
