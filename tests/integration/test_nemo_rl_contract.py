@@ -33,6 +33,10 @@ VGEN = "nemo_rl.models.generation.vllm.vllm_generation"
 def test_every_plug_point_exists_at_the_pinned_commit(nemo_rl_src: Path) -> None:
     versions, results, errors = doctor.collect(["nemo_rl"])
     assert not errors
+    (found,) = versions
+    assert found.version == "0.6.0" and found.source == str(nemo_rl_src)
+    # A checkout with git metadata must be the pinned commit (an archive has no commit).
+    assert found.commit is None or found.matches is True
     drift = [r for r in results if r.outcome is doctor.Outcome.DRIFT]
     assert drift == []
     assert len(results) == len(NemoRlPatch.plug_points)
@@ -106,6 +110,23 @@ def test_replay_buffer_valid_count_on_the_real_buffer(nemo_rl_src: Path) -> None
     assert buf.valid_count(2, 1) == 4  # versions 1..2
     assert buf.valid_count(2, 1, intended_only=True) == 2  # targets == 2: what sample() takes
     assert buf.valid_count(0, 5) == 1
+
+
+def test_preemption_is_recognised_through_nemo_rl_wrapping(nemo_rl_src: Path) -> None:
+    from nemo_rl.experience.failures import GenerationUnavailable
+
+    from rlix_plugins.adapters.nemo_rl_generation import is_preemption
+    from rlix_plugins.errors import ShardPreemptedError
+
+    # NeMo RL's _generate_on_shard raises GenerationUnavailable(...) from the Ray error.
+    try:
+        try:
+            raise ShardPreemptedError("aborted")
+        except ShardPreemptedError as inner:
+            raise GenerationUnavailable("shard 1 is unavailable") from inner
+    except GenerationUnavailable as outer:
+        assert is_preemption(outer)
+    assert not is_preemption(GenerationUnavailable("dead engine"))
 
 
 # ------------------------------------------------------------------------- routing (vLLM)
