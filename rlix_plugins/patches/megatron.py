@@ -20,7 +20,7 @@ The mixin (:class:`RLixMegatronWorkerMixin`) needs from its host only
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
@@ -53,10 +53,9 @@ class RLixMegatronWorkerMixin:
     #: bucket size of the cache (one bucket = peak extra receiver memory)
     rlix_bucket_bytes = 256 << 20
 
-    def _iter_params_with_optional_kv_scales(
-        self, kv_scales: dict[str, float] | None = None
-    ) -> Iterator[tuple[str, Any]]:
-        raise NotImplementedError  # provided by the host worker class
+    #: provided by the host worker class (annotation only: a stub here would shadow the host's
+    #: method, since the mixin comes first in the MRO)
+    _iter_params_with_optional_kv_scales: Callable[..., Iterator[tuple[str, Any]]]
 
     def _rlix_rank(self) -> int:
         import torch.distributed as dist

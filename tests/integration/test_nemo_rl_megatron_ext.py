@@ -1,0 +1,74 @@
+"""The Megatron worker extension's cache build and NCCL lifecycle, in 2 real gloo ranks.
+
+NeMo RL's ``MegatronPolicyWorkerImpl`` needs megatron-bridge (not installable here), so the
+host is a Fake worker that provides only what the extension calls: a collective
+``_iter_params_with_optional_kv_scales`` (it all-reduces each tensor, as the real HF export
+all-gathers). Everything else is real: torch.distributed on gloo, megatron-core's
+parallel_state, the training module's BucketCache and MegatronParallelLifecycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.fixtures.distributed import run_world
+
+pytestmark = pytest.mark.integration
+
+
+class FakeMegatronHostWorker:
+    """Stands in for MegatronPolicyWorkerImpl (megatron-bridge cannot be installed here)."""
+
+    def _iter_params_with_optional_kv_scales(
+        self, kv_scales: dict[str, float] | None = None
+    ) -> Iterator[tuple[str, Any]]:
+        import torch
+        import torch.distributed as dist
+
+        for i in range(3):
+            t = torch.full((64, 32), float(dist.get_rank() + i), dtype=torch.bfloat16)
+            dist.all_reduce(t)  # collective: every rank must iterate
+            yield f"model.layers.{i}.weight", t
+
+
+def _rank(rank: int, world_size: int) -> dict[str, Any]:
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from rlix_plugins.patches.megatron import RLixMegatronWorkerMixin
+
+    class Worker(RLixMegatronWorkerMixin, FakeMegatronHostWorker):  # type: ignore[misc]
+        rlix_bucket_bytes = 1 << 16
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)  # what the host did at init
+    w = Worker()
+    info = w.rlix_build_cache(1)
+    out: dict[str, Any] = {"info": info, "latest": w.rlix_latest_version()}
+    if info is not None:
+        tensors = dict(w._rlix_cache().named_tensors(1))
+        out["sums"] = {k: float(v.float().sum()) for k, v in tensors.items()}
+        out["dtype"] = str(next(iter(tensors.values())).dtype)
+    report = w.rlix_destroy_parallel_state()
+    out["destroyed"] = report.destroyed
+    out["initialized_after_destroy"] = bool(ps.model_parallel_is_initialized())
+    w.rlix_reinit_parallel_state()
+    out["tp_after_reinit"] = ps.get_tensor_model_parallel_world_size()
+    w.rlix_destroy_parallel_state()
+    del torch
+    return out
+
+
+def test_cache_on_owner_rank_and_nccl_destroy_reinit_in_the_worker() -> None:
+    r0, r1 = run_world(_rank, 2)
+    assert r0["info"] is not None and r0["latest"] == 1
+    assert r1["info"] is None and r1["latest"] is None  # only the owner keeps the cache
+    # all-reduced full tensors: rank0 (0+i) + rank1 (1+i) per element, 64*32 elements
+    assert r0["sums"] == {f"model.layers.{i}.weight": float((1 + 2 * i) * 64 * 32)
+                          for i in range(3)}
+    assert r0["dtype"] == "torch.bfloat16"
+    for r in (r0, r1):
+        assert r["destroyed"] > 10 and r["initialized_after_destroy"] is False
+        assert r["tp_after_reinit"] == 2
