@@ -344,6 +344,7 @@ def _set_controller(actor_self: Any, controller: NemoRlShardController) -> None:
 
 
 _pipeline: NemoRlPipeline | None = None
+_pending_policy: Any = None  # grpo.setup builds policy and generation in parallel threads
 _pipeline_lock = threading.Lock()
 
 
@@ -376,6 +377,20 @@ def attach_generation(generation: Any) -> None:
         pipeline.register()
         generation.weight_synchronizer = RLixWeightSynchronizer(pipeline)
         _pipeline = pipeline
+        policy = _pending_policy
+    if policy is not None:  # the policy finished first
+        pipeline.attach_policy(policy)
+
+
+def attach_policy(policy: Any) -> None:
+    """``Policy`` subclass construction hook: attach now, or when the pipeline registers."""
+    global _pending_policy
+    with _pipeline_lock:
+        pipeline = _pipeline
+        if pipeline is None:
+            _pending_policy = policy
+            return
+    pipeline.attach_policy(policy)
 
 
 class RLixWeightSynchronizer:
@@ -418,9 +433,8 @@ def make_policy_class(base: type) -> type:
             ) is None:
                 kwargs["worker_extension_cls_fqn"] = RLIX_MEGATRON_WORKER_FQN
             super().__init__(*args, **kwargs)
-            pipeline = current_pipeline()
-            if pipeline is not None:
-                pipeline.attach_policy(self)
+            if load_settings().enabled:
+                attach_policy(self)
 
         def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> Any:
             pipeline = current_pipeline()
@@ -504,6 +518,7 @@ __all__ = [
     "NemoRlShardController",
     "RLixWeightSynchronizer",
     "attach_generation",
+    "attach_policy",
     "begin_progress_batch",
     "make_policy_class",
     "progress_tracker_for_collector",
