@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 #: Dead pipelines remembered for status and for answering their late calls.
 _DEAD_KEPT = 256
+#: The GPU timeline file is rewritten at most this often (and on flush_trace / stop).
+_TRACE_WRITE_INTERVAL_S = 5.0
 
 
 class SchedulerService:
@@ -113,6 +115,12 @@ class SchedulerService:
             loop.create_task(self._liveness_loop()),
         ]
         self._wake.set()
+        for pid, _reason in list(self._fencing.items()):
+            # Fenced before a crash: the kill may not have happened; make sure it does.
+            spec = self._state.pipelines[pid]
+            fence = loop.create_task(self._kill_then_probe(pid, spec.ray_namespace))
+            self._side_tasks.add(fence)
+            fence.add_done_callback(self._side_tasks.discard)
 
     # ================================================================== recovery
     def _load(self) -> SchedulerState:
@@ -229,13 +237,32 @@ class SchedulerService:
                 pending=len(self._state.pending),
                 pipelines=len(self._state.pipelines),
             )
-        if self.cfg.trace_dir and now - self._last_trace_write >= 1.0:
-            self._write_trace(now)
+        if self.cfg.trace_dir and now - self._last_trace_write >= _TRACE_WRITE_INTERVAL_S:
+            self._write_trace_in_background(now)
 
     def _trace_path(self) -> Path | None:
         if not self.cfg.trace_dir:
             return None
         return Path(self.cfg.trace_dir) / f"rlix_gpu_timeline_{self.cfg.namespace}.json"
+
+    def _write_trace_in_background(self, now: float) -> None:
+        """Periodic write: serialise and write in a thread so the event loop never waits on
+        a large file (the event list is copied here, on the loop, so it is consistent)."""
+        path = self._trace_path()
+        if path is None:
+            return
+        self._last_trace_write = now
+        data = self._trace.to_json(now)
+
+        def write() -> None:
+            try:
+                OwnershipTrace.write_json(path, data)
+            except OSError:
+                logger.exception("writing the GPU timeline to %s failed", path)
+
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(write))
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     def _write_trace(self, now: float) -> None:
         path = self._trace_path()
@@ -266,6 +293,8 @@ class SchedulerService:
             cluster_device_mappings=cluster_device_mappings,
             weight=weight,
         )
+        if self._state.pipelines.get(spec.pipeline_id) == spec:
+            return  # a retry (e.g. by Ray after a restart) of a registration that succeeded
         if spec.pipeline_id in self._dead:
             raise RegistrationError(
                 f"pipeline {spec.pipeline_id!r} was declared dead "

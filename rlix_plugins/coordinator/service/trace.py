@@ -126,8 +126,13 @@ class OwnershipTrace:
         }
 
     def write(self, path: Path, now: float) -> None:
-        """Write the trace atomically (a reader never sees half a file)."""
+        """Write the trace so far to ``path``."""
+        self.write_json(path, self.to_json(now))
+
+    @staticmethod
+    def write_json(path: Path, data: dict[str, Any]) -> None:
+        """Write a trace atomically (a reader never sees half a file)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(now)))
+        tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
