@@ -62,6 +62,8 @@ def _child(conn: multiprocessing.connection.Connection, layout: dict[str, Any]) 
         name: torch.zeros(tuple(shape), dtype=torch_dtype(dtype))
         for name, (dtype, shape) in layout.items()
     }
+    for t in tensors.values():
+        t.fill_(0)  # touch every page now: first-touch cost must not count as sync memory
     target = StateDictTarget(tensors)
     conn.send(("ready", os.getpid()))
     while True:

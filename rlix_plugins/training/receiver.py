@@ -176,6 +176,27 @@ def _verified(
     return unpack_bucket(data, entries)
 
 
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; same-dtype contiguous CPU tensors go through numpy's memcpy, which
+    measured ~1.7x faster than torch's single-threaded copy kernel here."""
+    if (
+        dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.numel() > 0
+    ):
+        import numpy as np
+        import torch
+
+        np.copyto(
+            dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy()
+        )
+        return
+    dst.copy_(src)
+
+
 class StateDictTarget:
     """A load-weights target that copies into preallocated tensors by name, like a model.
 
@@ -202,7 +223,7 @@ class StateDictTarget:
                         f"parameter {name!r} is {dst.dtype} {tuple(dst.shape)}, received "
                         f"{src.dtype} {tuple(src.shape)}"
                     )
-                dst.copy_(src)
+                _copy_into(dst, src)
             self.loaded.append(name)
 
 
