@@ -33,10 +33,6 @@ from rlix_plugins.generation.state_store import ShardStateView
 
 logger = logging.getLogger(__name__)
 
-#: Re-abort stragglers every this many drain polls: a request whose submission raced the
-#: gate may register in the engine after the first abort.
-_REABORT_EVERY = 25
-
 
 @dataclass(frozen=True, slots=True)
 class PreemptionConfig:
@@ -212,9 +208,10 @@ class ShardLifecycle:
                     self._forced_sleeps,
                 )
                 break
-            if polls % _REABORT_EVERY == 0:
-                await engine.abort_all()
             await asyncio.sleep(cfg.drain_poll_s)
+            # A request whose submission raced the gate registers after the first abort;
+            # abort_all is idempotent and aborts only what it has not aborted yet.
+            aborted += await engine.abort_all()
         t2 = time.perf_counter()
         await engine.sleep(cfg.sleep_level)
         t3 = time.perf_counter()

