@@ -1,0 +1,1 @@
+"""Partial-sleep generation benchmark (routing overhead, preemption latency, goodput)."""
