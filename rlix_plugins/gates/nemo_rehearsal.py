@@ -137,6 +137,9 @@ class PipelineRun:
     expands: int = 0
     nccl_cycles: int = 0
     forced_sleeps: int = 0
+    #: overlap shards (on a training GPU): taken down / woken+synced+activated in this run
+    overlap_preemptions: int = 0
+    overlap_expands: int = 0
 
 
 class _LoopThread:
@@ -244,6 +247,7 @@ class RehearsalRuntime:
         self.busy: list[Interval] = []
         self.sync_checks: list[SyncCheck] = []
         self.expands = 0
+        self.rank_events: list[tuple[str, int]] = []
         self._step = 0
         # Held by shrink, expand and the active refresh: a shard is never synced and put to
         # sleep at once (on a GPU the sync would write into freed memory).
@@ -345,6 +349,7 @@ class RehearsalRuntime:
                                                       ShardStatus.PREEMPTED)]
             if todo:
                 self._loop.run(self.lifecycle.preempt(todo))
+                self.rank_events.extend(("preempt", r) for r in todo)
 
     def expand(self, dp_ranks: Sequence[int]) -> None:
         with self._sync_lock:
@@ -359,6 +364,7 @@ class RehearsalRuntime:
             self._sync(woken, "expand")
             self._loop.run(self.lifecycle.activate(woken))
             self.expands += len(woken)
+            self.rank_events.extend(("expand", r) for r in woken)
 
     def refresh_active(self) -> list[int]:
         """Active refresh: never-slept shards take the new version without draining."""
@@ -423,6 +429,10 @@ class RehearsalRuntime:
         run.start = time.time()
         try:
             self._enter_mode(mode)
+            # Count the lifecycle from here: the mode's setup is not part of the step cycle.
+            self.rank_events.clear()
+            self.expands = 0
+            preempt0 = self.lifecycle.preemptions
             if mode == "shared":
                 request_generation(0)
             pending = self._loop.submit(
@@ -455,6 +465,11 @@ class RehearsalRuntime:
         run.expands = self.expands
         run.preemptions = self.lifecycle.preemptions - preempt0
         run.forced_sleeps = self.lifecycle.forced_sleeps - forced0
+        overlap = {r for r, g in enumerate(self.spec.infer_gpus) if g in self.spec.train_gpus}
+        run.overlap_preemptions = sum(1 for k, r in self.rank_events
+                                      if k == "preempt" and r in overlap)
+        run.overlap_expands = sum(1 for k, r in self.rank_events
+                                  if k == "expand" and r in overlap)
         run.nccl_cycles = self.trainer.cycles - cycles0
         rs = self.router.stats()
         run.audit = RequestAudit(

@@ -11,6 +11,16 @@ from rlix_plugins.gates.timeline import Interval, pipeline_of
 _STAGE_HATCH = {"train": "//", "sync": "..", "generation": ""}
 
 
+def _hatch(stage: str) -> str:
+    """Hatch by stage keyword (coordinator stages are priority names, e.g. ACTOR_TRAINING)."""
+    s = stage.lower()
+    if "train" in s or "log_probs" in s or "init" in s:
+        return "//"
+    if "sync" in s:
+        return ".."
+    return ""
+
+
 class _Phase(Protocol):
     mode: str
     start: float
@@ -27,7 +37,7 @@ def _panel(ax: Any, intervals: Sequence[Interval], t0: float, num_gpus: int,
         color = colors[pipeline_of(iv.owner)]
         ax.broken_barh([(iv.start - t0, max(iv.end - iv.start, 1e-3))], (iv.gpu - 0.4, 0.8),
                        facecolors=color, edgecolor="black", linewidth=0.2,
-                       hatch=_STAGE_HATCH.get(iv.stage.lower(), "xx"))
+                       hatch=_hatch(iv.stage))
     ax.set_yticks(range(num_gpus))
     ax.set_yticklabels([f"GPU {g}" for g in range(num_gpus)])
     ax.set_title(title, fontsize=9)

@@ -61,8 +61,8 @@ class RehearsalConfig:
     gate: int
     steps: int
     out_dir: Path
-    batch: int = 24
-    max_tokens: int = 48
+    batch: int = 32
+    max_tokens: int = 128
     exclusive: bool = True
 
     def __post_init__(self) -> None:
@@ -249,13 +249,17 @@ def _gate_specific(gate: int, shared: PhaseResult, steps: int) -> list[Criterion
     out: list[CriterionResult] = []
     a = shared.nemo[0]
     if gate == 1:
-        ok = a.preemptions >= steps and a.expands >= steps and a.nccl_cycles == steps
+        # The overlap shard goes down for each train step; it comes back (wake + sync +
+        # activate) at the start and after every step whose next batch still had demand.
+        ok = (a.overlap_preemptions >= steps and a.overlap_expands >= steps
+              and a.nccl_cycles == steps)
         out.append(CriterionResult(
             "overlap_cycle",
-            "each step: overlap shard preempted (abort/drain/sleep) and woken+synced+activated;"
-            " NCCL groups destroyed and re-initialised",
-            f"{a.preemptions} preemptions, {a.expands} expands, {a.nccl_cycles} NCCL "
-            f"destroy/re-init cycles, {a.forced_sleeps} forced sleeps over {steps} steps", ok))
+            "each step: overlap shard preempted (abort/drain/sleep) and woken+synced+activated"
+            " (>= steps each); NCCL groups destroyed and re-initialised once per step",
+            f"overlap shard: {a.overlap_preemptions} preemptions, {a.overlap_expands} "
+            f"wake+sync+activate; {a.nccl_cycles} NCCL destroy/re-init cycles; "
+            f"{a.forced_sleeps} forced sleeps; over {steps} steps", ok))
     else:
         owners: dict[int, set[str]] = {}
         for iv in shared.coordinator:

@@ -66,6 +66,8 @@ class TinyLlamaTrainer:
         from rlix_plugins.training.nccl_lifecycle import MegatronParallelLifecycle, ParallelConfig
 
         torch.manual_seed(seed)
+        # One intra-op thread: the trainer stands in for one GPU, the engines own the cores.
+        torch.set_num_threads(1)
         config = LlamaConfig.from_pretrained(str(model_dir))
         self.vocab_size = int(config.vocab_size)
         self.model = LlamaForCausalLM(config).float()  # type: ignore[no-untyped-call]
@@ -101,16 +103,24 @@ class TinyLlamaTrainer:
         rewards = [sum(1 for t in c if t < half) / max(1, len(c)) for _, c in samples]
         baseline = sum(rewards) / max(1, len(rewards))
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for (prompt, completion), reward in zip(samples, rewards, strict=True):
-            ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.long)
-            logits = self.model(input_ids=ids).logits[0, :-1]
-            targets = ids[0, 1:]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            token_lp = logp.gather(1, targets[:, None])[:, 0][len(prompt) - 1:]
-            # REINFORCE with a batch-mean baseline; mean over tokens keeps steps comparable.
-            total = total - (reward - baseline + 0.1) * token_lp.mean()
-        loss = total / max(1, len(samples))
+        # One padded batch: right-pad with token 0, score only completion tokens.
+        seqs = [list(p) + list(c) for p, c in samples]
+        width = max(len(x) for x in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        attn = torch.zeros((len(seqs), width), dtype=torch.long)
+        score = torch.zeros((len(seqs), width - 1))
+        for i, ((prompt, completion), seq) in enumerate(zip(samples, seqs, strict=True)):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attn[i, : len(seq)] = 1
+            # target position t predicts token t+1: completion tokens are targets
+            # len(prompt)..len(seq)-1, i.e. logits rows len(prompt)-1..len(seq)-2
+            score[i, len(prompt) - 1 : len(seq) - 1] = 1.0 / max(1, len(completion))
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        token_lp = logp.gather(2, ids[:, 1:, None])[..., 0]
+        # REINFORCE with a batch-mean baseline (+0.1 so a uniform reward still moves weights).
+        adv = torch.tensor([r - baseline + 0.1 for r in rewards])
+        loss = -(adv[:, None] * token_lp * score).sum() / max(1, len(samples))
         loss.backward()  # type: ignore[no-untyped-call]
         dp_group = parallel_state.get_data_parallel_group()
         for p in self.model.parameters():

@@ -1,0 +1,92 @@
+"""The gate command's GPU-mode front end on a machine without GPUs, the gate configs, and the
+RLix-types stand-in the gate-3 ROLL pipeline pickles by reference."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlix_plugins.cli import main
+from rlix_plugins.gates import gpu_mode
+from rlix_plugins.gates.gpu_mode import GpuGateOptions, check_prerequisites, load_jobs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_mode_refuses_here_with_every_missing_prerequisite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_mode, "count_cuda_gpus", lambda: (0, "nvidia-smi not found"))
+    code = main(["gate", "3", "--out", str(tmp_path), "--nemo-rl-src", str(tmp_path / "none"),
+                 "--roll-src", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "needs >= 2 CUDA GPUs, found 0 (nvidia-smi not found)" in err
+    assert "NeMo RL not found" in err and "ROLL not found" in err
+    assert "rlix-plugins gate 3 --cpu" in err
+
+
+def test_gpu_count_probe_does_not_claim_gpus_on_this_box() -> None:
+    n, how = gpu_mode.count_cuda_gpus()
+    assert n == 0 and how  # this machine has no GPU; the reason is stated
+
+
+def test_prerequisites_pass_when_present(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_mode, "count_cuda_gpus", lambda: (2, "NVML"))
+    (tmp_path / "nemo" / "nemo_rl").mkdir(parents=True)
+    (tmp_path / "roll" / "roll").mkdir(parents=True)
+    opts = GpuGateOptions(3, tmp_path, nemo_rl_src=tmp_path / "nemo", roll_src=tmp_path / "roll")
+    assert check_prerequisites(opts) == []
+    monkeypatch.setattr(gpu_mode, "count_cuda_gpus", lambda: (1, "NVML"))
+    assert check_prerequisites(opts) == ["needs >= 2 CUDA GPUs, found 1 (NVML)"]
+
+
+@pytest.mark.parametrize("gate", [1, 2, 3])
+def test_gate_configs_parse_into_jobs(gate: int, tmp_path: Path) -> None:
+    opts = GpuGateOptions(gate, tmp_path, steps=5, nemo_rl_src=tmp_path, roll_src=tmp_path)
+    shared = load_jobs(opts, exclusive=False)
+    exclusive = load_jobs(opts, exclusive=True)
+    names = [j.name for j in shared]
+    assert names == [j.name for j in exclusive]
+    assert len(shared) == {1: 1, 2: 2, 3: 2}[gate]
+    for job in shared:
+        if job.name.startswith("nemo_rl"):
+            assert job.command[1:4] == ("-m", "rlix_plugins.adapters.nemo_rl_launch",
+                                        "examples/run_grpo.py")
+            assert "grpo.max_num_steps=5" in job.command and job.steps == 5
+            assert any(a.startswith("+policy.generation.rlix.infer_gpus=[0, 1]")
+                       for a in job.command)
+    for job in exclusive:
+        if job.name.startswith("nemo_rl"):
+            assert not any("rlix" in a for a in job.command[4:]), job.command
+    if gate == 2:
+        trains = [next(a for a in j.command if "rlix.train_gpus" in a) for j in shared]
+        assert trains == ["+policy.generation.rlix.train_gpus=[0]",
+                          "+policy.generation.rlix.train_gpus=[1]"]
+
+
+def test_rlix_types_stand_in_pickles_by_reference_and_stays_out_of_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlix_plugins.gates.roll_sequence import provide_rlix_types
+    from rlix_plugins.protocol.types import coerce_progress_report
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in [m for m in sys.modules if m == "rlix" or m.startswith("rlix.")]:
+        monkeypatch.delitem(sys.modules, name)
+    mod = provide_rlix_types(tmp_path)
+    try:
+        rep = mod.ProgressReport("ft_0123456789ab", 40, 1.0, {"completed": 10})
+        assert type(rep).__module__ == "rlix.protocol.types"
+        assert b"rlix.protocol.types" in pickle.dumps(rep)
+        ours = coerce_progress_report(rep)
+        assert ours.step_target_trajectories == 40 and ours.completed == 10
+        assert int(mod.Priority.GENERATION) == 6
+        assert mod.__file__.startswith(str(tmp_path))
+        assert not (REPO / "rlix").exists()
+    finally:
+        for name in [m for m in sys.modules if m == "rlix" or m.startswith("rlix.")]:
+            del sys.modules[name]
