@@ -9,7 +9,7 @@ from pathlib import Path
 from rlix_plugins.sim.calibrate import calibrate_lengths
 from rlix_plugins.sim.engine import EngineConfig
 from rlix_plugins.sim.report import compare, format_table
-from rlix_plugins.sim.runner import POLICIES
+from rlix_plugins.sim.runner import DEPLOYMENTS, POLICIES
 from rlix_plugins.sim.scenario import load_scenario
 from rlix_plugins.sim.workloads import (
     PLEXRL_TABLE2,
@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--workload", choices=WORKLOADS, default="long-tail")
     src.add_argument("--scenario", type=Path, help="scenario file (.json/.toml), see docs")
     parser.add_argument(
-        "--policies", default=",".join(POLICIES), help=f"comma-separated subset of {POLICIES}"
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated deployments out of {tuple(DEPLOYMENTS)}",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--jobs", type=int, help="number of jobs (long-tail, rollmux)")
@@ -72,9 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the comparison, print the table, save JSON and plots."""
     policies = tuple(p.strip() for p in str(args.policies).split(",") if p.strip())
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p not in DEPLOYMENTS]
     if bad:
-        print(f"unknown policies {bad}; expected a subset of {POLICIES}")
+        print(f"unknown deployments {bad}; expected a subset of {tuple(DEPLOYMENTS)}")
         return 2
     if args.scenario is not None:
         workload = load_scenario(args.scenario)

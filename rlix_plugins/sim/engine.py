@@ -32,6 +32,7 @@ from rlix_plugins.coordinator.core import (
 )
 from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN, pipeline_namespace
 from rlix_plugins.protocol.types import Priority, ProgressReport
+from rlix_plugins.sim.async_pipeline import AsyncOverlapPipeline
 from rlix_plugins.sim.clock_queue import ClockQueue
 from rlix_plugins.sim.physics import GpuLedger, PhysicsViolation, TrajectoryCounter
 from rlix_plugins.sim.pipeline_model import SimPipeline
@@ -60,6 +61,9 @@ class EngineConfig:
     util_bin_s: float = 60.0
     #: give up (error) after this much virtual time
     horizon_s: float = 3.0e7
+    #: pipeline model for every job ("roll" / "async"); None = each job's ``JobSpec.kind``.
+    #: Resident (exclusive) deployments always use the ROLL model with in-place broadcast.
+    pipeline_kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,8 @@ class RunResult:
     trajectories: int
     aborted: int
     events: int
+    #: generation work lost to aborts, solo-seconds (regenerated tokens + re-prefills)
+    lost_work_s: float = 0.0
 
 
 class _Series:
@@ -368,7 +374,9 @@ class SimCluster:
             )
             self.state.register(spec)
             rng = np.random.default_rng([self.seed, zlib.crc32(job.name.encode())])
-            pipe = SimPipeline(
+            kind = "roll" if self.config.resident else (self.config.pipeline_kind or job.kind)
+            cls = AsyncOverlapPipeline if kind == "async" else SimPipeline
+            pipe = cls(
                 job,
                 placement,
                 self,
@@ -436,4 +444,5 @@ class SimCluster:
             trajectories=self.counter.consumed,
             aborted=self.counter.aborted,
             events=self.clock.processed,
+            lost_work_s=self.counter.lost_s,
         )

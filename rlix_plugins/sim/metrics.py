@@ -32,6 +32,8 @@ class Summary:
     rebalances: int
     idle_preemptions: int
     aborted_trajectories: int
+    #: generation work lost to aborts (regenerated tokens + re-prefills), solo-seconds
+    lost_work_s: float
     cycles: int
     plan_ms_mean: float
     plan_ms_max: float
@@ -89,6 +91,7 @@ def summarize(policy: str, result: RunResult, isolated: dict[str, float]) -> Sum
         rebalances=c.rebalance_shrinks,
         idle_preemptions=c.idle_preemptions,
         aborted_trajectories=result.aborted,
+        lost_work_s=result.lost_work_s,
         cycles=c.cycles,
         plan_ms_mean=1000.0 * c.plan_wall_s_total / max(1, c.cycles),
         plan_ms_max=1000.0 * c.plan_wall_s_max,

@@ -103,6 +103,8 @@ class TrajectoryCounter:
         self.completed: set[int] = set()
         self.consumed = 0
         self.aborted = 0
+        #: generation work (solo-seconds) lost to aborts: regenerated tokens + re-prefills
+        self.lost_s = 0.0
 
     def create(self, n: int) -> range:
         ids = range(self.created, self.created + n)

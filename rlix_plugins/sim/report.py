@@ -34,30 +34,33 @@ class Comparison:
         raise KeyError(policy)
 
     def ratios(self) -> dict[str, float]:
-        """Throughput gain and GPU-hour saving of each shared policy vs exclusive, and ours
-        vs RLix's policy (computed from the same run)."""
+        """Throughput gain and GPU-hour saving of each shared deployment vs exclusive, and ours
+        vs RLix as deployed (``rlix``) and vs RLix's policy on our pipelines (``rlix_async``),
+        all from the same run."""
         out: dict[str, float] = {}
         names = {s.policy for s in self.summaries}
         if "exclusive" in names:
             ex = self.get("exclusive")
-            for p in ("rlix", "ours"):
-                if p in names:
-                    s = self.get(p)
-                    out[f"{p}_throughput_x_exclusive"] = (
-                        s.rollout_throughput_per_h / ex.rollout_throughput_per_h
-                    )
-                    out[f"{p}_gpu_hours_saving_vs_exclusive"] = 1.0 - (
-                        s.gpu_hours_per_step / ex.gpu_hours_per_step
-                    )
-        if {"rlix", "ours"} <= names:
-            ours, rlix = self.get("ours"), self.get("rlix")
-            out["ours_throughput_x_rlix"] = (
-                ours.rollout_throughput_per_h / rlix.rollout_throughput_per_h
-            )
-            out["ours_gpu_hours_saving_vs_rlix"] = 1.0 - (
-                ours.gpu_hours_per_step / rlix.gpu_hours_per_step
-            )
-            out["ours_mean_jct_vs_rlix"] = ours.mean_jct_s / rlix.mean_jct_s
+            for s in self.summaries:
+                if s.policy == "exclusive":
+                    continue
+                p = s.policy
+                out[f"{p}_throughput_x_exclusive"] = (
+                    s.rollout_throughput_per_h / ex.rollout_throughput_per_h
+                )
+                out[f"{p}_gpu_hours_saving_vs_exclusive"] = 1.0 - (
+                    s.gpu_hours_per_step / ex.gpu_hours_per_step
+                )
+        for base in ("rlix", "rlix_async"):
+            if {base, "ours"} <= names:
+                ours, other = self.get("ours"), self.get(base)
+                out[f"ours_throughput_x_{base}"] = (
+                    ours.rollout_throughput_per_h / other.rollout_throughput_per_h
+                )
+                out[f"ours_gpu_hours_saving_vs_{base}"] = 1.0 - (
+                    ours.gpu_hours_per_step / other.gpu_hours_per_step
+                )
+                out[f"ours_mean_jct_vs_{base}"] = ours.mean_jct_s / other.mean_jct_s
         return out
 
     def to_json(self) -> dict[str, object]:
@@ -80,8 +83,13 @@ def compare(
     policies: tuple[str, ...] = POLICIES,
     config: EngineConfig | None = None,
     plot: bool = True,
+    ownership: tuple[str, ...] | None = None,
 ) -> Comparison:
-    """Run ``policies`` on ``workload`` (same seed), summarise, write JSON and plots."""
+    """Run ``policies`` on ``workload`` (same seed), summarise, write JSON and plots.
+
+    ``ownership``: deployments whose GPU ownership timeline is drawn (None = all, when
+    ``plot``); they need ``config.record_tenures``.
+    """
     runs, isolated = run_all(workload, seed=seed, policies=policies, config=config)
     results: dict[str, RunResult] = {r.policy: r.result for r in runs}
     comparison = Comparison(
@@ -99,7 +107,7 @@ def compare(
         )
         if plot:
             for policy, r in results.items():
-                if r.tenures:
+                if r.tenures and (ownership is None or policy in ownership):
                     plots.ownership_timeline(
                         r,
                         f"{workload.name}/{policy}",
@@ -131,13 +139,14 @@ def format_table(comparison: Comparison) -> str:
         ("rebalance", "rebalances", "{:d}"),
         ("idle-preempt", "idle_preemptions", "{:d}"),
         ("aborted", "aborted_trajectories", "{:d}"),
+        ("lost s", "lost_work_s", "{:.0f}"),
         ("plan ms", "plan_ms_mean", "{:.2f}"),
     )
     lines = [f"== {comparison.workload}: {comparison.description}"]
-    header = f"{'policy':<10}" + "".join(f"{c[0]:>14}" for c in cols)
+    header = f"{'policy':<11}" + "".join(f"{c[0]:>13}" for c in cols)
     lines.append(header)
     for s in comparison.summaries:
-        row = f"{s.policy:<10}" + "".join(f"{c[2].format(getattr(s, c[1])):>14}" for c in cols)
+        row = f"{s.policy:<11}" + "".join(f"{c[2].format(getattr(s, c[1])):>13}" for c in cols)
         lines.append(row)
     for k, v in comparison.ratios().items():
         lines.append(f"  {k}: {v:.3f}")

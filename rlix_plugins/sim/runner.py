@@ -14,7 +14,20 @@ from rlix_plugins.sim.workloads import JobSpec, Workload
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("exclusive", "rlix", "ours")
+#: deployment -> (scheduling policy, pipeline model for every job or None = each job's kind)
+DEPLOYMENTS: dict[str, tuple[str, str | None]] = {
+    # dedicated GPUs per job, resident shards (split-async with in-place weight broadcast)
+    "exclusive": ("exclusive", None),
+    # RLix as deployed: RLix's policy driving ROLL-sequence pipelines
+    "rlix": ("rlix", "roll"),
+    # RLix's policy driving our pipelines (isolates the policy from the mechanism)
+    "rlix_async": ("rlix", None),
+    # ours: DemandSharePlanner driving our pipelines (each job's own kind)
+    "ours": ("ours", None),
+    # our policy driving ROLL-sequence pipelines (not in the default comparison)
+    "ours_roll": ("ours", "roll"),
+}
+POLICIES = ("exclusive", "rlix", "rlix_async", "ours")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,13 +39,15 @@ class PolicyRun:
 
 
 def make_planner(policy: str) -> Planner:
-    if policy == "exclusive":
+    """The scheduling policy of a deployment (see :data:`DEPLOYMENTS`)."""
+    if policy not in DEPLOYMENTS:
+        raise ValueError(f"unknown deployment {policy!r}; expected one of {tuple(DEPLOYMENTS)}")
+    name = DEPLOYMENTS[policy][0]
+    if name == "exclusive":
         return ExclusivePlanner()
-    if policy == "rlix":
+    if name == "rlix":
         return RlixPlanner()
-    if policy == "ours":
-        return DemandSharePlanner()
-    raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+    return DemandSharePlanner()
 
 
 def run_policy(
@@ -57,7 +72,13 @@ def run_policy(
             placer = StaticPlacer(workload.shared_placements)
         else:
             placer = SpanPlacer(topo.num_gpus, gpn, workload.span_factor)
-        cfg = replace(base, resident=False, allows_idle_preemption=policy == "rlix")
+        scheduler, kind = DEPLOYMENTS.get(policy, ("ours", None))
+        cfg = replace(
+            base,
+            resident=False,
+            allows_idle_preemption=scheduler == "rlix",
+            pipeline_kind=kind if kind is not None else base.pipeline_kind,
+        )
     sim = SimCluster(
         topo, planner or make_planner(policy), placer, workload.jobs, seed=seed, config=cfg
     )

@@ -231,3 +231,51 @@ def test_check_plan_rejects_double_assignment_and_unjustified_preemption() -> No
         check_plan(state, Plan(state.revision, shrinks=(shrink,)))
     with pytest.raises(InvariantViolation, match="P1"):
         check_plan(state, Plan(state.revision, shrinks=(shrink, shrink)))
+
+
+def _load_report(state, pid: str, target: int, completed: int, load: dict[int, int]) -> None:  # type: ignore[no-untyped-def]
+    from rlix_plugins.protocol import ProgressReport
+
+    metrics = {"completed": completed, "mode": "train", "rank_load": load}
+    state.report_progress(ProgressReport(pid, target, None, metrics))
+
+
+def test_rebalance_takes_the_least_loaded_donor_rank() -> None:
+    """A move aborts what the donor rank runs: with ``rank_load`` hints the lightest donor
+    ranks go, not the first ones found (before: rank 0, with 30 requests in flight)."""
+    state = new_state(1, 4)
+    register(state, "ft_a", infer=[0, 1, 2, 3])
+    register(state, "ft_b", infer=[0, 1, 2, 3])
+    progress(state, "ft_a", 100, 0)
+    state.submit_request("ft_a_actor_infer", GEN, now=0)
+    cycle(state, 0)
+    assert active(state, "ft_a") == {0, 1, 2, 3}
+    _load_report(state, "ft_a", 100, 90, {0: 30, 1: 25, 2: 0, 3: 12})  # 10 remaining
+    progress(state, "ft_b", 100, 0)  # 100 remaining: target 3 of 4 ranks
+    plan, _ = cycle(state, 100)
+    # ft_a keeps its busiest rank (0, 30 requests); the three lighter ones go.
+    assert sorted(m.dp_rank for m in plan.shrinks) == [1, 2, 3]
+    # Without the preference (old behaviour) the lowest ranks go, busy or not.
+    state2 = new_state(1, 4)
+    register(state2, "ft_a", infer=[0, 1, 2, 3])
+    register(state2, "ft_b", infer=[0, 1, 2, 3])
+    progress(state2, "ft_a", 100, 0)
+    state2.submit_request("ft_a_actor_infer", GEN, now=0)
+    cycle(state2, 0)
+    _load_report(state2, "ft_a", 100, 90, {0: 30, 1: 25, 2: 0, 3: 12})
+    progress(state2, "ft_b", 100, 0)
+    plan2, _ = cycle(state2, 100, DemandSharePlanner(PolicyConfig(prefer_idle_donors=False)))
+    assert 0 in {m.dp_rank for m in plan2.shrinks}
+
+
+def test_malformed_rank_load_is_ignored() -> None:
+    state = new_state(1, 2)
+    register(state, "ft_a", infer=[0, 1])
+    register(state, "ft_b", infer=[0, 1])
+    progress(state, "ft_a", 10, 0)
+    state.submit_request("ft_a_actor_infer", GEN, now=0)
+    cycle(state, 0)
+    _load_report(state, "ft_a", 10, 9, {"x": "y", 1: None})  # type: ignore[dict-item]
+    progress(state, "ft_b", 10, 0)
+    plan, _ = cycle(state, 100)
+    assert len(plan.shrinks) == 1

@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -43,6 +44,7 @@ def _job(
     tp: int = 1,
     turn: float = 5.0,
     arrival: float = 0.0,
+    kind: str = "roll",
 ) -> JobSpec:
     return JobSpec(
         name=f"ft_{i:012x}",
@@ -59,6 +61,7 @@ def _job(
         phases=PhaseTimes(2.0, 1.0, 5.0, 1.0),
         costs=FAST,
         max_age=max_age,
+        kind=kind,
     )
 
 
@@ -157,7 +160,7 @@ def test_jain_and_summary() -> None:
     assert s.steps == 4 and s.gpu_hours_per_step > 0
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n_jobs=st.integers(1, 4),
     steps=st.integers(1, 2),
@@ -166,8 +169,9 @@ def test_jain_and_summary() -> None:
     tp=st.sampled_from([1, 2]),
     turn=st.sampled_from([1.0, 5.0, math.inf]),
     gaps=st.lists(st.floats(0, 200), min_size=4, max_size=4),
-    policy=st.sampled_from(["exclusive", "rlix", "ours"]),
+    policy=st.sampled_from(["exclusive", "rlix", "rlix_async", "ours"]),
     seed=st.integers(0, 1000),
+    kind=st.sampled_from(["roll", "async"]),
 )
 def test_physics_hold_on_random_small_scenarios(
     n_jobs: int,
@@ -179,12 +183,22 @@ def test_physics_hold_on_random_small_scenarios(
     gaps: list[float],
     policy: str,
     seed: int,
+    kind: str,
 ) -> None:
     """Every run ends with every job done, every trajectory generated exactly once, no GPU
     shared, utilisation <= 100%, and the core's invariants checked on every cycle (the
     engine raises on any violation)."""
     jobs = tuple(
-        _job(i, steps=steps, batch=batch, max_age=max_age, tp=tp, turn=turn, arrival=sum(gaps[:i]))
+        _job(
+            i,
+            steps=steps,
+            batch=batch,
+            max_age=max_age,
+            tp=tp,
+            turn=turn,
+            arrival=sum(gaps[:i]),
+            kind=kind,
+        )
         for i in range(n_jobs)
     )
     r = run_policy(
@@ -201,7 +215,7 @@ def test_scenario_loader_runs_a_gate2_like_config(tmp_path: Path) -> None:
         "update_actor_s": 2.0,
         "sync_weight_s": 0.3,
     }
-    data = {
+    data: dict[str, Any] = {
         "name": "gate2",
         "gpus_per_node": 2,
         "nodes": 1,
@@ -258,7 +272,7 @@ def test_simulate_command_prints_and_saves(
     out = capsys.readouterr().out
     assert "ours_throughput_x_exclusive" in out and "source:" in out
     saved = json.loads((tmp_path / "long_tail_agentic.json").read_text())
-    assert {s["policy"] for s in saved["summaries"]} == {"exclusive", "rlix", "ours"}
+    assert {s["policy"] for s in saved["summaries"]} == {"exclusive", "rlix", "rlix_async", "ours"}
 
 
 def test_workloads_are_deterministic_per_seed() -> None:

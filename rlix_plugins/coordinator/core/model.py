@@ -113,6 +113,9 @@ class PolicyConfig:
     rebalance_threshold: float = 0.25
     #: After targets are met, leftover free GPUs go to pipelines with remaining demand.
     work_conserving: bool = True
+    #: Rebalancing takes the donor rank carrying the least work: lowest ``rank_load`` the
+    #: pipeline reported (optional progress metric), then the most recently activated.
+    prefer_idle_donors: bool = True
 
     def __post_init__(self) -> None:
         if self.aging_s <= 0 or self.min_hold_s < 0 or not 0 <= self.rebalance_threshold <= 1:

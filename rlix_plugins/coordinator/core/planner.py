@@ -21,6 +21,8 @@ last GENERATION request, and its ranks can be given to others.
 from __future__ import annotations
 
 import heapq
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -85,6 +87,7 @@ class _Cycle:
         self.expands: list[RankMove] = []
         self.grants: list[Grant] = []
         self.released: list[str] = []
+        self._hints: dict[str, dict[int, float] | None] = {}
 
     # -- primitives on the scratch ownership -----------------------------------------------
     def _shrink(self, cid: str, rank: int, reason: ShrinkReason, beneficiary: str | None) -> None:
@@ -217,7 +220,11 @@ class _Cycle:
         return None
 
     def _find_rank(self, g: _Gen, gens: dict[str, _Gen]) -> tuple[int, list[GpuOwner]] | None:
-        """Cheapest inactive rank of ``g``: all GPUs idle, else taken from donors above target."""
+        """Cheapest inactive rank of ``g``: all GPUs idle, else taken from donors above target.
+
+        Among ranks that need the same number of donor ranks, the one whose donors carry the
+        least work is taken (see :meth:`_donor_cost`): a move aborts what the donor is running.
+        """
         free = self._next_free_rank(g)
         if free is not None:
             return free, []
@@ -225,6 +232,7 @@ class _Cycle:
             return None
         starving = not g.active
         best: tuple[int, list[GpuOwner]] | None = None
+        best_key: tuple[int, float, float] | None = None
         owner = self.owner
         tp, gpus, active = g.tp, g.gpus, g.active
         for rank in range(g.dp_size):
@@ -246,13 +254,50 @@ class _Cycle:
                 donors[(o.cluster_id, r)] = o
             if blocked or not donors:
                 continue
-            if (best is None or len(donors) < len(best[1])) and self._donors_allowed(
+            key = (len(donors), *self._donor_cost(donors.values()))
+            if (best_key is None or key < best_key) and self._donors_allowed(
                 list(donors.values()), gens, starving
             ):
-                best = (rank, list(donors.values()))
-                if len(donors) == 1:
-                    break  # no rank is cheaper than one donor rank
+                best, best_key = (rank, list(donors.values())), key
+                if key[:2] == (1, 0.0) and self.config.prefer_idle_donors:
+                    break  # one donor rank reported idle: nothing is cheaper
         return best
+
+    def _donor_cost(self, donors: Iterable[GpuOwner]) -> tuple[float, float]:
+        """``(reported load, -activation time)`` of the donor ranks: prefer ranks that run the
+        fewest requests (``rank_load`` progress metric, when the pipeline reports it), then the
+        most recently activated (a router fills old ranks first, so late ranks hold least)."""
+        if not self.config.prefer_idle_donors:
+            return (0.0, 0.0)
+        load = 0.0
+        newest = -math.inf
+        for o in donors:
+            assert o.dp_rank is not None
+            hints = self._load_hints(o.cluster_id)
+            load += hints.get(o.dp_rank, 0.0) if hints else 0.0
+            activated = self.state.active_ranks.get(o.cluster_id, {}).get(o.dp_rank)
+            if activated is not None:
+                newest = max(newest, activated)
+        return (load, -newest)
+
+    def _load_hints(self, cluster_id: str) -> dict[int, float] | None:
+        """Per-rank load a pipeline reported in its progress metrics (``rank_load``), cached
+        for the cycle; None when it reports none."""
+        if cluster_id in self._hints:
+            return self._hints[cluster_id]
+        hints: dict[int, float] | None = None
+        spec = self.state.clusters[cluster_id]
+        for report in (self.state.progress.get(spec.pipeline_id) or {}).values():
+            raw = (report.metrics or {}).get("rank_load")
+            if isinstance(raw, dict):
+                hints = hints or {}
+                for k, v in raw.items():
+                    try:
+                        hints[int(k)] = hints.get(int(k), 0.0) + float(v)
+                    except (TypeError, ValueError):
+                        continue  # a malformed hint is ignored, never an error
+        self._hints[cluster_id] = hints
+        return hints
 
     def _donors_allowed(
         self, donors: list[GpuOwner], gens: dict[str, _Gen], starving: bool

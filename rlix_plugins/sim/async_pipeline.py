@@ -1,0 +1,154 @@
+"""Our mechanism (design.md, "The mechanism, end to end"): an async partial-overlap pipeline.
+
+The NeMo RL / veRL async-GRPO pipelines our adapters drive, as opposed to the ROLL call
+sequence of :mod:`rlix_plugins.sim.pipeline_model`:
+
+* init: ``request_gpus(INITIALIZATION)`` per cluster -> load -> release, then ONE
+  ``request_gpus(actor_infer, GENERATION)``; generation then runs for the whole job on whatever
+  ranks the coordinator activates. There is no ``await_release_gpus`` per step.
+* the inference span covers a superset of the training GPUs (partial overlap). When a batch
+  is complete, training asks for ITS training GPUs only (OLD_LOG_PROBS -> REF_LOG_PROBS ->
+  ACTOR_TRAINING); the coordinator shrinks only the overlapping shards (of any pipeline).
+* an aborted request is re-dispatched by the generation router to another active shard and
+  CONTINUES from its partial tokens: what is lost is at most the in-flight decode step
+  (neglected) plus a re-prefill of prompt + partial output on the new shard, modelled as
+  ``JobSpec.redispatch_prefill_s`` solo-seconds of extra work (an assumption each workload
+  names).
+* after the train step: snapshot to the CPU bucket cache + offload (``train_offload_s``), the
+  training GPUs are released (``after_training``), the weight version advances; shards that
+  are active get it by an "active refresh" (routing paused for ``sync_weight_s``, nothing
+  aborted), shards the coordinator wakes get it by selective sync (``gen_wake_s`` +
+  ``sync_weight_s``, as in the ROLL kind).
+* async GRPO: generation for step N+1 runs while step N trains, within
+  ``max_trajectory_age_steps`` (the staleness bound; 0 = synchronous).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from rlix_plugins.protocol.types import Priority
+from rlix_plugins.sim.pipeline_model import SimPipeline, _Rank, _Traj
+
+log = logging.getLogger(__name__)
+
+
+class AsyncOverlapPipeline(SimPipeline):
+    """One NeMo RL / veRL async-GRPO job under the coordinator (see module docstring)."""
+
+    kind = "async"
+    #: the adapters' ``before_training`` asks for ACTOR_TRAINING directly
+    train_priority = Priority.ACTOR_TRAINING
+    relabel_phases = False
+    #: report per-shard load with progress (``rank_load`` metric)
+    report_rank_load = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: shards whose engine has loaded the model once
+        self._loaded: set[int] = set()
+
+    # ------------------------------------------------------------------ init
+    def _init_done(self, cid: str, gpus: tuple[int, ...]) -> None:
+        """Training cluster loaded (and the CPU cache built). Our adapters issue no
+        INITIALIZATION for the inference span: engines start asleep and a shard's first wake
+        loads the model (``init_load_s`` instead of ``gen_wake_s``, see :meth:`on_expand`)."""
+        self.cluster.tenure_end(gpus, f"{cid}@init", self.now)
+        self.cluster.release(cid)
+        self.phase = "generating"
+        self._materialize()
+        self._request_generation()
+        self._report(force=True)
+        self._check_batch()
+
+    def _request_generation(self) -> None:
+        """``request_gpus(actor_infer, GENERATION)`` as the adapters do after every train step:
+        answered at once while a shard is active, else pending until one is."""
+        state = self.cluster.state
+        if self.infer_cid in state.pending or state.active_ranks.get(self.infer_cid):
+            return
+        self.cluster.request(
+            self.infer_cid, Priority.GENERATION, step_target_estimate=self.job.batch
+        )
+
+    def on_expand(self, dp_rank: int) -> None:
+        """Wake + selective sync; a shard's first wake starts its engine (model load)."""
+        r = self.ranks[dp_rank]
+        first = r.dp_rank not in self._loaded
+        self._loaded.add(r.dp_rank)
+        load = self.costs.init_load_s if first else self.costs.gen_wake_s
+        start = self.cluster.ledger.ready_time(r.gpus, self.now)
+        self.cluster.tenure_begin(r.gpus, r.who, start, self.pid, "init" if first else "gen")
+        r.state = "waking"
+        wake = load + self.job.phases.sync_weight_s
+        r.wake_timer = self.cluster.clock.at(start + wake, lambda: self._activate(r))
+
+    # ------------------------------------------------------------------ step loop
+    def _train_done(self, gpus: tuple[int, ...]) -> None:
+        """Weights are in the CPU cache and training state is offloaded: release the training
+        GPUs, advance the version, refresh the active shards and carry on generating."""
+        self._record_step()
+        self.cluster.tenure_end(gpus, self.train_cid, self.now)
+        self.train_tenure = False
+        self.holding_train = False
+        self.cluster.release(self.train_cid)
+        if self.step >= self.job.steps:
+            self._finish()
+            return
+        self.phase = "generating"
+        self._materialize()
+        self._request_generation()
+        self._active_refresh()
+        self._dispatch()
+        self._report(force=True)
+        self._check_batch()
+
+    def _active_refresh(self) -> None:
+        """Active shards take the new version in place: routing pauses for ``sync_weight_s``
+        (no new dispatch, running requests make no progress), nothing is aborted."""
+        pause = self.job.phases.sync_weight_s
+        for r in self.ranks:
+            if r.state != "active":
+                continue  # waking shards sync the newest version from the cache anyway
+            self._advance(r)
+            if r.timer is not None:
+                r.timer.cancel()  # type: ignore[attr-defined]
+                r.timer = None
+            r.state = "refreshing"
+            r.wake_timer = self.cluster.clock.after(pause, self._refresh_done(r))
+
+    def _refresh_done(self, r: _Rank) -> Callable[[], None]:
+        def done() -> None:
+            r.wake_timer = None
+            r.state = "active"
+            r.last_t = self.now
+            self._dispatch()
+            self._reschedule(r)
+
+        return done
+
+    # ------------------------------------------------------------------ demand
+    def _collect_step(self) -> int:
+        """The oldest step whose batch is not complete (generation never stops for training)."""
+        s = self.step
+        while self.done.get(s, 0) >= self.job.batch:
+            s += 1
+        return s
+
+    def _extra_metrics(self) -> dict[str, object]:
+        """``rank_load``: requests running per active shard, sent with each bucket report (the
+        router knows it), so the coordinator can take lightly loaded shards first."""
+        if not self.report_rank_load:
+            return {}
+        return {"rank_load": {r.dp_rank: len(r.running) for r in self.ranks if r.state != "off"}}
+
+    # ------------------------------------------------------------------ aborts
+    def _abort_trajectory(self, t: _Traj, progress: float) -> float:
+        """Re-dispatch continues from the partial output: every generated token is kept and
+        the new shard re-prefills prompt + partial output (``redispatch_prefill_s``)."""
+        t.kept = min(progress, t.work)
+        prefill = self.job.redispatch_prefill_s
+        t.extra += prefill
+        return prefill
