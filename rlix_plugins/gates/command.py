@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("gate_results"),
                         help="output directory (report, timeline, plot)")
     parser.add_argument("--batch", type=int, default=32, help="--cpu: requests per step")
-    parser.add_argument("--max-tokens", type=int, default=128, help="--cpu: tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=192, help="--cpu: tokens per request")
     parser.add_argument("--no-exclusive", action="store_true",
                         help="--cpu: skip the exclusive-allocation baseline run (the idle-share "
                              "criterion then fails)")

@@ -76,6 +76,9 @@ class PipelineSpec:
     batch: int = 24
     max_tokens: int = 48
     bucket_bytes: int = 320 << 10
+    #: requests in flight per ACTIVE shard; the next request is dispatched when a slot frees
+    #: (as NeMo RL's collector paces rollouts), so a shard activated mid-batch gets work
+    inflight_per_shard: int = 8
 
     def __post_init__(self) -> None:
         if not set(self.train_gpus) <= set(self.infer_gpus):
@@ -396,8 +399,25 @@ class RehearsalRuntime:
         for r in reqs:
             ledger[r.request_id] = 0
 
+        inflight = 0
+
+        async def slot() -> None:
+            nonlocal inflight
+            # Pace dispatch by the CURRENT active set (polled: the set changes from another
+            # thread when the coordinator resizes); all at once would pin the whole batch to
+            # the shards active at its start.
+            while inflight >= self.spec.inflight_per_shard * max(1, len(
+                    self.store.snapshot().active)):
+                await asyncio.sleep(0.005)
+            inflight += 1
+
         async def one(req: GenerationRequest) -> tuple[tuple[int, ...], tuple[int, ...]]:
-            res = await self.router.generate(req)
+            nonlocal inflight
+            await slot()
+            try:
+                res = await self.router.generate(req)
+            finally:
+                inflight -= 1
             results.append(res)
             ledger[req.request_id] = ledger.get(req.request_id, 0) + 1
             # The tracker reports to the coordinator from a thread: never block the loop.
