@@ -254,7 +254,8 @@ class VerlPatch(HostPatch):
                                RLixRequestLoadBalancer)
         else:
             logger.debug("load balancer class not replaced: %s is being imported", _ROUTING_MOD)
-        replicas: dict[str, Callable[[], type]] = resolve(f"{_REPLICA}:RolloutReplicaRegistry")._registry
+        replica_registry = resolve(f"{_REPLICA}:RolloutReplicaRegistry")
+        replicas: dict[str, Callable[[], type]] = replica_registry._registry
         self.set_item(replicas, "vllm", _rlix_vllm_loader)
         if not _initializing(_CKPT_MOD):
             from rlix_plugins.patches.verl_checkpoint import BACKEND, RLixCacheCheckpointEngine

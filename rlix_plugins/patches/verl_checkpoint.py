@@ -155,7 +155,7 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
         return restore_parallel_state()
 
     def rlix_cached_versions(self) -> list[int]:
-        return list(self._cache.versions) if self._cache is not None else []
+        return list(self._cache.versions()) if self._cache is not None else []
 
     # ---------------------------------------------------------------- rollout side
     def rlix_accept_offer(self, offer: dict[str, Any]) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
 from typing import Any
 
 from verl.workers.rollout.llm_server import LLMServerClient
@@ -189,7 +188,7 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    async def generate(  # type: ignore[override]
+    async def generate(
         self,
         request_id: str,
         *,
@@ -238,7 +237,3 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             "preempted); raise max_attempts or check the coordinator's churn"
         )
 
-
-def server_ids_in_rank_order(addresses: Iterable[str]) -> list[str]:
-    """Addresses as the dp-rank order the adapter registers (veRL's replica order)."""
-    return list(addresses)

@@ -1,0 +1,158 @@
+"""VerlPatch against the real verl 0.9.1 classes: plug points, apply/revert, drift, the gate."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from tests.fixtures.verl_env import REPO_ROOT, VerlEnv
+
+pytestmark = pytest.mark.verl
+
+
+def _stock() -> dict[str, Any]:
+    import verl.trainer.main_ppo as main_ppo
+    import verl.workers.rollout.router as router
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    return {
+        "trainers": dict(TRAINER_REGISTRY),
+        "lb": router.GlobalRequestLoadBalancer,
+        "vllm": RolloutReplicaRegistry._registry["vllm"],
+        "engines": dict(CheckpointEngineRegistry._registry),
+        "env": main_ppo.get_ppo_ray_runtime_env,
+    }
+
+
+def test_plug_points_resolve_on_the_real_release(verl_env: VerlEnv) -> None:
+    from rlix_plugins.patches.verl import VerlPatch
+
+    patch = VerlPatch()
+    assert patch.version_supported(patch.version()), patch.version()
+    bad = [(s.point.name, s.detail) for s in patch.check_all() if not s.ok]
+    assert bad == []
+
+
+def test_apply_replaces_the_real_classes_and_revert_restores_them(verl_env: VerlEnv) -> None:
+    from rlix_plugins.patches.verl import VerlPatch
+    from rlix_plugins.patches.verl_checkpoint import BACKEND, RLixCacheCheckpointEngine
+    from rlix_plugins.patches.verl_routing import RLixRequestLoadBalancer
+
+    before = _stock()
+    patch = VerlPatch()
+    patch.apply()
+    patch.apply()  # idempotent
+    try:
+        now = _stock()
+        for name, cls in before["trainers"].items():
+            sub = now["trainers"][name]
+            assert issubclass(sub, cls) and sub is not cls and sub.__name__ == f"RLix{cls.__name__}"
+        assert now["lb"] is RLixRequestLoadBalancer
+        assert now["vllm"]().__name__ == "RLixvLLMReplica"
+        assert now["engines"][BACKEND] is RLixCacheCheckpointEngine
+        assert now["env"] is not before["env"]
+    finally:
+        patch.revert()
+        patch.revert()
+    assert _stock() == before
+
+
+def test_drift_is_reported_before_anything_changes(
+    verl_env: VerlEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import verl.workers.rollout.router as router
+
+    from rlix_plugins.errors import HostDriftError
+    from rlix_plugins.patches.verl import VerlPatch
+
+    before = _stock()
+
+    def acquire_server(self: Any, session_key: str) -> None:  # a renamed parameter
+        del self, session_key
+
+    monkeypatch.setattr(router.GlobalRequestLoadBalancer, "acquire_server", acquire_server)
+    patch = VerlPatch()
+    with pytest.raises(HostDriftError, match=r"lb acquire .*lacks parameters \['request_id'\]"):
+        patch.apply()
+    assert not patch.applied and _stock() == before
+
+
+def test_runtime_env_forwards_rlix_variables(
+    verl_env: VerlEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlix_plugins.patches.verl import forwarding_runtime_env
+
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "rlix_plugins.autoload")
+    monkeypatch.setenv("PIPELINE_ID", "ft_0123456789ab")
+    monkeypatch.delenv("RLIX_NAMESPACE", raising=False)
+    import verl.trainer.main_ppo as main_ppo
+
+    stock = main_ppo.get_ppo_ray_runtime_env(None)["env_vars"]
+    env = forwarding_runtime_env(main_ppo.get_ppo_ray_runtime_env)(None)["env_vars"]
+    # veRL's own filter drops variables set in the driver's shell; the wrapper adds them back.
+    assert "RLIX_CONTROL_PLANE" not in stock
+    assert env["RLIX_CONTROL_PLANE"] == "rlix"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "rlix_plugins.autoload"
+    assert env["PIPELINE_ID"] == "ft_0123456789ab"
+    assert "RLIX_NAMESPACE" not in env
+    assert {k: v for k, v in env.items() if k in stock} == stock
+
+
+def test_gate_off_leaves_verl_untouched(verl_env: VerlEnv) -> None:
+    from rlix_plugins import activation
+    from rlix_plugins.settings import load_settings
+
+    assert activation.PATCHES["verl"] == "rlix_plugins.patches.verl:factory"
+    before = _stock()
+    assert activation.activate(load_settings({})) is False
+    assert activation.activate(load_settings({"RLIX_CONTROL_PLANE": "off"})) is False
+    import verl  # noqa: F401
+
+    assert "verl" not in activation.applied_patches()
+    assert _stock() == before
+    assert before["lb"].__module__ == "verl.workers.rollout.router"
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import verl
+    from rlix_plugins import activation
+    import verl.workers.rollout.router as router
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    print("RESULT", sorted(activation.applied_patches()), router.GlobalRequestLoadBalancer.__name__,
+          sorted(c.__name__ for c in TRAINER_REGISTRY.values()))
+    """
+)
+
+
+@pytest.mark.slow  # two fresh processes importing veRL: ~80 s here
+@pytest.mark.parametrize("plane", ["rlix", None])
+def test_verl_external_modules_hook_activates_only_with_the_gate(
+    verl_env: VerlEnv, plane: str | None
+) -> None:
+    """A fresh process importing veRL with VERL_USE_EXTERNAL_MODULES=rlix_plugins.autoload."""
+    env = dict(os.environ)
+    env["VERL_USE_EXTERNAL_MODULES"] = "rlix_plugins.autoload"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("RLIX_CONTROL_PLANE", None)
+    if plane is not None:
+        env["RLIX_CONTROL_PLANE"] = plane
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+        check=True,
+    ).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
+    if plane == "rlix":
+        assert "['verl'] RLixRequestLoadBalancer" in line
+        assert "RLixPPOTrainerSync" in line
+    else:
+        assert "[] GlobalRequestLoadBalancer" in line
+        assert "RLix" not in line
