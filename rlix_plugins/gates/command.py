@@ -41,12 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         else None, help="GPU mode, gate 3: ROLL checkout (env ROLL_SRC)")
 
 
-def _ensure_ray() -> None:
+def _ensure_ray() -> bool:
+    """Start a local Ray (2 logical GPUs) unless one is up; True if this call started it."""
     import ray
 
-    if not ray.is_initialized():
-        # 2 logical GPUs: the coordinator's topology; actors all use num_cpus=0.
-        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    if ray.is_initialized():
+        return False
+    # 2 logical GPUs: the coordinator's topology; actors all use num_cpus=0.
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,8 +63,14 @@ def run(args: argparse.Namespace) -> int:
                               exclusive=not args.no_exclusive)
         print(f"gate {args.gate} --cpu: rehearsal with real parts, {cfg.steps} steps, "
               f"output in {out}", flush=True)
-        _ensure_ray()
-        outcome = run_cpu_gate(cfg)
+        started = _ensure_ray()
+        try:
+            outcome = run_cpu_gate(cfg)
+        finally:
+            if started:
+                import ray
+
+                ray.shutdown()
         for line in outcome.result.lines():
             print(line)
         print(f"report:   {outcome.report_path}")

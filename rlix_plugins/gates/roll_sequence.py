@@ -179,6 +179,7 @@ class RollSequencePipeline:
         self.coordinator: Any = None
         self.scheduler: Any = None
         self._train_busy: list[Interval] = []
+        self._gen_windows: list[tuple[float, float]] = []
 
     def _get(self, ref: Any) -> Any:
         import ray
@@ -224,6 +225,13 @@ class RollSequencePipeline:
         run.reports_sent += 1
 
     def _generate(self, step: int, run: RollRun) -> None:
+        t0 = time.time()
+        try:
+            self._generate_batch(step, run)
+        finally:
+            self._gen_windows.append((t0, time.time()))
+
+    def _generate_batch(self, step: int, run: RollRun) -> None:
         completed = 0
         self._report(0, step, True, run)
         deadline = time.monotonic() + self.timeout_s
@@ -285,7 +293,13 @@ class RollSequencePipeline:
         import ray
 
         if self.coordinator is not None:
-            run.busy = list(self._train_busy) + list(self._get(self.coordinator.busy.remote()))
+            # A rank counts as busy while active AND its pipeline is generating (an active rank
+            # of a pipeline that is training or waiting does no simulated work).
+            held: list[Interval] = list(self._get(self.coordinator.busy.remote()))
+            gen = [Interval(iv.gpu, iv.owner, iv.stage, max(iv.start, s), min(iv.end, e))
+                   for iv in held for s, e in self._gen_windows
+                   if min(iv.end, e) > max(iv.start, s)]
+            run.busy = list(self._train_busy) + gen
             try:
                 self._get(self.plane.orchestrator.unregister_pipeline.remote(self.pipeline_id))
             finally:

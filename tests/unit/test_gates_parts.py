@@ -1,0 +1,75 @@
+"""Pieces of the CPU rehearsal that run without Ray or vLLM: the busy-interval wrapper around
+a shard engine (with a scripted stand-in engine, named as such) and the ROLL pipeline's
+simulated shards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlix_plugins.gates.nemo_rehearsal import BusyEngine, PipelineSpec
+from rlix_plugins.gates.roll_sequence import SimulatedRollShards
+from rlix_plugins.gates.timeline import Interval
+from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
+
+
+class ScriptedEngineStandIn:
+    """Stand-in for VllmAsyncShard: each request takes ``delay`` seconds."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    async def generate(self, request: GenerationRequest) -> EngineOutput:
+        await asyncio.sleep(self.delay)
+        return EngineOutput((1,) * request.max_tokens, "length")
+
+
+def test_busy_engine_logs_one_interval_per_busy_period() -> None:
+    log: list[Interval] = []
+    eng = BusyEngine(ScriptedEngineStandIn(0.05), gpu=1, owner="ft_x_actor_infer", log=log)
+
+    async def go() -> None:
+        reqs = [GenerationRequest(f"r{i}", (5,), 3) for i in range(3)]
+        await asyncio.gather(*(eng.generate(r) for r in reqs))  # overlapping: one period
+        await asyncio.sleep(0.05)  # idle gap
+        await eng.generate(GenerationRequest("r9", (5,), 3))  # a second period
+
+    asyncio.run(go())
+    assert len(log) == 2
+    first, second = log
+    assert first.gpu == 1 and first.owner == "ft_x_actor_infer" and first.stage == "generation"
+    assert 0.04 <= first.end - first.start < 0.5
+    assert second.start - first.end >= 0.04  # the gap is not counted as busy
+
+
+def test_busy_engine_closes_interval_when_the_request_fails() -> None:
+    class FailingStandIn:
+        async def generate(self, request: GenerationRequest) -> EngineOutput:
+            raise RuntimeError("boom")
+
+    log: list[Interval] = []
+    eng = BusyEngine(FailingStandIn(), gpu=0, owner="o", log=log)
+    with pytest.raises(RuntimeError):
+        asyncio.run(eng.generate(GenerationRequest("r", (5,), 1)))
+    assert len(log) == 1
+
+
+def test_simulated_roll_shards_idempotent_and_logged() -> None:
+    shards = SimulatedRollShards("ft_0123456789ab", [0, 1])
+    shards.expand([0, 1])
+    shards.expand([1])  # repeated expand: no second interval start
+    shards.shrink([1])
+    shards.shrink([1])  # repeated shrink: nothing more
+    assert [iv.gpu for iv in shards.busy] == [1]
+    assert shards.busy[0].owner == "ft_0123456789ab_actor_infer"
+    shards.close_open()
+    assert sorted(iv.gpu for iv in shards.busy) == [0, 1] and not shards.active
+
+
+def test_pipeline_spec_requires_partial_overlap() -> None:
+    PipelineSpec("a", (0, 1), (0,), ("0", "1"), "/m")
+    with pytest.raises(ValueError, match="subset"):
+        PipelineSpec("a", (0, 1), (2,), ("0", "1"), "/m")
+    with pytest.raises(ValueError, match="cpu bind"):
+        PipelineSpec("a", (0, 1), (0,), ("0",), "/m")
