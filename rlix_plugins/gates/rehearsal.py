@@ -5,7 +5,8 @@ Each rehearsal runs its scenario twice in one invocation:
 * **shared**: the pipelines under one coordinator (namespace unique to the run) on 2 logical
   GPUs, partial overlap, time-sharing (what the gate validates);
 * **exclusive**: the same pipelines, same steps and batch sizes, with exclusive allocation:
-  every stage on a dedicated GPU (training GPU 0, generation GPU 1, the overlap shard asleep),
+  every stage on a dedicated GPU (training on its training GPU, generation on the other, the
+  overlap shard asleep),
   no sharing, pipelines one after another (two need the whole box each). This is the
   baseline of the idle-share criterion.
 
@@ -80,6 +81,9 @@ class PhaseResult:
     nemo: list[PipelineRun] = field(default_factory=list)
     roll: list[RollRun] = field(default_factory=list)
     coordinator: list[Interval] = field(default_factory=list)
+    #: from ``get_status()`` after the phase: pipelines declared dead (fenced) and still queued
+    dead: list[str] = field(default_factory=list)
+    waiting: int = 0
     start: float = 0.0
     end: float = 0.0
 
@@ -210,6 +214,11 @@ class _Rehearsal:
         trace = ray.get(self.plane.scheduler.get_trace.remote())
         intervals, _ = intervals_from_trace(trace)
         phase.coordinator = intervals
+        status = ray.get(self.plane.scheduler.get_status.remote())
+        phase.dead = [f"{d.pipeline_id}: {d.reason}" for d in status.dead_pipelines]
+        # A GENERATION request may legitimately still wait (asked for a step whose batch was
+        # already generated, it has no demand left); anything else waiting is a stuck stage.
+        phase.waiting = sum(1 for w in status.wait_queue if w.priority != "GENERATION")
         return phase
 
     def exclusive_phase(self) -> PhaseResult:
@@ -291,6 +300,11 @@ def evaluate(gate: int, steps: int, shared: PhaseResult,
         no_double_ownership("ownership_busy_log", shared.busy,
                             source="the rehearsal's own busy log"),
     ]
+    criteria.append(CriterionResult(
+        "coordinator_status", "no pipeline fenced or declared dead; no training request left waiting",
+        f"dead: {shared.dead or 'none'}; non-generation requests waiting after the run: "
+        f"{shared.waiting}",
+        not shared.dead and shared.waiting == 0))
     phases = [shared] + ([exclusive] if exclusive else [])
     every: list[tuple[str, PipelineRun | RollRun]] = [
         (p.mode, r) for p in phases for r in _runs(p)]

@@ -22,8 +22,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
-EXPECTED = {"ownership_coordinator", "ownership_busy_log", "steps", "weights", "requests",
-            "idle_share"}
+BATCH = 24
+EXPECTED = {"ownership_coordinator", "ownership_busy_log", "coordinator_status", "steps",
+            "weights", "requests", "idle_share"}
 
 
 def _run_gate(gate: int, out: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -32,7 +33,7 @@ def _run_gate(gate: int, out: Path) -> tuple[subprocess.CompletedProcess[str], d
     env.pop("RLIX_CONTROL_PLANE", None)  # the rehearsal configures its pipelines itself
     proc = subprocess.run(
         [sys.executable, "-m", "rlix_plugins.cli", "gate", str(gate), "--cpu", "--steps",
-         str(STEPS), "--batch", "12", "--max-tokens", "24", "--out", str(out)],
+         str(STEPS), "--batch", str(BATCH), "--max-tokens", "128", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1500,
     )
     report_path = out / f"gate{gate}_report.json"
@@ -57,7 +58,7 @@ def _check_common(gate: int, out: Path, proc: subprocess.CompletedProcess[str],
     nemo = [p for p in shared if "audit" in p]
     for p in nemo:
         a = p["audit"]
-        assert a["submitted"] == a["completed"] == STEPS * 12 == a["router_completed"]
+        assert a["submitted"] == a["completed"] == STEPS * BATCH == a["router_completed"]
         assert a["router_requests"] == a["submitted"] and a["duplicates"] == a["lost"] == 0
         # synced and verified at least once (expands and refreshes), NCCL cycled per step
         assert p["sync_checks"] >= 1 and p["nccl_cycles"] == STEPS
