@@ -253,7 +253,8 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
     out.mkdir(parents=True, exist_ok=True)
     ns = f"rlix_gate{opts.gate}_{uuid.uuid4().hex[:6]}"
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace=ns)
+        # RAY_ADDRESS: join that cluster; unset: a local Ray with every GPU it detects.
+        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=ns)
     plane = connect(namespace=ns, config=ServiceConfig(namespace=ns, trace_dir=str(out)))
     sampler = UtilSampler()
     sampler.start()

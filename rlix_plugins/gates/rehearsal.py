@@ -301,7 +301,8 @@ def evaluate(gate: int, steps: int, shared: PhaseResult,
                             source="the rehearsal's own busy log"),
     ]
     criteria.append(CriterionResult(
-        "coordinator_status", "no pipeline fenced or declared dead; no training request left waiting",
+        "coordinator_status",
+        "no pipeline fenced or declared dead; no training request left waiting",
         f"dead: {shared.dead or 'none'}; non-generation requests waiting after the run: "
         f"{shared.waiting}",
         not shared.dead and shared.waiting == 0))

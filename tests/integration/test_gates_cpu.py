@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+# Engine start dominates (12-25 s each on a quiet box, minutes when the box is loaded).
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
