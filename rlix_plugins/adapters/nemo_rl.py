@@ -24,14 +24,14 @@ Wiring (installed by :mod:`rlix_plugins.patches.nemo_rl`, nothing in NeMo RL is 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
+from rlix_plugins.adapters.shard_controller import LifecycleShardController
 from rlix_plugins.errors import RegistrationError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
@@ -50,7 +50,6 @@ from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, load_settings
 from rlix_plugins.training.progress import ProgressTracker
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 RLIX_MEGATRON_WORKER_FQN = "rlix_plugins.patches.megatron.RLixMegatronPolicyWorker"
 
@@ -104,19 +103,6 @@ class NemoRlLayout:
 # ---------------------------------------------------------------------------- shard control
 
 
-class _LoopThread:
-    """One event loop in a daemon thread: the coordinator actor's resize calls are sync."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="rlix-nemo-rl-shards")
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-
 class CacheSync:
     """Sends a cached weight version from the cache owner (Megatron rank 0) to shard leaders.
 
@@ -151,58 +137,11 @@ class PendingController:
         raise RuntimeError(f"pipeline not ready (policy not built); cannot expand {list(dp_ranks)}")
 
 
-class NemoRlShardController:
-    """:class:`~rlix_plugins.adapters.pipeline_coordinator.ShardController` for NeMo RL shards.
-
-    ``shrink`` = preempt (abort -> drain -> sleep); ``expand`` = wake -> selective sync of the
-    newest cached version to exactly those ranks -> activate. Idempotent per rank.
-    """
+class NemoRlShardController(LifecycleShardController):
+    """:class:`LifecycleShardController` whose weights come from the Megatron cache owner."""
 
     def __init__(self, lifecycle: ShardLifecycle, state: ShardStateView, sync: CacheSync) -> None:
-        self._lifecycle = lifecycle
-        self._state = state
-        self._sync = sync
-        self._loop: _LoopThread | None = None
-        self._lock = threading.Lock()
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        with self._lock:
-            if self._loop is None:
-                self._loop = _LoopThread()
-            loop = self._loop
-        return loop.run(coro)
-
-    def _statuses(self) -> tuple[ShardStatus, ...]:
-        async def read() -> tuple[ShardStatus, ...]:
-            return (await self._state.refresh()).statuses
-
-        return self._run(read())
-
-    def shrink(self, dp_ranks: Sequence[int]) -> None:
-        statuses = self._statuses()
-        todo = [r for r in dp_ranks if statuses[r] in (ShardStatus.ACTIVE, ShardStatus.WOKEN)]
-        if todo:
-            self._run(self._lifecycle.preempt(todo))
-
-    def expand(self, dp_ranks: Sequence[int]) -> None:
-        statuses = self._statuses()
-        sleeping = [r for r in dp_ranks if statuses[r] is ShardStatus.SLEEPING]
-        if sleeping:
-            self._run(self._lifecycle.wake(sleeping))
-        woken = [r for r in dp_ranks if statuses[r] in (ShardStatus.SLEEPING, ShardStatus.WOKEN)]
-        if not woken:
-            return
-        version = self._sync.latest()
-        if version is not None:
-            # Woken from level-2 sleep a shard has no valid weights: routed only after this.
-            self._sync(woken, version)
-        self._run(self._lifecycle.activate(woken))
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"lifecycle": self._lifecycle, "state": self._state, "sync": self._sync}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["lifecycle"], state["state"], state["sync"])  # type: ignore[misc]
+        super().__init__(lifecycle, state, sync, sync.latest)
 
 
 # ---------------------------------------------------------------------------- pipeline

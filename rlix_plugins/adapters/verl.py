@@ -17,16 +17,15 @@ Host details stay here and in patches/; generation/ and training/ never import v
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
+from rlix_plugins.adapters.shard_controller import LifecycleShardController, SyncFn
 from rlix_plugins.adapters.verl_shards import LoadBalancerShardState, VerlReplicaEngine
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
-from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.hooks.protocol import RLixHooks
 from rlix_plugins.protocol.names import (
     ACTOR_INFER,
@@ -41,10 +40,6 @@ from rlix_plugins.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-#: syncs cached weight ``version`` to the replicas with these dp ranks (exactly those)
-SyncFn = Callable[[Sequence[int], int], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,29 +76,9 @@ class VerlLayout:
         return {ACTOR_TRAIN: 1, ACTOR_INFER: self.tp}
 
 
-class _LoopThread:
-    """A private event loop on a daemon thread: the lifecycle's asyncio objects live there,
-    while the coordinator actor calls shrink/expand from its own (sync) threads."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="rlix-verl-shards")
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-
-class VerlShardController:
-    """ShardController over veRL replicas (idempotent per rank, as the protocol requires).
-
-    Args:
-        lifecycle: the generation module's preempt/wake/activate over :class:`VerlReplicaEngine`
-            with the load balancer as state owner.
-        sync: ``sync(dp_ranks, version)`` streams the cached ``version`` to those replicas.
-        version: returns the weight version expanded replicas must load (newest cached).
-    """
+class VerlShardController(LifecycleShardController):
+    """ShardController over veRL replicas: the load balancer owns the shard state, ``sync``
+    streams the cached version to the chosen replicas, ``version`` names the newest one."""
 
     def __init__(
         self,
@@ -112,55 +87,7 @@ class VerlShardController:
         sync: SyncFn,
         version: Callable[[], int | None],
     ) -> None:
-        self._lifecycle = lifecycle
-        self._state = state
-        self._sync = sync
-        self._version = version
-        self._loop: _LoopThread | None = None
-        self._lock = threading.Lock()
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        with self._lock:
-            if self._loop is None:
-                self._loop = _LoopThread()
-            loop = self._loop
-        return loop.run(coro)
-
-    async def _statuses(self) -> tuple[ShardStatus, ...]:
-        return (await self._state.refresh()).statuses
-
-    def shrink(self, dp_ranks: Sequence[int]) -> None:
-        """Preempt ranks that still run or are half-taken-down; sleeping ones are left alone."""
-        statuses = self._run(self._statuses())
-        todo = [r for r in dp_ranks if statuses[r] is not ShardStatus.SLEEPING]
-        if todo:
-            self._run(self._lifecycle.preempt(todo))
-
-    def expand(self, dp_ranks: Sequence[int]) -> None:
-        """Wake sleeping ranks, sync the newest cached weights to exactly them, activate."""
-        statuses = self._run(self._statuses())
-        sleeping = [r for r in dp_ranks if statuses[r] is ShardStatus.SLEEPING]
-        if sleeping:
-            self._run(self._lifecycle.wake(sleeping))
-        woken = [
-            r for r in dp_ranks if statuses[r] in (ShardStatus.SLEEPING, ShardStatus.WOKEN)
-        ]
-        if not woken:
-            return
-        version = self._version()
-        if version is not None:
-            # A woken level-2 replica has no valid weights: it is routed only after this.
-            self._sync(woken, version)
-        self._run(self._lifecycle.activate(woken))
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"lifecycle": self._lifecycle, "state": self._state, "sync": self._sync,
-                "version": self._version}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            state["lifecycle"], state["state"], state["sync"], state["version"]
-        )
+        super().__init__(lifecycle, state, sync, version)
 
 
 def make_shard_controller(

@@ -35,7 +35,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
 from rlix_plugins.gates.timeline import Interval
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest, GenerationResult
+from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.generation.router import RedispatchMode, RouterConfig, ShardRouter
 from rlix_plugins.generation.shard_state import ShardStatus
@@ -145,26 +146,6 @@ class PipelineRun:
     overlap_expands: int = 0
 
 
-class _LoopThread:
-    """The asyncio loop the engines live on (AsyncLLM binds to the loop that first uses it)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                        name="rehearsal-engines")
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 600.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-
-
 class BusyEngine:
     """:class:`ShardEngine` wrapper that logs when its shard computes (>= 1 request running).
 
@@ -214,7 +195,7 @@ class AsyncEngineReceiver:
     worker extension's ``rlix_receive_weights`` runs through ``collective_rpc`` on the engine's
     loop while :func:`sync_version` streams buckets from the calling thread."""
 
-    def __init__(self, shard_id: str, engine: Any, loop: _LoopThread) -> None:
+    def __init__(self, shard_id: str, engine: Any, loop: LoopThread) -> None:
         from rlix_plugins.training.transports.selection import ReceiverLocation
 
         self._shard_id = shard_id
@@ -255,7 +236,7 @@ class RehearsalRuntime:
         # Held by shrink, expand and the active refresh: a shard is never synced and put to
         # sleep at once (on a GPU the sync would write into freed memory).
         self._sync_lock = threading.Lock()
-        self._loop = _LoopThread()
+        self._loop = LoopThread("rehearsal-engines", default_timeout=600.0)
         self._engines_raw: list[Any] = []
         self._start_engines()
         n = len(spec.infer_gpus)
