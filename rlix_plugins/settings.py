@@ -22,6 +22,7 @@ ENV_REQUEST_TIMEOUT_S = "RLIX_REQUEST_TIMEOUT_S"
 ENV_RESIZE_TIMEOUT_S = "RLIX_RESIZE_TIMEOUT_S"
 ENV_LEASE_S = "RLIX_LEASE_S"
 ENV_TRACE_DIR = "RLIX_TRACE_DIR"
+ENV_VLLM_SLEEP_LEVEL = "RLIX_VLLM_SLEEP_LEVEL"
 ENV_PIPELINE_ID = "PIPELINE_ID"
 ENV_ROLL_RAY_NAMESPACE = "ROLL_RAY_NAMESPACE"
 
@@ -43,6 +44,8 @@ class Settings:
     resize_timeout_s: float = 120.0
     lease_s: float = 10.0
     trace_dir: Path | None = None
+    #: vLLM sleep level of a preempted shard (2 frees weights and KV cache; 0/1 keep weights)
+    vllm_sleep_level: int = 2
     pipeline_id: str | None = None
     ray_namespace: str | None = None
 
@@ -92,6 +95,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     namespace = _nonempty(env, ENV_NAMESPACE, "rlix")
     assert namespace is not None
     trace = _nonempty(env, ENV_TRACE_DIR, None)
+    raw_level = (env.get(ENV_VLLM_SLEEP_LEVEL) or "").strip() or "2"
+    if raw_level not in ("0", "1", "2"):
+        raise SettingsError(
+            f"{ENV_VLLM_SLEEP_LEVEL}={env.get(ENV_VLLM_SLEEP_LEVEL)!r} is not valid; "
+            "expected 0, 1 or 2"
+        )
     lease = _positive_float(env, ENV_LEASE_S, 10.0)
     return Settings(
         control_plane=plane,
@@ -100,6 +109,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         resize_timeout_s=_positive_float(env, ENV_RESIZE_TIMEOUT_S, 120.0),
         lease_s=lease,
         trace_dir=Path(trace) if trace else None,
+        vllm_sleep_level=int(raw_level),
         pipeline_id=_nonempty(env, ENV_PIPELINE_ID, None),
         ray_namespace=_nonempty(env, ENV_ROLL_RAY_NAMESPACE, None),
     )

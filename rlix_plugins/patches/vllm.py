@@ -36,30 +36,16 @@ import os
 import threading
 from typing import Any
 
-from rlix_plugins.errors import SettingsError
 from rlix_plugins.patches.base import HostPatch, PlugKind, PlugPoint
 from rlix_plugins.settings import load_settings
 
 logger = logging.getLogger(__name__)
-
-#: vLLM sleep level used by ``rlix_sleep`` / ``rlix_shard`` (0, 1 or 2; default 2).
-ENV_SLEEP_LEVEL = "RLIX_VLLM_SLEEP_LEVEL"
 
 _ASYNC_LLM = "vllm.v1.engine.async_llm:AsyncLLM"
 
 _lock = threading.Lock()
 _patch: VllmPatch | None = None
 _sleep_level = 2
-
-
-def sleep_level_from_env(env: dict[str, str] | None = None) -> int:
-    """Validated ``RLIX_VLLM_SLEEP_LEVEL`` (unset: 2)."""
-    raw = (os.environ if env is None else env).get(ENV_SLEEP_LEVEL, "").strip()
-    if not raw:
-        return 2
-    if raw not in ("0", "1", "2"):
-        raise SettingsError(f"{ENV_SLEEP_LEVEL}={raw!r} is not valid; expected 0, 1 or 2")
-    return int(raw)
 
 
 def _shard_of(engine: Any) -> Any:
@@ -147,10 +133,11 @@ def register() -> None:
     with _lock:
         if _patch is not None and _patch.applied:
             return
-        if not load_settings().enabled:
+        settings = load_settings()
+        if not settings.enabled:
             logger.debug("rlix_plugins vLLM plugin: RLIX_CONTROL_PLANE is not 'rlix'; inactive")
             return
-        _sleep_level = sleep_level_from_env()
+        _sleep_level = settings.vllm_sleep_level
         patch = VllmPatch()
         if not patch.version_supported(patch.version()):
             logger.warning("rlix_plugins vLLM plugin: vLLM %s is untested (supported: %s)",

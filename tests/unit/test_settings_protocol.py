@@ -39,6 +39,7 @@ def test_control_plane_values() -> None:
         ({"RLIX_LEASE_S": "-1"}, "out of range"),
         ({"RLIX_RESIZE_TIMEOUT_S": "inf"}, "out of range"),
         ({"RLIX_NAMESPACE": " "}, "RLIX_NAMESPACE is set but empty"),
+        ({"RLIX_VLLM_SLEEP_LEVEL": "3"}, "expected 0, 1 or 2"),
     ],
 )
 def test_other_settings_are_validated(env: dict[str, str], needle: str) -> None:
@@ -49,6 +50,8 @@ def test_other_settings_are_validated(env: dict[str, str], needle: str) -> None:
 def test_settings_values() -> None:
     s = load_settings({"RLIX_LEASE_S": "2.5", "RLIX_TRACE_DIR": "/tmp/t", "PIPELINE_ID": "ft_1"})
     assert (s.lease_s, str(s.trace_dir), s.pipeline_id) == (2.5, "/tmp/t", "ft_1")
+    assert s.vllm_sleep_level == 2
+    assert load_settings({"RLIX_VLLM_SLEEP_LEVEL": "1"}).vllm_sleep_level == 1
 
 
 def test_names_match_rlix() -> None:
