@@ -17,16 +17,16 @@ from collections.abc import Sequence
 #: name -> (module, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": (
-        "rlix_plugins.coordinator.commands",
+        "rlix_plugins.coordinator.coordinator_cli",
         "start or stop the coordinator actors (namespace rlix)",
     ),
-    "status": ("rlix_plugins.coordinator.status_command", "pipelines, GPUs, demand, wait queue"),
-    "doctor": ("rlix_plugins.patches.doctor", "check host frameworks' plug points for drift"),
+    "status": ("rlix_plugins.coordinator.status_cli", "pipelines, GPUs, demand, wait queue"),
+    "doctor": ("rlix_plugins.patches.doctor_cli", "check host frameworks' plug points for drift"),
     "gate": (
-        "rlix_plugins.gates.command",
+        "rlix_plugins.gates.gate_cli",
         "run validation gate 1, 2 or 3 (--cpu: rehearsal on this box)",
     ),
-    "simulate": ("rlix_plugins.sim.command", "cluster simulation on the production scheduler"),
+    "simulate": ("rlix_plugins.sim.simulate_cli", "cluster simulation on the production scheduler"),
 }
 
 

@@ -2,5 +2,5 @@
 
 Entry points: :func:`rlix_plugins.sim.runner.run_policy` (one policy, one workload),
 :func:`rlix_plugins.sim.report.compare` (every policy, same seed, JSON + PNG) and
-``rlix-plugins simulate`` (:mod:`rlix_plugins.sim.command`). See docs/simulator.md.
+``rlix-plugins simulate`` (:mod:`rlix_plugins.sim.simulate_cli`). See docs/simulator.md.
 """

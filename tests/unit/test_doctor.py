@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlix_plugins import activation
-from rlix_plugins.patches import doctor
+from rlix_plugins.patches import doctor, doctor_cli
 from rlix_plugins.patches.base import HostPatch, PlugKind, PlugPoint
 
 HOST = """
@@ -90,7 +90,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, points: tuple[PlugPoint, ...], **kw: o
     args = argparse.Namespace(host=None, nemo_rl_src=None, json=False, strict=False)
     for k, v in kw.items():
         setattr(args, k, v)
-    return doctor.run(args)
+    return doctor_cli.run(args)
 
 
 def test_exit_code_is_nonzero_on_drift_for_any_registered_patch(
@@ -110,7 +110,7 @@ def test_exit_code_is_nonzero_on_drift_for_any_registered_patch(
 def test_a_patch_module_that_fails_to_load_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(activation, "PATCHES", {"broken": "no_such_patch_module_q:factory"})
     args = argparse.Namespace(host=None, nemo_rl_src=None, json=True, strict=False)
-    assert doctor.run(args) == 1
+    assert doctor_cli.run(args) == 1
 
 
 def test_every_registered_patch_is_iterated(monkeypatch: pytest.MonkeyPatch) -> None:

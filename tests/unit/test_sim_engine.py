@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlix_plugins.coordinator.core import Plan
-from rlix_plugins.sim import command
+from rlix_plugins.sim import simulate_cli as command
 from rlix_plugins.sim.clock_queue import ClockQueue
 from rlix_plugins.sim.engine import EngineConfig
 from rlix_plugins.sim.metrics import jain, summarize
