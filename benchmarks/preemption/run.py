@@ -47,7 +47,7 @@ from rlix_plugins.generation import (
     ShardStateStore,
     VllmAsyncShard,
 )
-from rlix_plugins.generation.vllm_testing import (
+from rlix_plugins.generation.tiny_engine import (
     TinyEngineSpec,
     start_tiny_engine,
     write_tiny_llama,

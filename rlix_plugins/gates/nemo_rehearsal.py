@@ -269,7 +269,7 @@ class RehearsalRuntime:
 
     # ------------------------------------------------------------------ setup
     def _start_engines(self) -> None:
-        from rlix_plugins.generation.vllm_testing import TinyEngineSpec, start_tiny_engine
+        from rlix_plugins.generation.tiny_engine import TinyEngineSpec, start_tiny_engine
         from rlix_plugins.training.vllm_receiver import EXTENSION_FQN
 
         os.environ["OMP_NUM_THREADS"] = "1"

@@ -394,7 +394,7 @@ def write_outputs(cfg: RehearsalConfig, result: GateResult, figures: dict[str, A
 
 def run_cpu_gate(cfg: RehearsalConfig) -> RehearsalOutcome:
     """Run one rehearsal end to end (Ray must be initialised with >= 2 logical GPUs)."""
-    from rlix_plugins.generation.vllm_testing import write_tiny_llama
+    from rlix_plugins.generation.tiny_engine import write_tiny_llama
 
     model_dir = write_tiny_llama(cfg.out_dir / "tiny_llama")
     specs = _nemo_specs(cfg.gate, model_dir, cfg)

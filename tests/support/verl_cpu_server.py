@@ -18,7 +18,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from rlix_plugins.generation.vllm_testing import TinyEngineSpec, start_tiny_engine
+from rlix_plugins.generation.tiny_engine import TinyEngineSpec, start_tiny_engine
 from rlix_plugins.patches.verl_vllm import RLixvLLMHttpServer
 
 

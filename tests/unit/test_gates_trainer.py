@@ -34,7 +34,7 @@ def _train(model_dir: str, queue: Any) -> None:
 
 
 def test_trainer_steps_change_weights_and_cycle_megatron_groups(tmp_path: Path) -> None:
-    from rlix_plugins.generation.vllm_testing import write_tiny_llama
+    from rlix_plugins.generation.tiny_engine import write_tiny_llama
 
     model_dir = write_tiny_llama(tmp_path / "m")
     ctx = mp.get_context("spawn")

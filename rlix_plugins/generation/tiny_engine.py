@@ -1,4 +1,4 @@
-"""Start a tiny dummy-weight vLLM engine on CPU (tests, benchmarks and CPU gate rehearsals).
+"""Start a tiny dummy-weight vLLM engine on CPU (tests, benchmarks and the CPU gate rehearsals).
 
 The model is a 2-layer Llama written as a ``config.json`` only; ``load_format="dummy"`` fills
 the weights, so nothing is downloaded. Dummy weights are drawn from the engine's seed, so two
