@@ -26,9 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from rlix_plugins.sim.workloads import (
+    PIPELINE_KINDS,
     JobSpec,
     LengthDistribution,
     PhaseTimes,
@@ -68,6 +67,16 @@ def _record(cls: type, d: object, where: str) -> Any:
         raise ScenarioError(f"{where}: {exc}") from None
 
 
+def _load_toml(text: str) -> dict[str, Any]:
+    try:
+        import tomllib  # Python >= 3.11
+    except ModuleNotFoundError:
+        raise ScenarioError(
+            "TOML scenarios need Python >= 3.11 (tomllib); use a .json scenario on 3.10"
+        ) from None
+    return tomllib.loads(text)
+
+
 def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
     """Parse a scenario (path to .json/.toml, or an already-parsed mapping)."""
     if isinstance(source, Mapping):
@@ -75,7 +84,7 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
     else:
         path = Path(source)
         text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        data = _load_toml(text) if path.suffix == ".toml" else json.loads(text)
     name = _get(data, "name", str, "scenario", "scenario")
     gpn = _get(data, "gpus_per_node", int, "scenario")
     nodes = _get(data, "nodes", int, "scenario")
@@ -96,6 +105,9 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
         dedicated_infer = len([g for g in infer if g not in train]) or len(infer)
         dedicated_infer = -(-dedicated_infer // tp) * tp
         turn = _get(p, "turn_s", float, where, math.inf)
+        kind = _get(p, "kind", str, where, "roll")
+        if kind not in PIPELINE_KINDS:
+            raise ScenarioError(f"{where}: kind {kind!r} is not one of {PIPELINE_KINDS}")
         jobs.append(
             JobSpec(
                 name=_get(p, "name", str, where, f"ft_{i + 1:012x}"),
@@ -114,6 +126,8 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
                 max_age=_get(p, "max_age", int, where, 0),
                 weight=_get(p, "weight", float, where, 1.0),
                 source=f"scenario {name}",
+                kind=kind,
+                redispatch_prefill_s=_get(p, "redispatch_prefill_s", float, where, 1.0),
             )
         )
         placements.append(Placement(train, infer))

@@ -238,6 +238,14 @@ def test_scenario_loader_runs_a_gate2_like_config(tmp_path: Path) -> None:
     path.write_text(json.dumps(data))
     wl = load_scenario(path)
     assert wl.shared_nodes == 1 and wl.jobs[0].infer_gpus == 1
+    assert wl.jobs[0].kind == "roll"  # the default pipeline model
+    data["pipelines"][0] |= {"kind": "async", "redispatch_prefill_s": 0.25}
+    asynced = load_scenario(data)
+    assert (asynced.jobs[0].kind, asynced.jobs[0].redispatch_prefill_s) == ("async", 0.25)
+    data["pipelines"][0]["kind"] = "nemo"
+    with pytest.raises(ScenarioError, match="kind 'nemo' is not one of"):
+        load_scenario(data)
+    data["pipelines"][0]["kind"] = "roll"
     r = run_policy(wl, "ours", seed=0)
     assert r.trajectories == 16 and r.num_gpus == 2
     with pytest.raises(ScenarioError, match="unknown fields"):
