@@ -13,7 +13,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +169,20 @@ class HostPatch(abc.ABC):
                 delattr(owner, name)
             else:
                 setattr(owner, name, old)
+
+        self._undo.append(undo)
+
+    def set_item(self, mapping: MutableMapping[str, Any], key: str, value: Any) -> None:
+        """Set ``mapping[key]`` (a host registry) and remember how to restore it."""
+        missing = object()
+        old = mapping.get(key, missing)
+        mapping[key] = value
+
+        def undo() -> None:
+            if old is missing:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = old
 
         self._undo.append(undo)
 

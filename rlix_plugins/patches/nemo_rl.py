@@ -269,20 +269,6 @@ class NemoRlPatch(HostPatch):
             for p in pts
         ]
 
-    def set_item(self, mapping: dict[str, Any], key: str, value: Any) -> None:
-        """``mapping[key] = value``, remembered for :meth:`revert` (like ``set_attribute``)."""
-        missing = object()
-        old = mapping.get(key, missing)
-        mapping[key] = value
-
-        def undo() -> None:
-            if old is missing:
-                mapping.pop(key, None)
-            else:
-                mapping[key] = old
-
-        self._undo.append(undo)
-
     def _apply(self) -> None:
         self._enabled = True
 

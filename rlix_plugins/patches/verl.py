@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 from rlix_plugins.errors import HostDriftError
@@ -217,20 +217,6 @@ class VerlPatch(HostPatch):
     def check_all(self) -> list[PlugPointStatus]:
         """Every plug point, deferred ones included (imports vLLM and Megatron)."""
         return [check_plug_point(p) for p in (*CORE_PLUG_POINTS, *DEFERRED_PLUG_POINTS)]
-
-    def set_item(self, mapping: MutableMapping[str, Any], key: str, value: Any) -> None:
-        """Set ``mapping[key]`` (a host registry) and remember how to restore it."""
-        missing = object()
-        old = mapping.get(key, missing)
-        mapping[key] = value
-
-        def undo() -> None:
-            if old is missing:
-                mapping.pop(key, None)
-            else:
-                mapping[key] = old
-
-        self._undo.append(undo)
 
     def _apply(self) -> None:
         version = self.version()

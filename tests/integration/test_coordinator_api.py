@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from rlix_plugins.errors import (
     UnknownClusterError,
     UnknownPipelineError,
 )
+from rlix_plugins.gates.roll_sequence import RLIX_TYPES_SOURCE
 from rlix_plugins.protocol.names import pipeline_namespace
 from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver
 
@@ -144,29 +144,7 @@ def test_rlix_own_progress_report_class_is_accepted(
     pkg.mkdir(parents=True)
     (pkg.parent / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "types.py").write_text(
-        textwrap.dedent("""
-        import enum
-        from dataclasses import dataclass
-        from typing import Any, Dict, Optional
-
-        class Priority(enum.IntEnum):
-            INITIALIZATION = 0
-            ACTOR_TRAINING = 1
-            CRITIC_TRAINING = 2
-            OLD_LOG_PROBS = 3
-            REF_LOG_PROBS = 4
-            VALUE_COMPUTE = 5
-            GENERATION = 6
-
-        @dataclass(frozen=True)
-        class ProgressReport:
-            pipeline_id: str
-            step_target_trajectories: int
-            fifo_timestamp: Optional[float] = None
-            metrics: Optional[Dict[str, Any]] = None
-    """)
-    )
+    (pkg / "types.py").write_text(RLIX_TYPES_SOURCE)  # the gate's stand-in of RLix's module
     monkeypatch.syspath_prepend(str(tmp_path / "rlixsrc"))
     for name in [m for m in sys.modules if m == "rlix" or m.startswith("rlix.")]:
         monkeypatch.delitem(sys.modules, name)
