@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
-from rlix_plugins.gates.timeline import Interval
+from rlix_plugins.gates.timeline import Interval, RunRecord
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest, GenerationResult
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
@@ -122,18 +122,8 @@ class RequestAudit:
 
 
 @dataclass(slots=True)
-class PipelineRun:
+class PipelineRun(RunRecord):
     """What one run of the step loop did (returned to the gate)."""
-
-    pipeline_id: str
-    label: str
-    mode: str
-    steps_target: int
-    steps_done: int = 0
-    error: str | None = None
-    start: float = 0.0
-    end: float = 0.0
-    busy: list[Interval] = field(default_factory=list)
     sync_checks: list[SyncCheck] = field(default_factory=list)
     audit: RequestAudit | None = None
     losses: list[float] = field(default_factory=list)

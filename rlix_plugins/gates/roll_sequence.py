@@ -23,12 +23,12 @@ import textwrap
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
-from rlix_plugins.gates.timeline import Interval
+from rlix_plugins.gates.timeline import Interval, RunRecord
 from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN, cluster_id, pipeline_namespace
 
 #: Source of RLix's ``rlix/protocol/types.py`` wire classes (same names, fields and values as
@@ -146,18 +146,8 @@ class RollSpec:
 
 
 @dataclass(slots=True)
-class RollRun:
+class RollRun(RunRecord):
     """What the ROLL-sequence pipeline did."""
-
-    pipeline_id: str
-    label: str
-    mode: str
-    steps_target: int
-    steps_done: int = 0
-    error: str | None = None
-    start: float = 0.0
-    end: float = 0.0
-    busy: list[Interval] = field(default_factory=list)
     reports_sent: int = 0
     report_module: str = ""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -20,6 +20,21 @@ class Interval:
 
     def overlaps(self, other: Interval) -> bool:
         return self.start < other.end and other.start < self.end
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """What one pipeline's step loop did in a gate run (filled in as it runs)."""
+
+    pipeline_id: str
+    label: str
+    mode: str
+    steps_target: int
+    steps_done: int = 0
+    error: str | None = None
+    start: float = 0.0
+    end: float = 0.0
+    busy: list[Interval] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
