@@ -15,6 +15,11 @@ Routing state has one owner: the router reads a
 :class:`~rlix_plugins.generation.ray_state.RayShardState` in a real job). The object is
 picklable, so NeMo RL's pickled copy in the trajectory collector routes from the same state
 as the driver's.
+
+Observation: with ``RLIX_OBSERVE_DIR`` set, the attached router (and each pickled copy) writes
+its request counters there (:mod:`rlix_plugins.adapters.observability`), and
+:meth:`NemoRlShard.weight_version` lets the shard controller record the version each engine
+reports after a sync.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, Protocol
 
 from nemo_rl.models.generation.vllm.vllm_generation import VllmGeneration
 
+from rlix_plugins.adapters.observability import router_counters_emitter
 from rlix_plugins.errors import ShardPreemptedError
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
 from rlix_plugins.generation.router import RedispatchMode, RouterConfig, ShardRouter
@@ -158,6 +164,16 @@ class NemoRlShard:
     async def resume(self) -> None:
         await self._caller().call("rlix_resume")
 
+    async def weight_version(self) -> int | None:
+        """The weight version the rank's leader worker reports as applied completely, or None
+        (never synced, or a worker class without ``rlix_weight_version``: then the gate's
+        weights criterion fails rather than trusting the sender)."""
+        try:
+            version = await self._caller().call("rlix_weight_version")
+        except AttributeError:
+            return None
+        return None if version is None else int(version)
+
 
 def default_router_config() -> RouterConfig:
     """RESTART re-dispatch: NeMo RL keeps per-token logprobs, so a sample must come from one
@@ -197,10 +213,16 @@ class RLixVllmGeneration(VllmGeneration):  # type: ignore[misc]
         state: ShardStateView,
         shards: list[NemoRlShard] | None = None,
         config: RouterConfig | None = None,
+        pipeline_id: str | None = None,
     ) -> ShardRouter:
-        """Route from now on over ``state`` (one owner per pipeline); returns the router."""
+        """Route from now on over ``state`` (one owner per pipeline); returns the router.
+
+        With ``RLIX_OBSERVE_DIR`` set the router records its counters for ``pipeline_id``
+        (default: ``PIPELINE_ID`` of this process, exported by the pipeline adapter).
+        """
         engines = shards if shards is not None else self.rlix_shards()
-        self._rlix_router = ShardRouter(state, engines, config or default_router_config())
+        self._rlix_router = ShardRouter(state, engines, config or default_router_config(),
+                                        on_counters=router_counters_emitter(pipeline_id))
         return self._rlix_router
 
     @property

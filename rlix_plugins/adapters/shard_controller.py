@@ -4,25 +4,57 @@
 cached version to exactly those ranks -> activate. Both are idempotent per rank, as the protocol
 requires (a restarted scheduler may repeat a move it cannot prove happened). Host adapters only
 supply the sync and version functions and the engines behind the lifecycle.
+
+After every expand and every active refresh (:meth:`LifecycleShardController.refresh`) the
+controller asks each ACTIVE shard's engine which weight version it holds and records it
+(:class:`~rlix_plugins.adapters.observability.ShardVersionsObserved`) when ``RLIX_OBSERVE_DIR``
+is set; the validation gates judge those records. Nothing is probed when it is unset.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rlix_plugins.adapters.observability import (
+    ObservationWriter,
+    ShardVersionsObserved,
+    VersionProbe,
+    engine_version_probe,
+)
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.preemption import ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import ShardStateView
 
+logger = logging.getLogger(__name__)
+
 #: ``sync(dp_ranks, version)`` streams cached ``version`` to exactly those shards.
 SyncFn = Callable[[Sequence[int], int], object]
 
 
+def _lifecycle_engines(lifecycle: ShardLifecycle) -> Sequence[Any]:
+    # ShardLifecycle keeps its engines private; they are the same objects the router drives.
+    engines: Sequence[Any] = getattr(lifecycle, "engines", None) or lifecycle._engines
+    return engines
+
+
 class LifecycleShardController:
-    """ShardController over a :class:`ShardLifecycle` (picklable if its parts are)."""
+    """ShardController over a :class:`ShardLifecycle` (picklable if its parts are).
+
+    Args:
+        lifecycle: preempt/wake/activate of the pipeline's shards.
+        state: the shard-state view the lifecycle and routers share.
+        sync: streams a cached version to exactly the given ranks.
+        version: the newest cached version (None before the first cache build).
+        probe: asks engines which version they hold (default: each engine's
+            ``weight_version()``; an engine without it reports None).
+        observer: where version records go (default: ``RLIX_OBSERVE_DIR`` and ``PIPELINE_ID``
+            of the constructing process; off when unset).
+        loop: the event loop the engines are bound to (default: a loop of this controller).
+    """
 
     def __init__(
         self,
@@ -30,13 +62,24 @@ class LifecycleShardController:
         state: ShardStateView,
         sync: SyncFn,
         version: Callable[[], int | None],
+        *,
+        probe: VersionProbe | None = None,
+        observer: ObservationWriter | None = None,
+        loop: LoopThread | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._state = state
         self._sync = sync
         self._version = version
-        self._loop: LoopThread | None = None
+        self._probe = probe
+        self._observer = observer if observer is not None else ObservationWriter.from_env()
+        self._loop: LoopThread | None = loop
         self._lock = threading.Lock()
+        self._step: int | None = None
+
+    @property
+    def observer(self) -> ObservationWriter:
+        return self._observer
 
     def _loop_thread(self) -> LoopThread:
         with self._lock:
@@ -71,6 +114,43 @@ class LifecycleShardController:
             # Woken from level-2 sleep a shard has no valid weights: routed only after this.
             self._sync(woken, version)
         self._loop_thread().run(self._lifecycle.activate(woken))
+        if version is not None:
+            self.observe("expand", woken, version)
+
+    def refresh(self, dp_ranks: Sequence[int], version: int, *, step: int | None = None) -> None:
+        """Active refresh: sync ``version`` into shards that stay active (no drain), then
+        record what every active shard serves. Hosts call this after caching a new version."""
+        if step is not None:
+            self._step = step
+        if dp_ranks:
+            self._sync(list(dp_ranks), version)
+        self.observe("refresh", dp_ranks, version)
+
+    def observe(self, event: str, synced: Sequence[int], version: int) -> None:
+        """Ask every ACTIVE shard's engine for its version and record it (no-op when
+        observation is off). A shard that leaves ACTIVE while being asked is left out."""
+        writer = self._observer
+        if not writer.enabled or writer.pipeline_id is None:
+            return
+        probe = self._probe or engine_version_probe(_lifecycle_engines(self._lifecycle))
+
+        async def read() -> dict[int, int | None]:
+            before = set((await self._state.refresh()).active)
+            versions = await probe(sorted(before))
+            after = set((await self._state.refresh()).active)
+            return {r: v for r, v in versions.items() if r in after}
+
+        try:
+            versions = self._loop_thread().run(read())
+        except Exception:
+            # Observation never fails a resize; the gate then lacks this record and says so.
+            logger.warning("weight version probe after %s failed", event, exc_info=True)
+            return
+        writer.write(ShardVersionsObserved(
+            pipeline_id=writer.pipeline_id, event=event, trainer_version=int(version),
+            synced=tuple(sorted(int(r) for r in synced)), shard_versions=versions,
+            step=self._step,
+        ))
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -78,9 +158,12 @@ class LifecycleShardController:
             "state": self._state,
             "sync": self._sync,
             "version": self._version,
+            "probe": self._probe,
+            "observer": self._observer,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         LifecycleShardController.__init__(
-            self, state["lifecycle"], state["state"], state["sync"], state["version"]
+            self, state["lifecycle"], state["state"], state["sync"], state["version"],
+            probe=state.get("probe"), observer=state.get("observer"),
         )

@@ -12,6 +12,9 @@ veRL rollout replica (its server actor handles), so the generation module's
 * ``sleep``/``wake_up`` -> engine-level sleep/wake on the RLix server subclass (works for
   standalone replicas too, which veRL itself never sleeps).
 * ``resume`` -> veRL's ``resume_generation`` (reopens the gate).
+* ``weight_version`` -> the server's ``rlix_weight_version`` (the version its engine applied
+  completely), read by the shard controller after each sync for the gates' weights record;
+  None when the server class has no such method.
 
 :class:`LoadBalancerShardState` is the :class:`~rlix_plugins.generation.state_store.ShardStateView`
 whose owner is the pipeline's :class:`~rlix_plugins.patches.verl_routing.RLixRequestLoadBalancer`
@@ -76,6 +79,15 @@ class VerlReplicaEngine:
         # veRL's order: resume the engines with admission closed, then open every gate.
         await self._servers[0].resume_engine_generation.remote()
         await asyncio.gather(*(s.open_submission_gate.remote() for s in self._servers))
+
+    async def weight_version(self) -> int | None:
+        """Weight version the replica's engine reports (None: unknown or not recorded)."""
+        try:
+            method = self._servers[0].rlix_weight_version
+        except AttributeError:
+            return None
+        version = await method.remote()
+        return None if version is None else int(version)
 
     async def pause(self) -> int:
         """Abort in-flight requests but PARK late arrivals (active refresh, not preemption)."""

@@ -36,9 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nemo-rl-src", type=Path,
                         default=Path(os.environ["NEMO_RL_SRC"]) if os.environ.get("NEMO_RL_SRC")
                         else None, help="GPU mode: NeMo RL checkout (env NEMO_RL_SRC)")
+    parser.add_argument("--rlix-src", type=Path,
+                        default=Path(os.environ["RLIX_SRC"]) if os.environ.get("RLIX_SRC")
+                        else None, help="GPU mode, gate 3: rlops/rlix checkout whose launcher "
+                                        "runs the ROLL pipeline (env RLIX_SRC)")
     parser.add_argument("--roll-src", type=Path,
                         default=Path(os.environ["ROLL_SRC"]) if os.environ.get("ROLL_SRC")
-                        else None, help="GPU mode, gate 3: ROLL checkout (env ROLL_SRC)")
+                        else None, help="GPU mode, gate 3: ROLL checkout when `roll` is not "
+                                        "importable (env ROLL_SRC; default "
+                                        "RLIX_SRC/external/ROLL)")
 
 
 def _ensure_ray() -> bool:
@@ -81,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     from rlix_plugins.gates.gpu_mode import GpuGateOptions, PrerequisiteError, run_gpu_gate
 
     opts = GpuGateOptions(gate=args.gate, out_dir=out, steps=args.steps, config=args.config,
-                          nemo_rl_src=args.nemo_rl_src, roll_src=args.roll_src)
+                          nemo_rl_src=args.nemo_rl_src, roll_src=args.roll_src,
+                          rlix_src=args.rlix_src)
     try:
         result = run_gpu_gate(opts)
     except PrerequisiteError as exc:

@@ -1,17 +1,19 @@
 """Gates 1-3 on a real 2-GPU box with NeMo RL (and ROLL for gate 3). UNVERIFIED: written
 without a GPU; only the prerequisite check has run (it fails here, as it should).
 
-Flow: check prerequisites -> start the coordinator (namespace ``rlix_gate{N}``, trace into
-``--out``) -> launch the gate's jobs with ``RLIX_CONTROL_PLANE=rlix`` (NeMo RL through
-``python -m rlix_plugins.adapters.nemo_rl_launch``, ROLL with its own command from the gate
-config) while polling ``get_status`` and sampling GPU utilisation with ``nvidia-smi`` -> run the
-same jobs again with the control plane off, one after another on their stock disjoint layouts
-(the exclusive-allocation baseline) -> evaluate the criteria from the coordinator's trace and
-status, the jobs' exit codes and the utilisation samples.
+Flow: check prerequisites -> start the coordinator (namespace ``rlix_gate{N}_*``; ``rlix`` for
+gate 3, whose ROLL launcher looks the control plane up there; trace into ``--out``) -> launch
+the gate's jobs with ``RLIX_CONTROL_PLANE=rlix``, ``RLIX_OBSERVE_DIR={--out}/observe`` and
+``RAY_ADDRESS`` of this Ray (NeMo RL through ``python -m rlix_plugins.adapters.nemo_rl_launch``,
+ROLL through RLix's own launcher, see ``gates/gate3.yaml``) while polling ``get_status`` and
+sampling GPU utilisation with ``nvidia-smi`` -> stop the coordinator -> run the same jobs again
+with the control plane off, one after another on their stock disjoint layouts (the
+exclusive-allocation baseline) -> evaluate the criteria from the coordinator's trace and
+status, the jobs' exit codes, the utilisation samples and the jobs' observation records.
 
-Criteria that need the engines' weight versions and the routers' request counts are read from
-the jobs' logs (lines the adapter writes); where a log lacks them the criterion FAILS with
-"not observed" rather than passing silently.
+The weights and requests criteria are judged from the records the NeMo RL jobs' shard
+controller and routers write (:mod:`rlix_plugins.gates.observed`); without records they FAIL
+with "not observed", never pass silently.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlix_plugins.adapters.observability import ENV_OBSERVE_DIR
 from rlix_plugins.errors import RlixPluginsError
 from rlix_plugins.gates.criteria import (
     CriterionResult,
@@ -43,11 +46,16 @@ from rlix_plugins.gates.criteria import (
     no_double_ownership,
     steps_completed,
 )
+from rlix_plugins.gates.observed import observed_criteria
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
 
 logger = logging.getLogger(__name__)
 
 GATES_DIR = Path(__file__).resolve().parents[2] / "gates"
+#: RLix's launcher and ROLL find the control plane in this namespace (hard-coded there).
+RLIX_NAMESPACE = "rlix"
+#: Subdirectory of ``--out`` the jobs write their observation records to.
+OBSERVE_SUBDIR = "observe"
 
 
 class PrerequisiteError(RlixPluginsError):
@@ -62,6 +70,14 @@ class GpuGateOptions:
     config: Path | None = None
     nemo_rl_src: Path | None = None
     roll_src: Path | None = None
+    #: rlops/rlix checkout (gate 3: RLix's launcher for the ROLL pipeline)
+    rlix_src: Path | None = None
+
+    def roll_dir(self) -> Path | None:
+        """The ROLL checkout: ``roll_src``, else the fork inside the RLix checkout."""
+        if self.roll_src is not None:
+            return self.roll_src
+        return None if self.rlix_src is None else self.rlix_src / "external" / "ROLL"
 
 
 def default_config(gate: int) -> Path:
@@ -108,9 +124,17 @@ def check_prerequisites(opts: GpuGateOptions) -> list[str]:
         where = f"--nemo-rl-src {opts.nemo_rl_src}" if opts.nemo_rl_src else "import nemo_rl"
         problems.append(f"NeMo RL not found ({where}); check out NVIDIA-NeMo/RL at 7ea279abf "
                         "and pass --nemo-rl-src or set NEMO_RL_SRC")
-    if opts.gate == 3 and not _importable_or_src("roll", opts.roll_src):
-        problems.append("ROLL not found (import roll / --roll-src / ROLL_SRC); gate 3 runs a "
-                        "real ROLL pipeline next to NeMo RL")
+    if opts.gate == 3:
+        rlix = opts.rlix_src
+        if rlix is None or not (rlix / "rlix" / "__init__.py").is_file() or not (
+                rlix / "examples" / "start_multi_pipeline_test.py").is_file():
+            problems.append(f"RLix not found (--rlix-src / RLIX_SRC: {rlix}); gate 3 launches "
+                            "the ROLL pipeline with RLix's own launcher: check out rlops/rlix "
+                            "with its external/ROLL submodule")
+        if not _importable_or_src("roll", opts.roll_dir()):
+            problems.append(f"ROLL not found (import roll / --roll-src / ROLL_SRC / "
+                            f"RLIX_SRC/external/ROLL: {opts.roll_dir()}); gate 3 runs a real "
+                            "ROLL pipeline next to NeMo RL (pip install external/ROLL)")
     cfg = opts.config or default_config(opts.gate)
     if not cfg.is_file():
         problems.append(f"gate config {cfg} not found")
@@ -129,6 +153,9 @@ class JobSpec:
     cwd: Path
     env: tuple[tuple[str, str], ...] = ()
     steps: int = 0
+    #: (template under gates/, destination) config files written before the launch, with
+    #: ``max_steps`` set to ``steps``
+    configs: tuple[tuple[Path, Path], ...] = ()
 
 
 def _overrides(d: dict[str, Any]) -> list[str]:
@@ -142,9 +169,10 @@ def _overrides(d: dict[str, Any]) -> list[str]:
 
 def load_jobs(opts: GpuGateOptions, *, exclusive: bool) -> list[JobSpec]:
     """The gate config's jobs. A config has ``nemo_rl`` (list of ``{name, base_config,
-    overrides, exclusive_overrides}``) and optionally ``roll`` (``{command, cwd,
-    exclusive_command}``); gate 1's ``nemo_rl_gate1.yaml`` (one top-level ``overrides``) is
-    read as one NeMo RL job."""
+    overrides, exclusive_overrides}``) and optionally ``roll`` (``{steps, command, cwd,
+    exclusive_command, exclusive_cwd, configs: [{src, dest, mode}]}``, paths relative to the
+    RLix checkout, ``src`` relative to ``gates/``); gate 1's ``nemo_rl_gate1.yaml`` (one
+    top-level ``overrides``) is read as one NeMo RL job."""
     import yaml  # type: ignore[import-untyped,unused-ignore]
 
     path = opts.config or default_config(opts.gate)
@@ -167,11 +195,38 @@ def load_jobs(opts: GpuGateOptions, *, exclusive: bool) -> list[JobSpec]:
                             steps=int(ov.get("grpo.max_num_steps", 0))))
     roll = raw.get("roll")
     if opts.gate == 3 and roll:
-        cmd_raw = roll.get("exclusive_command" if exclusive else "command") or roll["command"]
-        jobs.append(JobSpec("roll", tuple(str(c) for c in cmd_raw),
-                            Path(roll.get("cwd") or opts.roll_src or Path.cwd()),
-                            steps=int(roll.get("steps", 0))))
+        jobs.append(_roll_job(roll, opts, exclusive=exclusive))
     return jobs
+
+
+def _roll_job(roll: dict[str, Any], opts: GpuGateOptions, *, exclusive: bool) -> JobSpec:
+    rlix = opts.rlix_src or Path.cwd()
+    mode = "exclusive" if exclusive else "shared"
+    pre = "exclusive_" if exclusive else ""
+    cmd = tuple(str(c) for c in (roll.get(f"{pre}command") or roll["command"]))
+    cwd = rlix / str(roll.get(f"{pre}cwd") or roll.get("cwd") or ".")
+    steps = opts.steps if opts.steps is not None else int(roll.get("steps", 0))
+    configs = tuple((GATES_DIR / str(c["src"]), rlix / str(c["dest"]))
+                    for c in roll.get("configs", []) if str(c.get("mode", "shared")) == mode)
+    # RLix's launcher imports the rlix package from its checkout.
+    path = os.pathsep.join(p for p in (str(rlix), os.environ.get("PYTHONPATH")) if p)
+    return JobSpec("roll", cmd, cwd, (("PYTHONPATH", path),), steps=steps, configs=configs)
+
+
+def write_job_configs(job: JobSpec) -> list[Path]:
+    """Write the job's config files (templates from ``gates/``) with ``max_steps`` set."""
+    import yaml  # type: ignore[import-untyped,unused-ignore]
+
+    written = []
+    for src, dest in job.configs:
+        cfg = yaml.safe_load(src.read_text())
+        if job.steps:
+            cfg["max_steps"] = job.steps
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(f"# written by rlix-plugins gate from {src.name}; do not edit\n"
+                        + yaml.safe_dump(cfg, sort_keys=False))
+        written.append(dest)
+    return written
 
 
 @dataclass(slots=True)
@@ -208,11 +263,14 @@ class UtilSampler:
         return IdleShare(busy, end - start, num_gpus)
 
 
-def _run_jobs(jobs: Sequence[JobSpec], env: dict[str, str], out: Path, *,
-              concurrent: bool) -> dict[str, int]:
+def run_jobs(jobs: Sequence[JobSpec], env: dict[str, str], out: Path, *,
+             concurrent: bool) -> dict[str, int]:
+    """Launch ``jobs`` (their configs written first), each logging to ``out/{name}.log``
+    (``_exclusive.log`` without the control plane); returns exit codes by job name."""
     codes: dict[str, int] = {}
 
     def launch(job: JobSpec) -> subprocess.Popen[bytes]:
+        write_job_configs(job)
         log = (out / f"{job.name}{'' if env.get('RLIX_CONTROL_PLANE') else '_exclusive'}.log")
         fh = log.open("wb")
         return subprocess.Popen(list(job.command), cwd=job.cwd, env={**env, **dict(job.env)},
@@ -229,7 +287,7 @@ def _run_jobs(jobs: Sequence[JobSpec], env: dict[str, str], out: Path, *,
 
 
 def _log_figures(out: Path, name: str) -> dict[str, int]:
-    """Counts the adapter and receiver log lines the weights/requests criteria rely on."""
+    """Counts of log lines kept in the report as supporting evidence (not a criterion)."""
     path = out / f"{name}.log"
     text = path.read_text(errors="replace") if path.exists() else ""
     return {
@@ -237,6 +295,26 @@ def _log_figures(out: Path, name: str) -> dict[str, int]:
         "preempted": len(re.findall(r"preempted shards", text)),
         "abort_samples": len(re.findall(r"finish_reason.{0,5}abort", text)),
     }
+
+
+def shared_job_env(base: Mapping[str, str], out: Path, namespace: str,
+                   ray_address: str) -> dict[str, str]:
+    """Environment of the shared run's jobs: control plane on, its namespace, trace and
+    observation directories under ``out``, and this Ray's address (jobs join it, and so the
+    gate's coordinator, instead of starting their own)."""
+    return {**base, "RLIX_CONTROL_PLANE": "rlix", "RLIX_NAMESPACE": namespace,
+            "RLIX_TRACE_DIR": str(out), ENV_OBSERVE_DIR: str(out / OBSERVE_SUBDIR),
+            "RAY_ADDRESS": ray_address}
+
+
+def _namespace_free(ray: Any, namespace: str) -> bool:
+    from rlix_plugins.protocol.names import ORCHESTRATOR_ACTOR
+
+    try:
+        ray.get_actor(ORCHESTRATOR_ACTOR, namespace=namespace)
+    except ValueError:
+        return True
+    return False
 
 
 def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
@@ -251,16 +329,23 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
 
     out = opts.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    ns = f"rlix_gate{opts.gate}_{uuid.uuid4().hex[:6]}"
+    jobs = load_jobs(opts, exclusive=False)
+    has_roll = any(j.name == "roll" for j in jobs)
+    ns = RLIX_NAMESPACE if has_roll else f"rlix_gate{opts.gate}_{uuid.uuid4().hex[:6]}"
     if not ray.is_initialized():
         # RAY_ADDRESS: join that cluster; unset: a local Ray with every GPU it detects.
         ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=ns)
+    if has_roll and not _namespace_free(ray, ns):
+        raise PrerequisiteError(f"  - a control plane already runs in namespace {ns!r}; stop "
+                                "it (rlix-plugins coordinator stop) so the gate's own serves "
+                                "RLix's launcher")
     plane = connect(namespace=ns, config=ServiceConfig(namespace=ns, trace_dir=str(out)))
     sampler = UtilSampler()
     sampler.start()
-    env = {**os.environ, "RLIX_CONTROL_PLANE": "rlix", "RLIX_NAMESPACE": ns,
-           "RLIX_TRACE_DIR": str(out)}
-    jobs = load_jobs(opts, exclusive=False)
+    observe = out / OBSERVE_SUBDIR
+    if observe.exists():
+        shutil.rmtree(observe)  # records of an earlier run would be judged as this one's
+    env = shared_job_env(os.environ, out, ns, ray.get_runtime_context().gcs_address)
     snapshots: list[dict[int, str | None]] = []
     stop = threading.Event()
 
@@ -276,19 +361,21 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     t0 = time.time()
-    codes = _run_jobs(jobs, env, out, concurrent=True)
+    codes = run_jobs(jobs, env, out, concurrent=True)
     t1 = time.time()
     stop.set()
     trace = ray.get(plane.scheduler.get_trace.remote())
     ray.get(plane.scheduler.flush_trace.remote())
     intervals, _ = intervals_from_trace(trace)
+    # Stopped before the baseline: nothing may find a control plane there.
+    stop_coordinator(ns)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("RLIX_")}
+    base_env["RAY_ADDRESS"] = env["RAY_ADDRESS"]
     excl_jobs = load_jobs(opts, exclusive=True)
     t2 = time.time()
-    excl_codes = _run_jobs(excl_jobs, base_env, out, concurrent=False)
+    excl_codes = run_jobs(excl_jobs, base_env, out, concurrent=False)
     t3 = time.time()
     sampler.stop()
-    stop_coordinator(ns)
     criteria: list[CriterionResult] = [
         no_double_ownership("ownership_coordinator", intervals,
                             source="the coordinator's GPU trace"),
@@ -301,21 +388,17 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
                for j in excl_jobs]),
     ]
     figs = {j.name: _log_figures(out, j.name) for j in jobs}
-    applied = sum(f["weight_applied"] for f in figs.values())
-    criteria.append(CriterionResult(
-        "weights", "after each sync every active shard serves the trainer's current version",
-        f"{applied} 'weight version N applied' lines in the job logs (engine-side version "
-        "probes are not available from outside the job)", False))
-    aborts = sum(f["abort_samples"] for f in figs.values())
-    criteria.append(CriterionResult(
-        "requests", "zero lost or duplicated requests",
-        f"{aborts} aborted samples in the logs; router counters are not exported yet", False))
+    # Only the NeMo RL jobs run our shard controller and router (ROLL uses its own).
+    criteria.extend(observed_criteria(
+        [("shared", observe)],
+        expected_pipelines=sum(1 for j in jobs if j.name != "roll")))
     criteria.append(idle_below_exclusive(sampler.idle(t0, t1, 2), sampler.idle(t2, t3, 2)))
     result = GateResult(opts.gate, "gpu", tuple(criteria))
     (out / f"gate{opts.gate}_report.json").write_text(json.dumps({
         "gate": opts.gate, "mode": "gpu", "passed": result.passed,
         "criteria": [dataclasses.asdict(c) for c in result.criteria],
         "exit_codes": {"shared": codes, "exclusive": excl_codes}, "log_figures": figs,
+        "namespace": ns, "observe_dir": str(observe),
     }, indent=2))
     return result
 
@@ -329,4 +412,5 @@ def _status_snapshots_ok(snapshots: Sequence[dict[int, str | None]]) -> Criterio
 
 
 __all__ = ["GpuGateOptions", "Interval", "PrerequisiteError", "check_prerequisites",
-           "count_cuda_gpus", "run_gpu_gate"]
+           "count_cuda_gpus", "load_jobs", "run_gpu_gate", "run_jobs", "shared_job_env",
+           "write_job_configs"]

@@ -21,6 +21,11 @@ re-dispatches. ``resize_infer`` shrink = preempt (abort -> drain -> sleep), expa
 sync the active cache version to exactly those shards -> verify -> activate. Shards that never
 slept get each new version by an active refresh.
 
+With ``PipelineSpec.observe_dir`` set, the runtime also writes the records a GPU-mode gate
+judges (:mod:`rlix_plugins.adapters.observability`) into ``{observe_dir}/{mode}``: after every
+expand, refresh and initial sync the version each active engine reports, and the router's
+request counters; the gate evaluates them with the GPU-mode code (:mod:`.observed`).
+
 "exclusive" mode runs the same loop with no coordinator on dedicated GPUs: only the shards on
 GPUs the trainer does not use generate, the others stay asleep (the baseline of the idle-share
 criterion).
@@ -40,12 +45,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rlix_plugins.adapters.observability import (
+    ObservationWriter,
+    RouterCountersObserved,
+    ShardVersionsObserved,
+    collective_rpc_version_probe,
+)
 from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
 from rlix_plugins.gates.timeline import Interval, RunRecord
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest, GenerationResult
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
-from rlix_plugins.generation.router import RedispatchMode, RouterConfig, ShardRouter
+from rlix_plugins.generation.router import (
+    RedispatchMode,
+    RouterConfig,
+    RouterCounters,
+    ShardRouter,
+)
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import LocalShardState, ShardStateStore
 from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN, cluster_id
@@ -80,6 +96,8 @@ class PipelineSpec:
     #: requests in flight per ACTIVE shard; the next request is dispatched when a slot frees
     #: (as NeMo RL's collector paces rollouts), so a shard activated mid-batch gets work
     inflight_per_shard: int = 8
+    #: where observation records go (``{observe_dir}/{mode}``); None = none written
+    observe_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not set(self.train_gpus) <= set(self.infer_gpus):
@@ -240,10 +258,12 @@ class RehearsalRuntime:
             for r, e in enumerate(self._engines_raw)
         ]
         self.lifecycle = ShardLifecycle(self.state, self.engines, PreemptionConfig())
+        self._observer = ObservationWriter(None, None)
         self.router = ShardRouter(
             self.state, self.engines,
             RouterConfig(redispatch=RedispatchMode.CONTINUE, wait_timeout_s=300.0,
                          max_attempts=16),
+            on_counters=self._on_counters,
         )
         self.receivers = [AsyncEngineReceiver(f"{spec.label}/{r}", e, self._loop)
                           for r, e in enumerate(self._engines_raw)]
@@ -281,8 +301,9 @@ class RehearsalRuntime:
         self.version = version
 
     # ------------------------------------------------------------------ sync + checks
-    def _sync(self, ranks: Sequence[int], kind: str) -> None:
-        """Send the active cache version to exactly ``ranks`` and verify each engine."""
+    def _sync(self, ranks: Sequence[int], kind: str) -> int:
+        """Send the active cache version to exactly ``ranks``, verify each engine; returns the
+        version sent."""
         from rlix_plugins.training.sync import SyncOptions, sync_version
 
         version = self.cache.active_version
@@ -295,6 +316,7 @@ class RehearsalRuntime:
             self.busy.append(Interval(self.spec.infer_gpus[r], self.infer_cluster, STAGE_SYNC,
                                       t0, t1))
         self._verify(ranks, kind, version)
+        return version
 
     def _verify(self, ranks: Sequence[int], kind: str, version: int) -> None:
         expected = self.expected[version]
@@ -311,6 +333,26 @@ class RehearsalRuntime:
             compared = [n for n in expected if n in sums]
             ok = bool(compared) and all(sums[n] == expected[n] for n in compared)
             self.sync_checks.append(SyncCheck(self._step, r, kind, version, v, ok, len(compared)))
+
+    # ------------------------------------------------------------------ observation records
+    def _on_counters(self, counters: RouterCounters) -> None:
+        writer = self._observer
+        if writer.enabled and writer.pipeline_id is not None:
+            writer.write(RouterCountersObserved.from_counters(writer.pipeline_id, counters))
+
+    def _observe(self, event: str, synced: Sequence[int], version: int) -> None:
+        """Record what every ACTIVE engine reports after a sync event (as the shard
+        controller does in a real job)."""
+        writer = self._observer
+        if not writer.enabled or writer.pipeline_id is None:
+            return
+        active = sorted(self.store.snapshot().active)
+        probe = collective_rpc_version_probe(self._engines_raw)
+        versions = self._loop.run(probe(active))
+        still = set(self.store.snapshot().active)
+        writer.write(ShardVersionsObserved(
+            writer.pipeline_id, event, version, tuple(sorted(synced)),
+            {r: v for r, v in versions.items() if r in still}, step=self._step))
 
     # ------------------------------------------------------------------ ShardController
     def _statuses(self) -> tuple[ShardStatus, ...]:
@@ -335,8 +377,9 @@ class RehearsalRuntime:
             if not woken:
                 return
             # Woken from level-2 sleep a shard has no valid weights: routed only after this.
-            self._sync(woken, "expand")
+            version = self._sync(woken, "expand")
             self._loop.run(self.lifecycle.activate(woken))
+            self._observe("expand", woken, version)
             self.expands += len(woken)
             self.rank_events.extend(("expand", r) for r in woken)
 
@@ -345,7 +388,8 @@ class RehearsalRuntime:
         with self._sync_lock:
             active = list(self.store.snapshot().active)
             if active:
-                self._sync(active, "refresh")
+                version = self._sync(active, "refresh")
+                self._observe("refresh", active, version)
             return active
 
     # ------------------------------------------------------------------ generation
@@ -411,6 +455,9 @@ class RehearsalRuntime:
         preempt0 = self.lifecycle.preemptions
         forced0 = self.lifecycle.forced_sleeps
         cycles0 = self.trainer.cycles
+        self._observer = ObservationWriter(
+            None if self.spec.observe_dir is None else Path(self.spec.observe_dir) / mode,
+            self.pipeline_id)
         self.router._reset_runtime()  # counters of this run only (same copy, same process)
         tracker = ProgressTracker(self.pipeline_id, hooks_sink(hooks),
                                   on_clear=hooks.clear_progress, max_age_steps=1)
@@ -462,6 +509,7 @@ class RehearsalRuntime:
         run.overlap_expands = sum(1 for k, r in self.rank_events
                                   if k == "expand" and r in overlap)
         run.nccl_cycles = self.trainer.cycles - cycles0
+        self.router.emit_counters()  # the run's final bookkeeping, whatever the last emit was
         rs = self.router.stats()
         run.audit = RequestAudit(
             submitted=len(ledger),
@@ -496,7 +544,8 @@ class RehearsalRuntime:
             with self._sync_lock:
                 stale = [r for r in up if self.store.snapshot().statuses[r] is ShardStatus.ACTIVE]
                 if stale:
-                    self._sync(stale, "initial")
+                    version = self._sync(stale, "initial")
+                    self._observe("initial", stale, version)
 
     def shutdown(self) -> None:
         """Abort anything in flight (a shutdown with requests running hangs), stop engines."""

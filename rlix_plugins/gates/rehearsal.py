@@ -47,12 +47,15 @@ from rlix_plugins.gates.criteria import (
     weights_current,
 )
 from rlix_plugins.gates.nemo_rehearsal import PipelineRun, PipelineSpec
+from rlix_plugins.gates.observed import observed_criteria
 from rlix_plugins.gates.roll_sequence import RollRun, RollSpec
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace, pipeline_of
 
 logger = logging.getLogger(__name__)
 
 NUM_GPUS = 2
+#: subdirectory of the output with the observation records (``shared/``, ``exclusive/``)
+OBSERVE_SUBDIR = "observe"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +109,8 @@ def _nemo_specs(gate: int, model_dir: Path, cfg: RehearsalConfig) -> list[Pipeli
     def spec(label: str, train: int, seed: int) -> PipelineSpec:
         # Shard r lives on GPU r and its EngineCore is pinned to core r.
         return PipelineSpec(label, (0, 1), (train,), ("0", "1"), str(model_dir), seed=seed,
-                            batch=cfg.batch, max_tokens=cfg.max_tokens)
+                            batch=cfg.batch, max_tokens=cfg.max_tokens,
+                            observe_dir=str(cfg.out_dir / OBSERVE_SUBDIR))
 
     if gate == 2:
         return [spec("nemo-a", 0, 1), spec("nemo-b", 1, 2)]
@@ -292,8 +296,13 @@ def _gate_specific(gate: int, shared: PhaseResult, steps: int) -> list[Criterion
 
 
 def evaluate(gate: int, steps: int, shared: PhaseResult,
-             exclusive: PhaseResult | None) -> tuple[GateResult, dict[str, Any]]:
-    """The gate's criteria from the two phases; also the figures for the report."""
+             exclusive: PhaseResult | None,
+             observe_dir: Path | None = None) -> tuple[GateResult, dict[str, Any]]:
+    """The gate's criteria from the two phases; also the figures for the report.
+
+    With ``observe_dir``, the NeMo RL-like pipelines' observation records are judged too,
+    by the GPU mode's code (``weights_observed``, ``requests_observed``).
+    """
     criteria = [
         no_double_ownership("ownership_coordinator", shared.coordinator,
                             source="the coordinator's GPU trace"),
@@ -320,6 +329,11 @@ def evaluate(gate: int, steps: int, shared: PhaseResult,
                            a.lost, a.aborted_returned, a.short_samples, a.redispatched)
               for p in phases for r in p.nemo if (a := r.audit) is not None]
     criteria.append(requests_accounted(counts))
+    if observe_dir is not None:
+        criteria.extend(observed_criteria(
+            [(p.mode, observe_dir / p.mode) for p in phases],
+            expected_pipelines=len(shared.nemo),
+            names=("weights_observed", "requests_observed")))
     shared_idle = measure_idle(shared.busy, NUM_GPUS, shared.start, shared.end)
     figures: dict[str, Any] = {"shared": dataclasses.asdict(shared_idle)}
     if exclusive is not None:
@@ -397,6 +411,11 @@ def run_cpu_gate(cfg: RehearsalConfig) -> RehearsalOutcome:
     from rlix_plugins.generation.tiny_engine import write_tiny_llama
 
     model_dir = write_tiny_llama(cfg.out_dir / "tiny_llama")
+    observe = cfg.out_dir / OBSERVE_SUBDIR
+    if observe.exists():
+        import shutil
+
+        shutil.rmtree(observe)  # an earlier run's records must not be judged as this one's
     specs = _nemo_specs(cfg.gate, model_dir, cfg)
     reh = _Rehearsal(cfg)
     try:
@@ -407,5 +426,6 @@ def run_cpu_gate(cfg: RehearsalConfig) -> RehearsalOutcome:
         exclusive = reh.exclusive_phase() if cfg.exclusive else None
     finally:
         reh.close()
-    result, figures = evaluate(cfg.gate, cfg.steps, shared, exclusive)
+    result, figures = evaluate(cfg.gate, cfg.steps, shared, exclusive,
+                               observe_dir=cfg.out_dir / OBSERVE_SUBDIR)
     return write_outputs(cfg, result, figures, shared, exclusive)

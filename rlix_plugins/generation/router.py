@@ -12,6 +12,12 @@ Per request:
      ``finish_reason == "abort"``, or raised anything while its shard was no longer active,
      it was preempted: re-dispatch (restart, or continue from the partial tokens), at most
      ``max_attempts`` dispatches in all. An aborted output is never returned.
+
+Bookkeeping (:class:`RequestLedger`, one per router copy): every request id submitted, how it
+left (completed once, lost to an error, cancelled by its caller), duplicates (an id submitted
+while already in flight or already completed) and re-dispatches. ``on_counters`` receives a
+:class:`RouterCounters` snapshot whenever the copy drains, when it loses a request, and at most
+once per ``emit_interval_s`` otherwise (the gates' request criterion reads these).
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Sequence
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +108,123 @@ class RouterStats:
     stale_refreshes: int
 
 
+@dataclass(frozen=True, slots=True)
+class RouterCounters:
+    """Request bookkeeping of one router copy (``copy_id`` is new for every copy and reset).
+
+    ``submitted == completed + lost + cancelled + in_flight``. ``lost``: calls that raised
+    (no active shard in time, preempted on every attempt, an engine error) and so returned no
+    sample; ``cancelled``: calls their caller cancelled; ``duplicated``: submissions of a
+    request id already in flight or already completed by this copy; ``redispatched``:
+    attempts cut by preemption and sent again.
+    """
+
+    copy_id: str
+    submitted: int
+    completed: int
+    lost: int
+    cancelled: int
+    in_flight: int
+    duplicated: int
+    redispatched: int
+
+
+CountersCallback = Callable[[RouterCounters], None]
+
+
+class RequestLedger:
+    """Which request ids a router copy accepted and how each one left (see module docstring).
+
+    Completed ids are remembered in a bounded window (``remember_completed``, newest kept) so a
+    long job's memory stays flat; a duplicate older than the window is not detected.
+    """
+
+    def __init__(
+        self,
+        on_counters: CountersCallback | None = None,
+        *,
+        emit_interval_s: float = 1.0,
+        remember_completed: int = 65536,
+    ) -> None:
+        if remember_completed < 1:
+            raise ValueError(f"remember_completed must be >= 1, got {remember_completed}")
+        self.copy_id = uuid.uuid4().hex[:12]
+        self._on_counters = on_counters
+        self._interval = emit_interval_s
+        self._remember = remember_completed
+        self._in_flight: dict[str, int] = {}
+        self._done: OrderedDict[str, None] = OrderedDict()
+        self.submitted = 0
+        self.completed = 0
+        self.lost = 0
+        self.cancelled = 0
+        self.duplicated = 0
+        self.redispatched = 0
+        self._last_emit = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return self.submitted - self.completed - self.lost - self.cancelled
+
+    def counters(self) -> RouterCounters:
+        return RouterCounters(self.copy_id, self.submitted, self.completed, self.lost,
+                              self.cancelled, self.in_flight, self.duplicated,
+                              self.redispatched)
+
+    def begin(self, request_id: str) -> None:
+        self.submitted += 1
+        if request_id in self._in_flight or request_id in self._done:
+            self.duplicated += 1
+            logger.warning("request id %s submitted again while %s", request_id,
+                           "in flight" if request_id in self._in_flight else "already completed")
+        self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
+
+    def _leave(self, request_id: str) -> None:
+        left = self._in_flight.get(request_id, 0) - 1
+        if left > 0:
+            self._in_flight[request_id] = left
+        else:
+            self._in_flight.pop(request_id, None)
+
+    def complete(self, request_id: str) -> None:
+        self.completed += 1
+        self._leave(request_id)
+        self._done[request_id] = None
+        self._done.move_to_end(request_id)
+        while len(self._done) > self._remember:
+            self._done.popitem(last=False)
+        self._maybe_emit(force=self.in_flight == 0)
+
+    def lose(self, request_id: str) -> None:
+        self.lost += 1
+        self._leave(request_id)
+        self._maybe_emit(force=True)
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled += 1
+        self._leave(request_id)
+        self._maybe_emit(force=self.in_flight == 0)
+
+    def redispatch(self) -> None:
+        self.redispatched += 1
+
+    def emit(self) -> None:
+        """Hand the current counters to ``on_counters`` now (no-op without a callback)."""
+        if self._on_counters is None:
+            return
+        self._last_emit = time.monotonic()
+        try:
+            self._on_counters(self.counters())
+        except Exception:
+            # Observation must never fail a request.
+            logger.warning("router counters callback failed", exc_info=True)
+
+    def _maybe_emit(self, *, force: bool) -> None:
+        if self._on_counters is not None and (
+                force or time.monotonic() - self._last_emit >= self._interval):
+            self.emit()
+
+
 class ShardRouter:
     """Routes requests over a pipeline's active shards (see module docstring).
 
@@ -106,6 +232,8 @@ class ShardRouter:
         state: view of the pipeline's shard state owner.
         engines: the shard engines, indexed by dp rank (``len == num_shards``).
         config: router settings.
+        on_counters: receives :class:`RouterCounters` snapshots (see module docstring); it
+            travels with a pickled router, so it must pickle too.
     """
 
     def __init__(
@@ -113,10 +241,13 @@ class ShardRouter:
         state: ShardStateView,
         engines: Sequence[ShardEngine],
         config: RouterConfig | None = None,
+        *,
+        on_counters: CountersCallback | None = None,
     ) -> None:
         self._state = state
         self._engines = tuple(engines)
         self._config = config or RouterConfig()
+        self._on_counters = on_counters
         n = state.snapshot().num_shards
         if len(self._engines) != n:
             raise ValueError(f"got {len(self._engines)} engines for {n} shards; need one per rank")
@@ -125,9 +256,7 @@ class ShardRouter:
     def _reset_runtime(self) -> None:
         self._inflight = [0] * len(self._engines)
         self._cursor = 0
-        self._requests = 0
-        self._completed = 0
-        self._redispatched = 0
+        self._ledger = RequestLedger(self._on_counters)
         self._waits = 0
         self._stale_refreshes = 0
 
@@ -150,10 +279,18 @@ class ShardRouter:
 
     def stats(self) -> RouterStats:
         """Counters of this router copy (copies do not share counters)."""
+        led = self._ledger
         return RouterStats(
-            self._requests, self._completed, self._redispatched, self._waits,
-            self._stale_refreshes,
+            led.submitted, led.completed, led.redispatched, self._waits, self._stale_refreshes,
         )
+
+    def counters(self) -> RouterCounters:
+        """This copy's request bookkeeping (submitted, completed, lost, duplicated, ...)."""
+        return self._ledger.counters()
+
+    def emit_counters(self) -> None:
+        """Hand the current counters to ``on_counters`` now (e.g. at the end of a run)."""
+        self._ledger.emit()
 
     def _pick(self, active: tuple[int, ...]) -> int:
         n = len(active)
@@ -207,7 +344,20 @@ class ShardRouter:
             NoActiveShardError: no shard became active within ``wait_timeout_s``.
             ShardPreemptedError: preempted on every one of ``max_attempts`` dispatches.
         """
-        self._requests += 1
+        ledger = self._ledger
+        ledger.begin(request.request_id)
+        try:
+            result = await self._generate(request)
+        except asyncio.CancelledError:
+            ledger.cancel(request.request_id)
+            raise
+        except BaseException:
+            ledger.lose(request.request_id)
+            raise
+        ledger.complete(request.request_id)
+        return result
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
         cont = self._config.redispatch is RedispatchMode.CONTINUE
         prefix: tuple[int, ...] = ()
         prefix_lp: tuple[float, ...] | None = None
@@ -218,7 +368,6 @@ class ShardRouter:
             rank = self._pick(snap.active)
             out = await self._dispatch(rank, self._attempt(request, attempt, prefix))
             if out is not None and not out.aborted:
-                self._completed += 1
                 token_ids, logprobs = out.token_ids, out.logprobs
                 if prefix:
                     token_ids = prefix + token_ids
@@ -227,14 +376,13 @@ class ShardRouter:
                 return GenerationResult(
                     request.request_id, token_ids, out.finish_reason, logprobs, rank, attempt
                 )
-            self._redispatched += 1
+            self._ledger.redispatch()
             if cont and out is not None and out.token_ids:
                 prefix += out.token_ids
                 if out.logprobs is not None:
                     prefix_lp = (prefix_lp or ()) + out.logprobs
                 if len(prefix) >= request.max_tokens:
                     # Every token arrived before the abort: the sample is complete.
-                    self._completed += 1
                     return GenerationResult(request.request_id, prefix, "length", prefix_lp,
                                             rank, attempt)
             logger.debug("request %s preempted on shard %d (attempt %d)",
@@ -277,10 +425,12 @@ class ShardRouter:
 
     def __getstate__(self) -> dict[str, Any]:
         # Counters and in-flight counts belong to this copy; only wiring travels.
-        return {"state": self._state, "engines": self._engines, "config": self._config}
+        return {"state": self._state, "engines": self._engines, "config": self._config,
+                "on_counters": self._on_counters}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._state = state["state"]
         self._engines = state["engines"]
         self._config = state["config"]
+        self._on_counters = state.get("on_counters")
         self._reset_runtime()

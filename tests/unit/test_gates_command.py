@@ -3,6 +3,7 @@ RLix-types stand-in the gate-3 ROLL pipeline pickles by reference."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -11,7 +12,12 @@ import pytest
 
 from rlix_plugins.cli import main
 from rlix_plugins.gates import gpu_mode
-from rlix_plugins.gates.gpu_mode import GpuGateOptions, check_prerequisites, load_jobs
+from rlix_plugins.gates.gpu_mode import (
+    GpuGateOptions,
+    check_prerequisites,
+    load_jobs,
+    write_job_configs,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,11 +27,11 @@ def test_gpu_mode_refuses_here_with_every_missing_prerequisite(
 ) -> None:
     monkeypatch.setattr(gpu_mode, "count_cuda_gpus", lambda: (0, "nvidia-smi not found"))
     code = main(["gate", "3", "--out", str(tmp_path), "--nemo-rl-src", str(tmp_path / "none"),
-                 "--roll-src", str(tmp_path / "none")])
+                 "--roll-src", str(tmp_path / "none"), "--rlix-src", str(tmp_path / "none")])
     err = capsys.readouterr().err
     assert code == 2
     assert "needs >= 2 CUDA GPUs, found 0 (nvidia-smi not found)" in err
-    assert "NeMo RL not found" in err and "ROLL not found" in err
+    assert "NeMo RL not found" in err and "ROLL not found" in err and "RLix not found" in err
     assert "rlix-plugins gate 3 --cpu" in err
 
 
@@ -37,16 +43,27 @@ def test_gpu_count_probe_does_not_claim_gpus_on_this_box() -> None:
 def test_prerequisites_pass_when_present(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu_mode, "count_cuda_gpus", lambda: (2, "NVML"))
     (tmp_path / "nemo" / "nemo_rl").mkdir(parents=True)
-    (tmp_path / "roll" / "roll").mkdir(parents=True)
-    opts = GpuGateOptions(3, tmp_path, nemo_rl_src=tmp_path / "nemo", roll_src=tmp_path / "roll")
+    rlix = _rlix_checkout(tmp_path / "rlix")
+    opts = GpuGateOptions(3, tmp_path, nemo_rl_src=tmp_path / "nemo", rlix_src=rlix)
+    # ROLL found as the fork inside the RLix checkout (no --roll-src)
     assert check_prerequisites(opts) == []
     monkeypatch.setattr(gpu_mode, "count_cuda_gpus", lambda: (1, "NVML"))
     assert check_prerequisites(opts) == ["needs >= 2 CUDA GPUs, found 1 (NVML)"]
 
 
+def _rlix_checkout(root: Path) -> Path:
+    """The files of an rlops/rlix checkout the gate looks for (empty stand-ins)."""
+    (root / "rlix").mkdir(parents=True)
+    (root / "rlix" / "__init__.py").write_text("")
+    (root / "examples").mkdir()
+    (root / "examples" / "start_multi_pipeline_test.py").write_text("")
+    (root / "external" / "ROLL" / "roll").mkdir(parents=True)
+    return root
+
+
 @pytest.mark.parametrize("gate", [1, 2, 3])
 def test_gate_configs_parse_into_jobs(gate: int, tmp_path: Path) -> None:
-    opts = GpuGateOptions(gate, tmp_path, steps=5, nemo_rl_src=tmp_path, roll_src=tmp_path)
+    opts = GpuGateOptions(gate, tmp_path, steps=5, nemo_rl_src=tmp_path, rlix_src=tmp_path)
     shared = load_jobs(opts, exclusive=False)
     exclusive = load_jobs(opts, exclusive=True)
     names = [j.name for j in shared]
@@ -62,6 +79,14 @@ def test_gate_configs_parse_into_jobs(gate: int, tmp_path: Path) -> None:
     for job in exclusive:
         if job.name.startswith("nemo_rl"):
             assert not any("rlix" in a for a in job.command[4:]), job.command
+    if gate == 3:
+        (roll,) = [j for j in shared if j.name == "roll"]
+        (roll_x,) = [j for j in exclusive if j.name == "roll"]
+        # RLix's launcher in the RLix checkout; ROLL's stock launcher in its ROLL fork
+        assert "examples/start_multi_pipeline_test.py" in roll.command and roll.cwd == tmp_path
+        assert "examples/start_agentic_pipeline.py" in roll_x.command
+        assert roll_x.cwd == tmp_path / "external" / "ROLL" and roll.steps == 5
+        assert dict(roll.env)["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)
     if gate == 2:
         trains = [next(a for a in j.command if "rlix.train_gpus" in a) for j in shared]
         assert trains == ["+policy.generation.rlix.train_gpus=[0]",
@@ -90,3 +115,25 @@ def test_rlix_types_stand_in_pickles_by_reference_and_stays_out_of_the_package(
     finally:
         for name in [m for m in sys.modules if m == "rlix" or m.startswith("rlix.")]:
             del sys.modules[name]
+
+
+def test_gate3_roll_configs_are_written_with_the_layout_and_steps(tmp_path: Path) -> None:
+    """The files the gate writes into the RLix checkout: RLix's example config composed with
+    gate 3's layout (what Hydra then loads; composition itself checked by hand, see docs)."""
+    import yaml
+
+    opts = GpuGateOptions(3, tmp_path, steps=4, rlix_src=tmp_path)
+    for exclusive, name, train, infer in [(False, "rlix_plugins_gate3", "[1, ]", "[0, 1, ]"),
+                                          (True, "rlix_plugins_gate3_exclusive", "[0, ]",
+                                           "[1, ]")]:
+        (roll,) = [j for j in load_jobs(opts, exclusive=exclusive) if j.name == "roll"]
+        (written,) = write_job_configs(roll)
+        assert written == tmp_path / "examples" / "rlix_test" / f"{name}.yaml"
+        assert roll.command[roll.command.index("--config_name") + 1] == name
+        cfg = yaml.safe_load(written.read_text())
+        assert cfg["defaults"] == ["full_finetune_pipeline1", "_self_"]
+        assert cfg["max_steps"] == 4 and cfg["num_gpus_per_node"] == 2
+        assert cfg["actor_train"]["device_mapping"] == train
+        assert cfg["reference"]["device_mapping"] == train
+        assert cfg["actor_infer"]["device_mapping"] == infer
+        assert ("pipeline_cls" in cfg) is exclusive  # stock ROLL pipeline for the baseline

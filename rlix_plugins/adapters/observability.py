@@ -1,0 +1,418 @@
+"""Observation records a gate reads from outside a job: engine weight versions, router counters.
+
+A job under the coordinator runs its shard controller and routers in several processes (the
+driver, the pipeline's coordinator actor, NeMo RL's collector actor). What the validation
+gates must judge (``after each sync every active shard serves the trainer's current weight
+version``, ``zero lost or duplicated requests``) is known only inside those processes, so each
+one appends typed records, one JSON object per line, to ``{RLIX_OBSERVE_DIR}/{pipeline_id}.jsonl``
+and the gate reads them back (:func:`read_observations`).
+
+* :class:`ShardVersionsObserved`: after every expand (wake + sync + activate), every active
+  refresh and the exclusive run's initial sync, the version each ACTIVE shard reports from its
+  engine (the receiver's record of the last version applied completely), next to the version
+  the trainer had just cached and synced. Never the version the sender intended.
+* :class:`RouterCountersObserved`: one router copy's bookkeeping (requests submitted, completed,
+  lost, duplicated, cancelled, still in flight, re-dispatched), written when the copy drains, when
+  it loses a request, and at most once a second otherwise.
+
+Unset ``RLIX_OBSERVE_DIR``: nothing is probed or written. Lines are appended with one
+``write(2)`` on an ``O_APPEND`` descriptor, so concurrent writers of one file never interleave
+inside a line. The directory must be reachable by every process of the job (one node, or a
+shared filesystem).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeAlias
+
+from rlix_plugins.errors import RlixPluginsError
+from rlix_plugins.generation.router import RouterCounters
+from rlix_plugins.settings import ENV_PIPELINE_ID
+
+logger = logging.getLogger(__name__)
+
+#: Directory the records go to (one ``{pipeline_id}.jsonl`` per pipeline); unset = off.
+ENV_OBSERVE_DIR = "RLIX_OBSERVE_DIR"
+
+#: Events after which shard versions are recorded.
+SYNC_EVENTS = ("expand", "refresh", "initial")
+
+
+class ObservationError(RlixPluginsError, ValueError):
+    """An observation record or setting is malformed (names the file/line or variable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardVersionsObserved:
+    """Weight versions the active shards serve right after a sync event.
+
+    Attributes:
+        pipeline_id: the pipeline.
+        event: ``"expand"`` (woken shards synced and activated), ``"refresh"`` (active shards
+            given a new version without draining) or ``"initial"`` (first sync of a shard that
+            never slept).
+        trainer_version: the version the trainer had cached and this event synced.
+        synced: the dp ranks this event synced.
+        shard_versions: every shard ACTIVE after the event -> the version its engine reports
+            (``None``: the engine holds no complete version, or it cannot be asked).
+        step: the trainer step, when the caller knows it.
+        time: unix seconds when the versions were read.
+    """
+
+    KIND: ClassVar[str] = "shard_versions"
+
+    pipeline_id: str
+    event: str
+    trainer_version: int
+    synced: tuple[int, ...]
+    shard_versions: Mapping[int, int | None]
+    step: int | None = None
+    time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.event not in SYNC_EVENTS:
+            raise ObservationError(
+                f"event {self.event!r} is not valid; expected one of {', '.join(SYNC_EVENTS)}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.KIND, "pipeline_id": self.pipeline_id, "event": self.event,
+            "trainer_version": self.trainer_version, "synced": list(self.synced),
+            # JSON object keys are strings; the reader turns them back into ranks.
+            "shard_versions": {str(r): v for r, v in sorted(self.shard_versions.items())},
+            "step": self.step, "time": self.time,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ShardVersionsObserved:
+        return cls(
+            pipeline_id=str(d["pipeline_id"]), event=str(d["event"]),
+            trainer_version=int(d["trainer_version"]),
+            synced=tuple(int(r) for r in d["synced"]),
+            shard_versions={int(r): None if v is None else int(v)
+                            for r, v in dict(d["shard_versions"]).items()},
+            step=None if d.get("step") is None else int(d["step"]), time=float(d["time"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RouterCountersObserved:
+    """One router copy's request bookkeeping at ``time`` (see :class:`RouterCounters`).
+
+    ``submitted == completed + lost + cancelled + in_flight`` always holds (checked on read).
+    ``lost``: requests that left the router with an error and no sample; ``duplicated``:
+    submissions of a request id already in flight or already completed.
+    """
+
+    KIND: ClassVar[str] = "router_counters"
+
+    pipeline_id: str
+    copy_id: str
+    submitted: int
+    completed: int
+    redispatched: int
+    lost: int
+    duplicated: int
+    cancelled: int
+    in_flight: int
+    time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.submitted != self.completed + self.lost + self.cancelled + self.in_flight:
+            raise ObservationError(
+                f"router copy {self.copy_id} of {self.pipeline_id}: submitted={self.submitted} "
+                f"!= completed {self.completed} + lost {self.lost} + cancelled "
+                f"{self.cancelled} + in flight {self.in_flight}"
+            )
+
+    @classmethod
+    def from_counters(cls, pipeline_id: str, c: RouterCounters) -> RouterCountersObserved:
+        return cls(pipeline_id, c.copy_id, c.submitted, c.completed, c.redispatched, c.lost,
+                   c.duplicated, c.cancelled, c.in_flight)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.KIND, "pipeline_id": self.pipeline_id, "copy_id": self.copy_id,
+            "submitted": self.submitted, "completed": self.completed,
+            "redispatched": self.redispatched, "lost": self.lost,
+            "duplicated": self.duplicated, "cancelled": self.cancelled,
+            "in_flight": self.in_flight, "time": self.time,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RouterCountersObserved:
+        return cls(
+            pipeline_id=str(d["pipeline_id"]), copy_id=str(d["copy_id"]),
+            submitted=int(d["submitted"]), completed=int(d["completed"]),
+            redispatched=int(d["redispatched"]), lost=int(d["lost"]),
+            duplicated=int(d["duplicated"]), cancelled=int(d["cancelled"]),
+            in_flight=int(d["in_flight"]), time=float(d["time"]),
+        )
+
+
+Observation: TypeAlias = ShardVersionsObserved | RouterCountersObserved
+_KINDS: dict[str, type[ShardVersionsObserved] | type[RouterCountersObserved]] = {
+    ShardVersionsObserved.KIND: ShardVersionsObserved,
+    RouterCountersObserved.KIND: RouterCountersObserved,
+}
+
+
+def observe_dir_from_env(env: Mapping[str, str] | None = None) -> Path | None:
+    """``RLIX_OBSERVE_DIR`` as a path; None when unset. Set but empty is an error."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_OBSERVE_DIR)
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise ObservationError(
+            f"{ENV_OBSERVE_DIR} is set but empty; unset it (no records) or name a directory"
+        )
+    return Path(raw.strip())
+
+
+def _check_pipeline_id(pipeline_id: str) -> str:
+    # The id becomes a file name: no separators, no hidden or parent names.
+    if not pipeline_id or "/" in pipeline_id or os.sep in pipeline_id \
+            or pipeline_id.startswith("."):
+        raise ObservationError(
+            f"pipeline id {pipeline_id!r} cannot name a record file; expected a non-empty id "
+            "without path separators or a leading '.' (e.g. 'ft_0123456789ab')"
+        )
+    return pipeline_id
+
+
+class ObservationWriter:
+    """Appends records of one pipeline to ``{directory}/{pipeline_id}.jsonl``.
+
+    Picklable (a path and an id), so a controller or router carries it into other processes.
+    Disabled (every call a no-op) when ``directory`` or ``pipeline_id`` is None.
+    """
+
+    def __init__(self, directory: Path | None, pipeline_id: str | None) -> None:
+        self.directory = directory
+        self.pipeline_id = None if pipeline_id is None else _check_pipeline_id(pipeline_id)
+        self._warned = False
+
+    @classmethod
+    def from_env(cls, pipeline_id: str | None = None,
+                 env: Mapping[str, str] | None = None) -> ObservationWriter:
+        """Directory from ``RLIX_OBSERVE_DIR``; pipeline id given or from ``PIPELINE_ID``."""
+        env = os.environ if env is None else env
+        directory = observe_dir_from_env(env)
+        pid = pipeline_id or (env.get(ENV_PIPELINE_ID) or "").strip() or None
+        if directory is not None and pid is None:
+            logger.warning("%s is set but no pipeline id is known (%s unset): no records",
+                           ENV_OBSERVE_DIR, ENV_PIPELINE_ID)
+        return cls(directory, pid)
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None and self.pipeline_id is not None
+
+    @property
+    def path(self) -> Path | None:
+        if self.directory is None or self.pipeline_id is None:
+            return None
+        return self.directory / f"{self.pipeline_id}.jsonl"
+
+    def write(self, record: Observation) -> None:
+        """Append ``record`` as one line (one ``write`` call). I/O errors are logged, never
+        raised: a missing record makes the gate criterion fail as "not observed" instead."""
+        path = self.path
+        if path is None:
+            return
+        if record.pipeline_id != self.pipeline_id:
+            raise ObservationError(
+                f"record of pipeline {record.pipeline_id!r} given to the writer of "
+                f"{self.pipeline_id!r}"
+            )
+        data = (json.dumps(record.to_json(), separators=(",", ":")) + "\n").encode()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                written = os.write(fd, data)
+            finally:
+                os.close(fd)
+            if written != len(data):
+                raise OSError(f"short write: {written} of {len(data)} bytes")
+        except OSError:
+            if not self._warned:
+                self._warned = True
+                logger.warning("cannot append observation records to %s", path, exc_info=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": self.directory, "pipeline_id": self.pipeline_id}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        ObservationWriter.__init__(self, state["directory"], state["pipeline_id"])
+
+
+class RouterCountersEmitter:
+    """``on_counters`` callback of a :class:`~rlix_plugins.generation.router.ShardRouter`:
+    writes each counters snapshot as a :class:`RouterCountersObserved` (picklable)."""
+
+    def __init__(self, writer: ObservationWriter) -> None:
+        self.writer = writer
+
+    def __call__(self, counters: RouterCounters) -> None:
+        pid = self.writer.pipeline_id
+        if pid is not None and self.writer.enabled:
+            self.writer.write(RouterCountersObserved.from_counters(pid, counters))
+
+
+def router_counters_emitter(pipeline_id: str | None = None) -> RouterCountersEmitter | None:
+    """An emitter writing to ``RLIX_OBSERVE_DIR``, or None when observation is off."""
+    writer = ObservationWriter.from_env(pipeline_id)
+    return RouterCountersEmitter(writer) if writer.enabled else None
+
+
+# ---------------------------------------------------------------------------- version probes
+
+#: ``await probe(dp_ranks)`` -> each rank's engine-reported weight version (None = unknown).
+VersionProbe = Callable[[Sequence[int]], Coroutine[Any, Any, dict[int, int | None]]]
+
+
+async def _gather_versions(
+    ranks: Sequence[int], ask: Callable[[int], Awaitable[Any]]
+) -> dict[int, int | None]:
+    replies = await asyncio.gather(*(ask(r) for r in ranks), return_exceptions=True)
+    out: dict[int, int | None] = {}
+    for r, v in zip(ranks, replies, strict=True):
+        if isinstance(v, BaseException):
+            logger.warning("shard %d: weight version probe failed: %r", r, v)
+            out[r] = None
+        else:
+            out[r] = None if v is None else int(v)
+    return out
+
+
+def engine_version_probe(engines: Sequence[Any]) -> VersionProbe:
+    """Probe through each engine's ``async weight_version()`` (host shard engines such as
+    :class:`~rlix_plugins.adapters.nemo_rl_generation.NemoRlShard`); an engine without it
+    reports None, so the gate fails instead of trusting the sender."""
+
+    async def probe(ranks: Sequence[int]) -> dict[int, int | None]:
+        async def ask(r: int) -> Any:
+            fn = getattr(engines[r], "weight_version", None)
+            return None if fn is None else await fn()
+
+        return await _gather_versions(ranks, ask)
+
+    return probe
+
+
+def collective_rpc_version_probe(engines: Sequence[Any]) -> VersionProbe:
+    """Probe in-process ``AsyncLLM`` engines loaded with
+    :class:`~rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension` (its
+    ``rlix_weight_version``, read in the worker that holds the model)."""
+
+    async def probe(ranks: Sequence[int]) -> dict[int, int | None]:
+        async def ask(r: int) -> Any:
+            return (await engines[r].collective_rpc("rlix_weight_version"))[0]
+
+        return await _gather_versions(ranks, ask)
+
+    return probe
+
+
+# ---------------------------------------------------------------------------- reader
+
+
+@dataclass(frozen=True, slots=True)
+class Observations:
+    """Every record read from one directory, in file order per pipeline."""
+
+    directory: Path
+    shard_versions: tuple[ShardVersionsObserved, ...]
+    router_counters: tuple[RouterCountersObserved, ...]
+    files: tuple[str, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not self.shard_versions and not self.router_counters
+
+    def pipelines(self) -> list[str]:
+        ids = {r.pipeline_id for r in self.shard_versions}
+        return sorted(ids | {r.pipeline_id for r in self.router_counters})
+
+
+def parse_line(line: str, where: str) -> Observation:
+    """One record from one JSON line; ``where`` (``file:line``) names it in errors."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ObservationError(f"{where}: not a JSON object ({exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise ObservationError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    cls = _KINDS.get(str(raw.get("kind")))
+    if cls is None:
+        raise ObservationError(
+            f"{where}: kind {raw.get('kind')!r} is not valid; expected one of "
+            f"{', '.join(sorted(_KINDS))}"
+        )
+    try:
+        return cls.from_json(raw)
+    except ObservationError as exc:
+        raise ObservationError(f"{where}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ObservationError(f"{where}: malformed {cls.KIND} record ({exc!r})") from None
+
+
+def read_observations(directory: Path) -> Observations:
+    """All records under ``directory`` (``*.jsonl``); an absent directory reads as empty.
+
+    Raises:
+        ObservationError: a line is not a valid record (names the file and line).
+    """
+    versions: list[ShardVersionsObserved] = []
+    counters: list[RouterCountersObserved] = []
+    files = sorted(directory.glob("*.jsonl")) if directory.is_dir() else []
+    for path in files:
+        for i, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            rec = parse_line(line, f"{path}:{i}")
+            if isinstance(rec, ShardVersionsObserved):
+                versions.append(rec)
+            else:
+                counters.append(rec)
+    return Observations(directory, tuple(versions), tuple(counters),
+                        tuple(p.name for p in files))
+
+
+def write_all(directory: Path, records: Iterable[Observation]) -> None:
+    """Append ``records`` under ``directory`` (each to its pipeline's file); for tools/tests."""
+    writers: dict[str, ObservationWriter] = {}
+    for rec in records:
+        w = writers.setdefault(rec.pipeline_id, ObservationWriter(directory, rec.pipeline_id))
+        w.write(rec)
+
+
+__all__ = [
+    "ENV_OBSERVE_DIR",
+    "Observation",
+    "ObservationError",
+    "ObservationWriter",
+    "Observations",
+    "RouterCountersEmitter",
+    "RouterCountersObserved",
+    "ShardVersionsObserved",
+    "VersionProbe",
+    "collective_rpc_version_probe",
+    "engine_version_probe",
+    "observe_dir_from_env",
+    "parse_line",
+    "read_observations",
+    "router_counters_emitter",
+    "write_all",
+]

@@ -1,0 +1,224 @@
+"""The weights and requests criteria judged from the jobs' observation records.
+
+GPU mode reads them from ``{--out}/observe`` (``RLIX_OBSERVE_DIR`` of the jobs it launched);
+the CPU rehearsals write the same records and are judged by the same functions, so this code
+runs in CI. Records come from :mod:`rlix_plugins.adapters.observability`.
+
+Weights, per record (a sync event of one pipeline):
+
+* every shard the event synced and that is active now serves exactly ``trainer_version``;
+* every other active shard serves ``trainer_version`` too, with one exception: it may still
+  serve an OLDER version when an active refresh of that pipeline to ``trainer_version`` or
+  newer is recorded later (an expand that lands between the cache build and the refresh of
+  the same step syncs the new version into the woken shard first; the refresh follows);
+* no active shard reports an unknown version (None) or one newer than the trainer's.
+
+Requests, per pipeline: the last record of every router copy, summed: no request lost, none
+duplicated, none still in flight at the copy's last record, completed == submitted - cancelled
+(a request its caller cancelled is reported, not counted as lost), and > 0 requests.
+
+No records at all = FAILED "not observed".
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlix_plugins.adapters.observability import (
+    ObservationError,
+    Observations,
+    RouterCountersObserved,
+    ShardVersionsObserved,
+    read_observations,
+)
+from rlix_plugins.gates.criteria import CriterionResult
+
+WEIGHTS_REQUIREMENT = ("after each sync every active shard serves the trainer's current "
+                       "version (engine-reported, from the jobs' records)")
+REQUESTS_REQUIREMENT = ("zero lost or duplicated requests (router bookkeeping from the jobs' "
+                        "records: completed == submitted - cancelled, none in flight at the end)")
+
+
+@dataclass(frozen=True, slots=True)
+class StaleShard:
+    """One shard whose reported version broke the weights rule."""
+
+    label: str
+    pipeline_id: str
+    event: str
+    step: int | None
+    dp_rank: int
+    served: int | None
+    trainer_version: int
+    synced: bool
+
+    def describe(self) -> str:
+        step = "" if self.step is None else f" step {self.step}"
+        how = "synced" if self.synced else "active"
+        served = "no version" if self.served is None else f"v{self.served}"
+        return (f"{self.label}{self.pipeline_id}{step} after {self.event}: {how} shard "
+                f"{self.dp_rank} serves {served}, trainer v{self.trainer_version}")
+
+
+def _label(label: str) -> str:
+    return f"{label}/" if label else ""
+
+
+def stale_shards(
+    label: str, records: Sequence[ShardVersionsObserved]
+) -> tuple[int, list[StaleShard]]:
+    """(shard checks made, failures) over one run's records (file order per pipeline)."""
+    by_pipeline: dict[str, list[ShardVersionsObserved]] = defaultdict(list)
+    for rec in records:
+        by_pipeline[rec.pipeline_id].append(rec)
+    checks = 0
+    bad: list[StaleShard] = []
+    for pid, recs in by_pipeline.items():
+        for i, rec in enumerate(recs):
+            refreshed_later = any(
+                later.event == "refresh" and later.trainer_version >= rec.trainer_version
+                for later in recs[i + 1:])
+            for rank, served in sorted(rec.shard_versions.items()):
+                checks += 1
+                synced = rank in rec.synced
+                ok = served == rec.trainer_version or (
+                    not synced and served is not None and served < rec.trainer_version
+                    and refreshed_later)
+                if not ok:
+                    bad.append(StaleShard(_label(label), pid, rec.event, rec.step, rank, served,
+                                          rec.trainer_version, synced))
+    return checks, bad
+
+
+def weights_from_records(
+    runs: Sequence[tuple[str, Observations]], *, name: str = "weights",
+    expected_pipelines: int | None = None,
+) -> CriterionResult:
+    """The weights criterion from ``(label, observations)`` of one or more runs."""
+    checks = 0
+    bad: list[StaleShard] = []
+    events: dict[str, int] = defaultdict(int)
+    pipelines: set[str] = set()
+    records = 0
+    for label, obs in runs:
+        n, b = stale_shards(label, obs.shard_versions)
+        checks += n
+        bad.extend(b)
+        records += len(obs.shard_versions)
+        pipelines.update(r.pipeline_id for r in obs.shard_versions)
+        for r in obs.shard_versions:
+            events[r.event] += 1
+    where = ", ".join(str(o.directory) for _, o in runs)
+    if not records:
+        return CriterionResult(name, WEIGHTS_REQUIREMENT,
+                               f"not observed: no shard-version records in {where}", False)
+    ev = ", ".join(f"{k} {v}" for k, v in sorted(events.items()))
+    measured = (f"{checks} engine-reported shard versions in {records} sync records ({ev}) of "
+                f"{len(pipelines)} pipeline(s)")
+    missing = expected_pipelines is not None and len(pipelines) < expected_pipelines
+    if missing:
+        measured += f"; expected records of {expected_pipelines} pipelines"
+    if bad:
+        measured += f"; {len(bad)} stale, first: {bad[0].describe()}"
+    else:
+        measured += ", all current"
+    return CriterionResult(name, WEIGHTS_REQUIREMENT, measured,
+                           checks > 0 and not bad and not missing)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTotals:
+    """Sum over a pipeline's router copies (each copy's last record)."""
+
+    label: str
+    pipeline_id: str
+    copies: int
+    submitted: int
+    completed: int
+    lost: int
+    duplicated: int
+    cancelled: int
+    in_flight: int
+    redispatched: int
+
+    @property
+    def ok(self) -> bool:
+        return (self.submitted > 0 and self.lost == 0 and self.duplicated == 0
+                and self.in_flight == 0 and self.completed == self.submitted - self.cancelled)
+
+    def describe(self) -> str:
+        return (f"{self.label}{self.pipeline_id}: {self.completed}/{self.submitted} completed, "
+                f"{self.lost} lost, {self.duplicated} dup, {self.in_flight} in flight at the "
+                f"end, {self.cancelled} cancelled by the caller, {self.redispatched} "
+                f"re-dispatched ({self.copies} router cop{'y' if self.copies == 1 else 'ies'})")
+
+
+def request_totals(label: str, records: Sequence[RouterCountersObserved]) -> list[RequestTotals]:
+    """Per pipeline: the last record of each router copy, summed."""
+    last: dict[tuple[str, str], RouterCountersObserved] = {}
+    for rec in records:  # file order: a later line of a copy supersedes the earlier ones
+        key = (rec.pipeline_id, rec.copy_id)
+        prev = last.get(key)
+        if prev is None or (rec.submitted, rec.time) >= (prev.submitted, prev.time):
+            last[key] = rec
+    by_pipeline: dict[str, list[RouterCountersObserved]] = defaultdict(list)
+    for (pid, _), rec in sorted(last.items()):
+        by_pipeline[pid].append(rec)
+    return [
+        RequestTotals(
+            _label(label), pid, len(recs), sum(r.submitted for r in recs),
+            sum(r.completed for r in recs), sum(r.lost for r in recs),
+            sum(r.duplicated for r in recs), sum(r.cancelled for r in recs),
+            sum(r.in_flight for r in recs), sum(r.redispatched for r in recs))
+        for pid, recs in sorted(by_pipeline.items())
+    ]
+
+
+def requests_from_records(
+    runs: Sequence[tuple[str, Observations]], *, name: str = "requests",
+    expected_pipelines: int | None = None,
+) -> CriterionResult:
+    """The requests criterion from ``(label, observations)`` of one or more runs."""
+    totals = [t for label, obs in runs for t in request_totals(label, obs.router_counters)]
+    where = ", ".join(str(o.directory) for _, o in runs)
+    if not totals:
+        return CriterionResult(name, REQUESTS_REQUIREMENT,
+                               f"not observed: no router-counter records in {where}", False)
+    pipelines = {t.pipeline_id for t in totals}
+    missing = expected_pipelines is not None and len(pipelines) < expected_pipelines
+    measured = "; ".join(t.describe() for t in totals)
+    if missing:
+        measured += f"; expected records of {expected_pipelines} pipelines"
+    return CriterionResult(name, REQUESTS_REQUIREMENT, measured,
+                           all(t.ok for t in totals) and not missing)
+
+
+def observed_criteria(
+    runs: Sequence[tuple[str, Path]], *, expected_pipelines: int | None = None,
+    names: tuple[str, str] = ("weights", "requests"),
+) -> list[CriterionResult]:
+    """Both criteria from ``(label, directory)`` pairs; an unreadable record fails both with
+    the reader's message (file and line)."""
+    try:
+        loaded = [(label, read_observations(d)) for label, d in runs]
+    except ObservationError as exc:
+        return [CriterionResult(names[0], WEIGHTS_REQUIREMENT, f"unreadable records: {exc}",
+                                False),
+                CriterionResult(names[1], REQUESTS_REQUIREMENT, f"unreadable records: {exc}",
+                                False)]
+    return [weights_from_records(loaded, name=names[0], expected_pipelines=expected_pipelines),
+            requests_from_records(loaded, name=names[1], expected_pipelines=expected_pipelines)]
+
+
+__all__ = [
+    "RequestTotals",
+    "StaleShard",
+    "observed_criteria",
+    "request_totals",
+    "requests_from_records",
+    "stale_shards",
+    "weights_from_records",
+]
