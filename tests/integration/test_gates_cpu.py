@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+from rlix_plugins.adapters.observability import read_observations
+from rlix_plugins.gates.observed import request_totals
+
 # Engine start dominates (12-25 s each on a quiet box, minutes when the box is loaded).
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -25,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 BATCH = 24
 EXPECTED = {"ownership_coordinator", "ownership_busy_log", "coordinator_status", "steps",
-            "weights", "requests", "idle_share"}
+            "weights", "requests", "idle_share", "weights_observed", "requests_observed"}
 
 
 def _run_gate(gate: int, out: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -63,6 +66,15 @@ def _check_common(gate: int, out: Path, proc: subprocess.CompletedProcess[str],
         assert a["router_requests"] == a["submitted"] and a["duplicates"] == a["lost"] == 0
         # synced and verified at least once (expands and refreshes), NCCL cycled per step
         assert p["sync_checks"] >= 1 and p["nccl_cycles"] == STEPS
+    # The records GPU mode judges were written by every NeMo RL-like pipeline and agree with
+    # the rehearsal's own ledger.
+    for mode in ("shared", "exclusive"):
+        obs = read_observations(out / "observe" / mode)
+        ids = {p["pipeline_id"] for p in report["phases"][mode]["pipelines"] if "audit" in p}
+        assert set(obs.pipelines()) == ids
+        assert {t.pipeline_id: t.submitted for t in request_totals("", obs.router_counters)} \
+            == dict.fromkeys(ids, STEPS * BATCH)
+        assert "refresh" in {r.event for r in obs.shard_versions}
     figs = report["figures"]
     assert figs["shared"]["busy_share"] > figs["exclusive"]["busy_share"] > 0
     timeline = json.loads((out / f"gate{gate}_timeline.json").read_text())
