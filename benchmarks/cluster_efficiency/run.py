@@ -8,7 +8,13 @@ published figures (shared/calibration.md). Deployments compared on every workloa
   of every shard each step, single-turn requests restart after an abort);
 * ``rlix_async``: RLix's policy driving our async partial-overlap pipelines (policy-only
   comparison: same mechanism as ours);
-* ``ours``: DemandSharePlanner driving our async partial-overlap pipelines.
+* ``ours``: DemandSharePlanner driving our async partial-overlap pipelines;
+* ``plexrl`` (PlexRL workloads only): PlexRL as published: the two jobs time-slice one training
+  pool (FIFO, offload/onload each turn), each keeps its own rollout pool (nothing lent).
+
+PlexRL does not publish its pool sizes, so the PlexRL setups are also swept over the
+training:rollout pool ratio T/R (``results/plexrl_pool_sweep.json`` / ``.png``): exclusive,
+plexrl, rlix and ours at every ratio, same seed, Table 2's phase times at every ratio.
 
 Targets: long-tail agentic >= 3x rollout throughput vs exclusive (RLix RFC); PlexRL 2-job
 setups >= 37.6% fewer GPU-hours per step than exclusive (PlexRL's best); ahead of RLix on every
@@ -41,6 +47,7 @@ if str(ROOT) not in sys.path:
 from rlix_plugins.sim import plots  # noqa: E402
 from rlix_plugins.sim.calibrate import calibrate_lengths  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
+from rlix_plugins.sim.metrics import first_crossing, implied_pool_ratio  # noqa: E402
 from rlix_plugins.sim.report import Comparison, compare, format_table  # noqa: E402
 from rlix_plugins.sim.runner import POLICIES  # noqa: E402
 from rlix_plugins.sim.workloads import (  # noqa: E402
@@ -56,17 +63,26 @@ SEED = 7
 LONG_TAIL_X = 3.0
 PLEXRL_SAVING = 0.376
 SHARED = tuple(p for p in POLICIES if p != "exclusive")
+#: PlexRL setups also run PlexRL's own deployment (shared training pool, own rollout pools)
+PLEXRL_POLICIES = ("exclusive", "plexrl", *SHARED)
+#: training:rollout GPUs per job (T/R) swept on the PlexRL setups; the default workload is 1
+SWEEP_RATIOS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0)
+SWEEP_POLICIES = ("exclusive", "plexrl", "rlix", "ours")
 
 
-def _plexrl(row_index: int, steps: int) -> Workload:
+def _plexrl(row_index: int, steps: int, train_gpus: int | None = None) -> Workload:
     row = PLEXRL_TABLE2[row_index]
-    scale = calibrate_lengths(plexrl_two_jobs(row, steps=steps), row.cycle_s, seed=SEED)
-    return plexrl_two_jobs(row, steps=steps, length_scale=scale)
+    probe = plexrl_two_jobs(row, steps=steps, train_gpus=train_gpus)
+    scale = calibrate_lengths(probe, row.cycle_s, seed=SEED)
+    return plexrl_two_jobs(row, steps=steps, length_scale=scale, train_gpus=train_gpus)
 
 
-def _workloads(args: argparse.Namespace) -> list[tuple[str, Workload, EngineConfig]]:
-    """(family, workload, engine config); built lazily per family so a failure is local."""
-    out: list[tuple[str, Workload, EngineConfig]] = []
+Family = tuple[str, Workload, EngineConfig, tuple[str, ...]]
+
+
+def _workloads(args: argparse.Namespace) -> list[Family]:
+    """(family, workload, engine config, deployments); a failure stays local to one."""
+    out: list[Family] = []
     cfg = EngineConfig(record_tenures=False)
     sizes = (4, 8) if args.quick else (4, 8, 16, 24) if args.full else (8, 24)
     for n in sizes:
@@ -77,16 +93,19 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, Workload, EngineConf
                 "long_tail",
                 replace(wl, name=f"{wl.name}_{n}jobs"),
                 replace(cfg, record_tenures=head or args.full),
+                POLICIES,
             )
         )
     steps = 4 if args.quick else 8
     for i in range(len(PLEXRL_TABLE2)):
-        out.append(("plexrl", _plexrl(i, steps), replace(cfg, record_tenures=i == 0)))
+        out.append(
+            ("plexrl", _plexrl(i, steps), replace(cfg, record_tenures=i == 0), PLEXRL_POLICIES)
+        )
     for profile in ("balanced", "rollout_heavy", "training_heavy", "mixed"):
         wl = rollmux_trace(
             profile, num_jobs=8 if args.quick else 16, steps=5 if args.quick else 10, seed=SEED
         )
-        out.append(("rollmux", wl, replace(cfg, record_tenures=args.full)))
+        out.append(("rollmux", wl, replace(cfg, record_tenures=args.full), POLICIES))
     if args.scale:
         big = rollmux_trace("mixed", num_jobs=300, nodes=512, steps=3, seed=SEED)
         out.append(
@@ -94,9 +113,74 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, Workload, EngineConf
                 "scale",
                 replace(big, name="rollmux_mixed_4096gpus"),
                 EngineConfig(record_tenures=False, cycle_interval_s=1.0, tick_s=30.0),
+                POLICIES,
             )
         )
     return out
+
+
+def pool_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """The PlexRL setups over the training:rollout pool ratio (see module docstring)."""
+    ratios = (1.0, 4.0) if args.quick else SWEEP_RATIOS
+    steps = 4 if args.quick else 8
+    cfg = EngineConfig(record_tenures=False)
+    out: dict[str, Any] = {
+        "policies": list(SWEEP_POLICIES),
+        "ratios": list(ratios),
+        "note": "T/R = training GPUs / rollout GPUs per job; Table 2 phase times and the "
+        "reload time kept at every ratio (PlexRL gives no pool sizes); same seed everywhere",
+        "models": {},
+    }
+    for i, row in enumerate(PLEXRL_TABLE2):
+        points: list[dict[str, Any]] = []
+        for ratio in ratios:
+            t_gpus = round(ratio * row.infer_gpus)
+            wl = _plexrl(i, steps, train_gpus=t_gpus)
+            comp = compare(wl, seed=SEED, out_dir=None, policies=SWEEP_POLICIES, config=cfg)
+            r = comp.ratios()
+            ex = comp.get("exclusive")
+            points.append(
+                {
+                    "ratio": ratio,
+                    "train_gpus": t_gpus,
+                    "rollout_gpus": row.infer_gpus,
+                    "gpus_exclusive": ex.num_gpus,
+                    "gpus_shared": comp.get("ours").num_gpus,
+                    "bound_no_slowdown": t_gpus / (2 * (t_gpus + row.infer_gpus)),
+                    "saving": {
+                        p: round(r[f"{p}_gpu_hours_saving_vs_exclusive"], 4)
+                        for p in SWEEP_POLICIES[1:]
+                    },
+                    "makespan_x_exclusive": {
+                        p: round(comp.get(p).makespan_s / ex.makespan_s, 4)
+                        for p in SWEEP_POLICIES[1:]
+                    },
+                    "ours_saving_vs_plexrl": round(r["ours_gpu_hours_saving_vs_plexrl"], 4),
+                }
+            )
+            print(
+                f"  sweep {row.model} T/R={ratio}: "
+                + ", ".join(f"{p} {v:+.3f}" for p, v in points[-1]["saving"].items()),
+                flush=True,
+            )
+        curve = {p: [(pt["ratio"], pt["saving"][p]) for pt in points] for p in SWEEP_POLICIES[1:]}
+        out["models"][row.model] = {
+            "published_saving": row.reported_saving,
+            "implied_ratio_no_slowdown": round(implied_pool_ratio(row.reported_saving), 3),
+            "implied_ratio_simulated_plexrl": _round(
+                first_crossing(curve["plexrl"], row.reported_saving)
+            ),
+            "ours_meets_target_from_ratio": _round(first_crossing(curve["ours"], PLEXRL_SAVING)),
+            "ours_meets_target_at": [
+                pt["ratio"] for pt in points if pt["saving"]["ours"] >= PLEXRL_SAVING
+            ],
+            "points": points,
+        }
+    return out
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
     mode.add_argument("--full", action="store_true", help="all long-tail sizes, all timelines")
     parser.add_argument("--scale", action="store_true", help="add a 4,096-GPU RollMux trace")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the PlexRL pool-ratio sweep")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -112,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     comparisons: list[tuple[str, Comparison]] = []
     errors: list[str] = []
+    sweep: dict[str, Any] | None = None
     try:
-        for kind, wl, config in _workloads(args):
+        for kind, wl, config, policies in _workloads(args):
             t0 = time.perf_counter()
             try:
                 # Ownership timelines of the shared deployments only where tenures are kept
@@ -122,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     wl,
                     seed=SEED,
                     out_dir=args.out,
+                    policies=policies,
                     config=config,
                     plot=True,
                     ownership=("rlix", "ours") if not args.full else None,
@@ -133,10 +220,32 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(comp))
             print(f"  ({time.perf_counter() - t0:.1f} s wall)\n", flush=True)
             comparisons.append((kind, comp))
+        if not args.no_sweep:
+            t0 = time.perf_counter()
+            print("== PlexRL pool-ratio sweep", flush=True)
+            try:
+                sweep = pool_sweep(args)
+                (args.out / "plexrl_pool_sweep.json").write_text(json.dumps(sweep, indent=2))
+                plots.pool_sweep(
+                    {
+                        m: {
+                            p: [(pt["ratio"], pt["saving"][p]) for pt in d["points"]]
+                            for p in SWEEP_POLICIES[1:]
+                        }
+                        for m, d in sweep["models"].items()
+                    },
+                    PLEXRL_SAVING,
+                    {m: d["published_saving"] for m, d in sweep["models"].items()},
+                    args.out / "plexrl_pool_sweep.png",
+                )
+            except Exception:
+                errors.append(f"pool sweep: {traceback.format_exc(limit=3)}")
+                print(f"!! pool sweep failed:\n{errors[-1]}", flush=True)
+            print(f"  ({time.perf_counter() - t0:.1f} s wall)\n", flush=True)
     except Exception:
         errors.append(traceback.format_exc(limit=3))
     finally:
-        _write_summary(args, comparisons, errors, time.perf_counter() - started)
+        _write_summary(args, comparisons, errors, time.perf_counter() - started, sweep)
     return 1 if errors else 0
 
 
@@ -145,8 +254,9 @@ def _write_summary(
     comparisons: list[tuple[str, Comparison]],
     errors: list[str],
     wall_s: float,
+    sweep: dict[str, Any] | None = None,
 ) -> None:
-    targets = evaluate(comparisons)
+    targets = evaluate(comparisons, sweep)
     summary = {
         "seed": SEED,
         "mode": "quick" if args.quick else "full" if args.full else "default",
@@ -156,8 +266,11 @@ def _write_summary(
             "rlix": "RLix as deployed: RLix policy + ROLL-sequence pipelines",
             "rlix_async": "RLix policy + our async partial-overlap pipelines (policy-only)",
             "ours": "DemandSharePlanner + our async partial-overlap pipelines",
+            "plexrl": "PlexRL as published (PlexRL setups only): one time-sliced training "
+            "pool (FIFO, offload/onload per turn), dedicated rollout pools",
         },
         "targets": targets,
+        "plexrl_pool_sweep": _sweep_digest(sweep),
         "margins_vs_rlix": {c.workload: _margins(c) for _, c in comparisons},
         "errors": errors,
         "workloads": {c.workload: c.to_json() for _, c in comparisons},
@@ -176,6 +289,17 @@ def _write_summary(
     print(f"results in {args.out}/ ({wall_s:.0f} s)")
 
 
+def _sweep_digest(sweep: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per model: implied ratios, where ours meets the target, savings per ratio."""
+    if sweep is None:
+        return None
+    return {
+        m: {k: v for k, v in d.items() if k != "points"}
+        | {"saving_by_ratio": {str(pt["ratio"]): pt["saving"] for pt in d["points"]}}
+        for m, d in sweep["models"].items()
+    }
+
+
 def _margins(c: Comparison) -> dict[str, float]:
     r = c.ratios()
     keys = (
@@ -183,6 +307,7 @@ def _margins(c: Comparison) -> dict[str, float]:
         "ours_gpu_hours_saving_vs_rlix",
         "ours_throughput_x_rlix_async",
         "ours_gpu_hours_saving_vs_rlix_async",
+        "ours_gpu_hours_saving_vs_plexrl",
     )
     return {k: round(r[k], 4) for k in keys if k in r}
 
@@ -204,7 +329,11 @@ def _chart_rows(comparisons: list[tuple[str, Comparison]]) -> list[dict[str, Any
             {
                 "label": c.workload,
                 "metric": "saving",
-                "values": {p: r[f"{p}_gpu_hours_saving_vs_exclusive"] for p in SHARED},
+                "values": {
+                    p: r[f"{p}_gpu_hours_saving_vs_exclusive"]
+                    for p in ("plexrl", *SHARED)
+                    if f"{p}_gpu_hours_saving_vs_exclusive" in r
+                },
                 "target": PLEXRL_SAVING if kind == "plexrl" else None,
             }
         )
@@ -228,7 +357,9 @@ def _target(name: str, measured: object, met: bool, reason: str) -> dict[str, ob
     return out
 
 
-def evaluate(comparisons: list[tuple[str, Comparison]]) -> list[dict[str, object]]:
+def evaluate(
+    comparisons: list[tuple[str, Comparison]], sweep: dict[str, Any] | None = None
+) -> list[dict[str, object]]:
     """Each target with the measured figure (from this run), MET/MISSED and, when missed,
     the reason (measured diagnostics, see docs/simulator.md)."""
     out: list[dict[str, object]] = []
@@ -270,19 +401,54 @@ def evaluate(comparisons: list[tuple[str, Comparison]]) -> list[dict[str, object
                 f"{c.workload}: ours >= {PLEXRL_SAVING:.1%} fewer GPU-h/step vs exclusive (PlexRL)",
                 {
                     "ours": round(saving, 4),
+                    "plexrl": round(r["plexrl_gpu_hours_saving_vs_exclusive"], 4),
                     "rlix_async": round(r["rlix_async_gpu_hours_saving_vs_exclusive"], 4),
                     "rlix": round(r["rlix_gpu_hours_saving_vs_exclusive"], 4),
                     "gpus_shared_vs_exclusive": f"{ours.num_gpus}/{ex.num_gpus}",
                 },
                 saving >= PLEXRL_SAVING,
                 f"the shared deployment has {ours.num_gpus} GPUs vs {ex.num_gpus} (assumed "
-                "equal training and rollout pools: 25% fewer GPUs), and its makespan is "
-                f"{ours.makespan_s / ex.makespan_s:.2f}x exclusive: both jobs' training is "
-                "serialised on the one pool (plus onload/offload/NCCL re-init each step) and "
+                "equal training and rollout pools: 25% fewer GPUs, so the saving is at most 25% "
+                "before any slowdown), and its makespan is "
+                f"{ours.makespan_s / ex.makespan_s:.2f}x exclusive (PlexRL-style "
+                f"{c.get('plexrl').makespan_s / ex.makespan_s:.2f}x): both jobs' training is "
+                "serialised on the one pool (plus onload/offload/NCCL re-init each turn) and "
                 "a step's generation is bound by its longest responses, which extra shards do "
-                "not shorten",
+                "not shorten; see the pool-ratio sweep",
             )
         )
+        key = "ours_gpu_hours_saving_vs_plexrl"
+        out.append(
+            _target(
+                f"{c.workload}: ours ahead of PlexRL-style pool time-slicing (GPU-h/step margin)",
+                round(r[key], 4),
+                r[key] > 0.0,
+                f"PlexRL-style is ahead by {-r[key]:.1%}: lending the training pool to "
+                "generation gains nothing on this tail-bound workload (requests already "
+                "running never move to a lent shard) and costs aborts and rank moves between "
+                "the two jobs",
+            )
+        )
+    if sweep is not None:
+        for model, d in sweep["models"].items():
+            at = d["ours_meets_target_at"]
+            best = max(pt["saving"]["ours"] for pt in d["points"])
+            out.append(
+                _target(
+                    f"plexrl_{model} pool sweep: ours >= {PLEXRL_SAVING:.1%} at some T/R in "
+                    f"{sweep['ratios']}",
+                    {
+                        "ours_meets_target_at": at,
+                        "ours_best_saving": best,
+                        "implied_ratio_no_slowdown": d["implied_ratio_no_slowdown"],
+                        "implied_ratio_simulated_plexrl": d["implied_ratio_simulated_plexrl"],
+                    },
+                    bool(at),
+                    f"ours reaches at most {best:.1%} up to T/R={sweep['ratios'][-1]}; even "
+                    f"with no slowdown the bound T/(2(T+R)) needs T/R >= "
+                    f"{implied_pool_ratio(PLEXRL_SAVING):.2f} for {PLEXRL_SAVING:.1%}",
+                )
+            )
     for _, c in comparisons:
         r = c.ratios()
         for base in ("rlix", "rlix_async"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from rlix_plugins.sim.engine import RunResult
@@ -96,3 +97,25 @@ def summarize(policy: str, result: RunResult, isolated: dict[str, float]) -> Sum
         plan_ms_mean=1000.0 * c.plan_wall_s_total / max(1, c.cycles),
         plan_ms_max=1000.0 * c.plan_wall_s_max,
     )
+
+
+def implied_pool_ratio(saving: float) -> float:
+    """Training:rollout ratio T/R at which sharing one of two jobs' training pools saves
+    ``saving`` of the GPU-hours with no slowdown: ``saving = T / (2 (T + R))``, so
+    ``T/R = 2 s / (1 - 2 s)`` (PlexRL's 2-job setup against split-async deployment)."""
+    if not 0.0 <= saving < 0.5:
+        raise ValueError(f"a saving from sharing one of two pools lies in [0, 0.5), got {saving}")
+    return 2.0 * saving / (1.0 - 2.0 * saving)
+
+
+def first_crossing(points: list[tuple[float, float]], level: float) -> float | None:
+    """Smallest x at which the piecewise-linear curve through ``points`` (sorted by x)
+    reaches ``level``; None when it never does."""
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if y0 >= level:
+            return x0
+        if y1 >= level:
+            return x0 + (level - y0) * (x1 - x0) / (y1 - y0)
+    if points and points[-1][1] >= level:
+        return points[-1][0]
+    return None

@@ -131,6 +131,43 @@ def summary_chart(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def pool_sweep(
+    curves: dict[str, dict[str, list[tuple[float, float]]]],
+    target: float,
+    published: dict[str, float],
+    path: Path,
+) -> None:
+    """GPU-h/step saving vs exclusive against the training:rollout pool ratio, one panel per
+    model, one line per deployment, plus the no-slowdown bound ``T / (2 (T + R))``.
+
+    ``curves``: model -> deployment -> [(T/R, saving)]; ``published``: model -> PlexRL's figure.
+    """
+    plt = _plt()
+    models = list(curves)
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        ratios: list[float] = []
+        for deployment, points in sorted(curves[model].items(), key=lambda kv: _order(kv[0])):
+            xs = [x for x, _ in points]
+            ratios = sorted(set(ratios) | set(xs))
+            ax.plot(xs, [y for _, y in points], marker="o", label=deployment)
+        ax.plot(ratios, [r / (2 * (r + 1)) for r in ratios], "k:", label="bound T/(2(T+R))")
+        ax.axhline(target, color="red", linestyle="--", label=f"target {target:.1%}")
+        if model in published:
+            ax.axhline(published[model], color="grey", linestyle="-.", label="PlexRL reported")
+        ax.axhline(0.0, color="black", linewidth=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("training : rollout GPUs per job (T/R)")
+        ax.set_ylabel("GPU-h/step saving vs exclusive")
+        ax.set_ylim(min(-0.1, ax.get_ylim()[0]), 0.5)
+        ax.set_title(f"PlexRL {model}")
+        ax.legend(fontsize=7)
+    fig.suptitle("PlexRL 2-job setups: saving vs pool ratio (same seed per point)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _order(deployment: str) -> int:
-    known = ("rlix", "rlix_async", "ours_roll", "ours")
+    known = ("plexrl", "rlix", "rlix_async", "ours_roll", "ours")
     return known.index(deployment) if deployment in known else len(known)

@@ -35,8 +35,8 @@ class Comparison:
 
     def ratios(self) -> dict[str, float]:
         """Throughput gain and GPU-hour saving of each shared deployment vs exclusive, and ours
-        vs RLix as deployed (``rlix``) and vs RLix's policy on our pipelines (``rlix_async``),
-        all from the same run."""
+        vs RLix as deployed (``rlix``), vs RLix's policy on our pipelines (``rlix_async``) and
+        vs PlexRL-style pool time-slicing (``plexrl``) where run, all from the same run."""
         out: dict[str, float] = {}
         names = {s.policy for s in self.summaries}
         if "exclusive" in names:
@@ -51,7 +51,7 @@ class Comparison:
                 out[f"{p}_gpu_hours_saving_vs_exclusive"] = 1.0 - (
                     s.gpu_hours_per_step / ex.gpu_hours_per_step
                 )
-        for base in ("rlix", "rlix_async"):
+        for base in ("rlix", "rlix_async", "plexrl"):
             if {base, "ours"} <= names:
                 ours, other = self.get("ours"), self.get(base)
                 out[f"ours_throughput_x_{base}"] = (

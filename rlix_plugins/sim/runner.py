@@ -26,6 +26,9 @@ DEPLOYMENTS: dict[str, tuple[str, str | None]] = {
     "ours": ("ours", None),
     # our policy driving ROLL-sequence pipelines (not in the default comparison)
     "ours_roll": ("ours", "roll"),
+    # PlexRL as published: the jobs time-slice one training pool (FIFO, offload/onload per
+    # turn), each keeps its dedicated rollout pool; needs ``Workload.pool_placements``
+    "plexrl": ("exclusive", None),
 }
 POLICIES = ("exclusive", "rlix", "rlix_async", "ours")
 
@@ -66,6 +69,17 @@ def run_policy(
         topo = Topology(workload.exclusive_nodes, gpn)
         placer = ExclusivePlacer(topo.num_gpus, gpn)
         cfg = replace(base, resident=True, allows_idle_preemption=False)
+    elif policy == "plexrl":
+        if workload.pool_placements is None:
+            raise ValueError(
+                f"workload {workload.name!r} has no pool_placements: the plexrl deployment "
+                "applies to workloads with one shared training pool (plexrl_two_jobs)"
+            )
+        topo = Topology(workload.shared_nodes, gpn)
+        placer = StaticPlacer(workload.pool_placements)
+        # Not resident: the pool changes hands, so training state is offloaded/onloaded each
+        # turn; rollout shards are never shrunk (disjoint pools) and take new weights in place.
+        cfg = replace(base, resident=False, allows_idle_preemption=False)
     else:
         topo = Topology(workload.shared_nodes, gpn)
         if workload.shared_placements is not None:

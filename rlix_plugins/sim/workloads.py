@@ -170,6 +170,9 @@ class Workload:
     span_factor: float = 4.0
     #: shared deployment: explicit placements (index-aligned to ``jobs``) instead of spans
     shared_placements: tuple[Placement, ...] | None = None
+    #: PlexRL-style deployment (``plexrl`` in the runner), same GPUs as the shared one: the
+    #: jobs time-slice one training pool and keep dedicated rollout pools (no lending)
+    pool_placements: tuple[Placement, ...] | None = None
     sources: tuple[str, ...] = ()
     assumptions: tuple[str, ...] = field(default=())
 
@@ -259,17 +262,39 @@ PLEXRL_TABLE2 = (
 
 
 def plexrl_two_jobs(
-    row: PlexRow, steps: int = 12, length_scale: float = 1.0, kind: str = "async"
+    row: PlexRow,
+    steps: int = 12,
+    length_scale: float = 1.0,
+    kind: str = "async",
+    train_gpus: int | None = None,
 ) -> Workload:
     """PlexRL's setup: 2 identical RLVR jobs time-slice ONE training pool.
 
-    Exclusive: each job owns ``train_gpus + infer_gpus`` (split-async deployment).
-    Shared: ``train_gpus + 2 * infer_gpus`` GPUs; both jobs' training mapping is the one pool,
-    each job's inference mapping is the whole cluster. ``length_scale`` is set by calibration
-    (:func:`rlix_plugins.sim.calibrate.calibrate_plexrl`) so that the exclusive simulated cycle
-    matches Table 2's cycle time.
+    Exclusive: each job owns ``T + R`` GPUs (split-async deployment), ``T = train_gpus``
+    (default: ``row.train_gpus``, i.e. equal pools) and ``R = row.infer_gpus``.
+    Shared: ``T + 2R`` GPUs; both jobs' training mapping is the one pool, each job's inference
+    mapping is the whole cluster (ours / RLix). PlexRL-style (``pool_placements``): the same
+    GPUs, the one training pool, each job's inference on its own R GPUs only.
+    ``length_scale`` is set by calibration (:func:`rlix_plugins.sim.calibrate.calibrate_lengths`)
+    so that the exclusive simulated cycle matches Table 2's cycle time.
+
+    PlexRL publishes no pool sizes, so ``train_gpus`` is swept by the benchmark: Table 2's phase
+    times and the reload time are kept as they are at every pool size (each size is a
+    hypothesis about the deployment those times were measured on).
     """
-    gpn = 8
+    t_gpus = row.train_gpus if train_gpus is None else train_gpus
+    if t_gpus < 1 or t_gpus % row.infer_tp:
+        raise ValueError(
+            f"plexrl {row.model}: train_gpus must be a positive multiple of tp={row.infer_tp}, "
+            f"got {t_gpus}"
+        )
+    # Nodes of 8 GPUs where the pools allow it; 4-GPU nodes otherwise (TP stays in a node).
+    gpn = 8 if t_gpus % 8 == 0 and row.infer_gpus % 8 == 0 else 4
+    if t_gpus % gpn or row.infer_gpus % gpn or row.infer_tp > gpn:
+        raise ValueError(
+            f"plexrl {row.model}: train_gpus={t_gpus} and infer_gpus={row.infer_gpus} must fill "
+            "whole nodes of 4 or 8 GPUs"
+        )
     half = row.log_prob_s / 2
     lengths = LengthDistribution("lognormal", 60.0, 0.6, 240.0).scaled(length_scale)
     ranks = row.infer_gpus // row.infer_tp
@@ -280,7 +305,7 @@ def plexrl_two_jobs(
             arrival_s=0.0,
             steps=steps,
             batch=batch,
-            train_gpus=row.train_gpus,
+            train_gpus=t_gpus,
             infer_gpus=row.infer_gpus,
             infer_tp=row.infer_tp,
             n_sat=max(1, batch // ranks),
@@ -296,20 +321,24 @@ def plexrl_two_jobs(
         )
         for i in range(2)
     )
-    shared_total = row.train_gpus + 2 * row.infer_gpus
-    pool = tuple(range(row.train_gpus))
+    r_gpus = row.infer_gpus
+    shared_total = t_gpus + 2 * r_gpus
+    pool = tuple(range(t_gpus))
     everything = tuple(range(shared_total))
+    own = [tuple(range(t_gpus + i * r_gpus, t_gpus + (i + 1) * r_gpus)) for i in range(2)]
+    suffix = "" if train_gpus is None else f"_T{t_gpus}R{r_gpus}"
     return Workload(
-        name=f"plexrl_{row.model}",
-        description=f"PlexRL {row.model}: 2 jobs, one shared training pool",
+        name=f"plexrl_{row.model}{suffix}",
+        description=f"PlexRL {row.model}: 2 jobs, one shared training pool ({t_gpus}:{r_gpus})",
         jobs=jobs,
         gpus_per_node=gpn,
-        exclusive_nodes=2 * row.train_gpus // gpn + 2 * row.infer_gpus // gpn,
+        exclusive_nodes=2 * (t_gpus + r_gpus) // gpn,
         shared_nodes=shared_total // gpn,
         shared_placements=(Placement(pool, everything), Placement(pool, everything)),
+        pool_placements=(Placement(pool, own[0]), Placement(pool, own[1])),
         sources=(PLEXRL,),
         assumptions=(
-            f"pools: {row.train_gpus} training + {row.infer_gpus} rollout GPUs per job "
+            f"pools: {t_gpus} training + {r_gpus} rollout GPUs per job "
             "(PlexRL does not give pool sizes); 512 trajectories/step, single-turn (abort "
             "loses the trajectory)",
             "response length lognormal(sigma 0.6) capped at 4x median, scaled so the exclusive "
