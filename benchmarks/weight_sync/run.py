@@ -8,11 +8,18 @@ Measured in one run on one machine:
 * warm memcpy bandwidth (numpy ``copyto`` between two preallocated, pre-touched arrays of the
   version's size; first-touch memory is several times slower on this VM, so it is excluded),
   taken once next to every timed sync: fractions are medians of per-repeat ratios;
-* CPU transports (shm, zmq, gloo): one cached version streamed bucket by bucket to a receiver
-  in a separate process whose destination tensors are preallocated and pre-touched; a warm-up
-  sync first, then the median of timed syncs (checksums verified on every bucket);
-* the shm floor: map + checksum + copy + unmap of every bucket with no protocol at all;
-* the receiver's peak resident-memory rise during a steady-state sync (VmHWM reset per sync);
+* CPU transports (shm, shm without recycled files, zmq, gloo, shm with crc32): before every
+  timed sync the trainer side builds a NEW version (alternating two different weight sets, so
+  a receiver that got stale bytes would fail the check), then one sync of it is timed to a
+  receiver in a separate process whose destination tensors are preallocated and pre-touched;
+  after each sync (untimed) the receiver's parameter checksums are compared with the version's;
+  two warm-up versions first (a recycling cache alternates between two sets of files);
+* the shm floor: the receiver's work per bucket without any protocol, two ways: fresh mapping
+  + whole-bucket checksum + copy + unmap (the old receiver), and kept mapping + segment-wise
+  verify-then-copy (the current one);
+* the receiver's peak resident-memory rise during a sync (VmHWM reset per sync), its private
+  part and its shared-mapped size (the cache's pages it maps) separately;
+* the load average during each part (the machine is shared);
 * Megatron destroy/re-init cycle time on 2 gloo ranks (TP=2).
 
 GPU-only figures (pinned H2D streaming, NVML memory across NCCL cycles) run only where
@@ -41,14 +48,20 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind  # noqa: E402
-from rlix_plugins.training.checksum import ChecksumKind  # noqa: E402
+from rlix_plugins.training.bucket_cache import (  # noqa: E402
+    BucketCache,
+    CacheConfig,
+    CachedVersion,
+    StorageKind,
+)
+from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor  # noqa: E402
 from rlix_plugins.training.process_receiver import SpawnedReceiver  # noqa: E402
 from rlix_plugins.training.sync import SyncOptions, sync_version  # noqa: E402
 from rlix_plugins.training.wire import TransportKind  # noqa: E402
 
 logger = logging.getLogger("weight_sync_bench")
 RESULTS = Path(__file__).resolve().parent / "results"
+Weights = dict[str, torch.Tensor]
 
 
 class WarmMemcpy:
@@ -72,20 +85,42 @@ class WarmMemcpy:
         return self.nbytes / statistics.median(self.seconds) / 1e9
 
 
-def shm_floor_once(cv: Any, dsts: list[np.ndarray], acc: dict[str, float]) -> None:
-    """The shm receiver's unavoidable work for one version, without any protocol: per bucket
-    map its file (MAP_POPULATE), checksum it, copy it into a pre-touched destination, unmap."""
+class LoadSampler:
+    """The 1-minute load average at the start and end of each benchmark part."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        value = os.getloadavg()[0]
+        self.samples.append(value)
+        return value
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "min": min(self.samples),
+            "median": statistics.median(self.samples),
+            "max": max(self.samples),
+        }
+
+
+def _floor_old(cv: CachedVersion, dsts: list[np.ndarray], acc: dict[str, float]) -> None:
+    """The previous shm receiver's work, no protocol: per bucket map its file
+    (MAP_POPULATE), checksum the whole bucket, copy it into a pre-touched destination, unmap."""
     import mmap
 
     from rlix_plugins.training.checksum import checksum_bytes
+    from rlix_plugins.training.wire import SHM_FILE_HEADER_BYTES
 
     for b, dst in zip(cv.buckets, dsts, strict=True):
         n = b.layout.nbytes
+        assert b.shm_path is not None
         t0 = time.perf_counter()
         fd = os.open(b.shm_path, os.O_RDONLY)
-        mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+        size = SHM_FILE_HEADER_BYTES + n
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
         os.close(fd)
-        src = np.frombuffer(mm, dtype=np.uint8)
+        src = np.frombuffer(mm, dtype=np.uint8, offset=SHM_FILE_HEADER_BYTES)
         t1 = time.perf_counter()
         if checksum_bytes(src, cv.checksum) != b.layout.checksum:
             raise RuntimeError("floor: checksum mismatch")
@@ -95,41 +130,81 @@ def shm_floor_once(cv: Any, dsts: list[np.ndarray], acc: dict[str, float]) -> No
         del src
         mm.close()
         t4 = time.perf_counter()
-        for k, dt in (
-            ("map", t1 - t0),
-            ("checksum", t2 - t1),
-            ("copy", t3 - t2),
-            ("unmap", t4 - t3),
-        ):
+        steps = (("map", t1 - t0), ("checksum", t2 - t1), ("copy", t3 - t2), ("unmap", t4 - t3))
+        for k, dt in steps:
             acc[k] = acc.get(k, 0.0) + dt
 
 
-def bench_shm_floor(cache: BucketCache, memcpy: WarmMemcpy, repeats: int) -> dict[str, Any]:
-    with cache.pinned(1) as cv:
+def _floor_new(cv: CachedVersion, maps: list[np.ndarray], dsts: list[np.ndarray]) -> None:
+    """The current shm receiver's work, no protocol: kept mappings; per segment verify, then
+    copy it while it is still in the CPU cache."""
+    from rlix_plugins.training.checksum import checksum_bytes
+
+    for b, src, dst in zip(cv.buckets, maps, dsts, strict=True):
+        seg = b.layout.segment_bytes
+        for k, expected in enumerate(b.layout.segment_checksums):
+            a, e = k * seg, min((k + 1) * seg, b.layout.nbytes)
+            if checksum_bytes(src[a:e], cv.checksum) != expected:
+                raise RuntimeError("floor: segment checksum mismatch")
+            np.copyto(dst[a:e], src[a:e])
+
+
+def bench_shm_floor(
+    cache: BucketCache, version: int, memcpy: WarmMemcpy, repeats: int
+) -> dict[str, Any]:
+    import mmap
+
+    from rlix_plugins.training.wire import SHM_FILE_HEADER_BYTES
+
+    with cache.pinned(version) as cv:
         dsts = [np.ones(b.layout.nbytes, dtype=np.uint8) for b in cv.buckets]
-        shm_floor_once(cv, dsts, {})  # warm-up
+        kept = []
+        for b in cv.buckets:
+            assert b.shm_path is not None
+            fd = os.open(b.shm_path, os.O_RDONLY)
+            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+            os.close(fd)
+            kept.append(
+                np.frombuffer(mm, dtype=np.uint8, offset=SHM_FILE_HEADER_BYTES)[: b.layout.nbytes]
+            )
+        _floor_old(cv, dsts, {})  # warm-up
+        _floor_new(cv, kept, dsts)
         parts: list[dict[str, float]] = []
-        ratios = []
+        old_ratios, new_ratios, new_seconds = [], [], []
         for _ in range(repeats):
             m = memcpy.once()
             acc: dict[str, float] = {}
-            shm_floor_once(cv, dsts, acc)
+            _floor_old(cv, dsts, acc)
             parts.append(acc)
-            ratios.append(m / sum(acc.values()))
+            old_ratios.append(m / sum(acc.values()))
+            m = memcpy.once()
+            t0 = time.perf_counter()
+            _floor_new(cv, kept, dsts)
+            new_seconds.append(time.perf_counter() - t0)
+            new_ratios.append(m / new_seconds[-1])
         total = sum(b.layout.nbytes for b in cv.buckets)
     med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-    m_med = statistics.median(memcpy.seconds[-repeats:])
+    m_med = statistics.median(memcpy.seconds[-2 * repeats :])
     return {
-        "what": "map+checksum+copy+unmap per bucket, no protocol (the shm receiver's floor)",
-        "seconds_median": sum(med.values()),
-        "gbps": total / sum(med.values()) / 1e9,
-        "fraction_of_memcpy": statistics.median(ratios),
-        "parts_seconds_median": med,
-        "parts_in_memcpy_units": {k: v / m_med for k, v in med.items()},
+        "old": {
+            "what": "fresh map (MAP_POPULATE) + whole-bucket checksum + copy + unmap per bucket",
+            "seconds_median": sum(med.values()),
+            "gbps": total / sum(med.values()) / 1e9,
+            "fraction_of_memcpy": statistics.median(old_ratios),
+            "parts_seconds_median": med,
+            "parts_in_memcpy_units": {k: v / m_med for k, v in med.items()},
+        },
+        "new": {
+            "what": "kept mapping; per segment: verify, then copy while in cache",
+            "seconds_median": statistics.median(new_seconds),
+            "gbps": total / statistics.median(new_seconds) / 1e9,
+            "fraction_of_memcpy": statistics.median(new_ratios),
+            "in_memcpy_units": statistics.median(new_seconds) / m_med,
+        },
     }
 
 
-def make_weights(total: int, tensor_bytes: int) -> dict[str, torch.Tensor]:
+def make_weights(total: int, tensor_bytes: int) -> Weights:
     g = torch.Generator().manual_seed(0)
     n = max(1, total // tensor_bytes)
     elems = tensor_bytes // 2
@@ -138,49 +213,90 @@ def make_weights(total: int, tensor_bytes: int) -> dict[str, torch.Tensor]:
     }
 
 
+def flipped(w: Weights) -> Weights:
+    """Every bit of every tensor inverted: a second version that differs in every byte."""
+    return {k: torch.bitwise_not(v.view(torch.int16)).view(v.dtype) for k, v in w.items()}
+
+
+def fingerprints(w: Weights) -> dict[str, str]:
+    kind = ChecksumKind.FLETCHER64
+    return {k: f"{checksum_tensor(v.reshape(-1).view(torch.uint8), kind):x}" for k, v in w.items()}
+
+
 def bench_transport(
-    cache: BucketCache,
-    layout: dict[str, tuple[str, tuple[int, ...]]],
+    label: str,
+    config: CacheConfig,
+    weight_sets: list[Weights],
     kind: TransportKind,
     repeats: int,
     memcpy: WarmMemcpy,
+    load: LoadSampler,
 ) -> dict[str, Any]:
-    """Syncs interleaved with warm memcpys (one each per repeat): the machine is shared and
-    noisy, so each sync is compared with a memcpy taken next to it (median of the ratios)."""
-    receiver = SpawnedReceiver(f"bench-{kind.value}", layout)
+    """Per repeat: build a new version (untimed), then time one sync of it next to a warm
+    memcpy (the machine is shared and noisy: each sync is compared with a memcpy taken next to
+    it, median of the ratios), then check the receiver's bytes (untimed)."""
+    layout = {
+        k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in weight_sets[0].items()
+    }
+    expected = [fingerprints(w) for w in weight_sets]
+    cache = BucketCache(f"bench-{label}", config)
+    receiver = SpawnedReceiver(f"bench-{label}", layout)
+    load_start = load.sample()
     try:
         opts = SyncOptions(transports={receiver.shard_id: kind}, ack_timeout_s=300)
-        sync_version(cache, 1, [receiver], options=opts)  # warm-up
-        seconds, recv_seconds, peaks, ratios, recv_ratios = [], [], [], [], []
+        seconds, recv_seconds, build_seconds, ratios, recv_ratios = [], [], [], [], []
+        peaks, private_exact, shared = [], [], []
         total = 0
-        for _ in range(repeats):
-            m = memcpy.once()
-            report = sync_version(cache, 1, [receiver], options=opts)
+        for v in range(1, repeats + 3):
+            w = weight_sets[v % len(weight_sets)]
+            t0 = time.perf_counter()
+            cache.build(v, w.items())
+            cache.activate(v)
+            build_s = time.perf_counter() - t0
+            m = memcpy.once() if v > 2 else 0.0
+            report = sync_version(cache, v, [receiver], options=opts)
+            stats = receiver.last_stats
+            assert stats is not None
+            if receiver.param_checksums() != expected[v % len(weight_sets)]:
+                raise RuntimeError(f"{label}: receiver does not hold version {v}'s bytes")
+            if v <= 2:
+                continue  # warm-up: first sync, and the second file set of a recycling cache
+            build_seconds.append(build_s)
             seconds.append(report.seconds)
             total = report.total_bytes
-            assert receiver.last_stats is not None
-            recv_seconds.append(receiver.last_stats.result.seconds)
-            peaks.append(receiver.last_stats.peak_extra_bytes)
+            recv_seconds.append(stats.result.seconds)
+            peaks.append(stats.peak_extra_bytes)
+            private_exact.append(stats.private_peak_is_exact)
+            shared.append(stats.shared_mapped_bytes)
             ratios.append(m / report.seconds)
             recv_ratios.append(m / recv_seconds[-1])
         med = statistics.median(seconds)
         rmed = statistics.median(recv_seconds)
         return {
-            "transport": kind.value,
+            "transport": label,
+            "cache": {"recycle_files": config.recycle_files, "checksum": config.checksum.value,
+                      "segment_bytes": config.segment_bytes},
             "bytes": total,
             "seconds_median": med,
             "seconds_all": seconds,
             "gbps": total / med / 1e9,
             "fraction_of_memcpy": statistics.median(ratios),
+            "fraction_of_memcpy_all": ratios,
             "receiver_seconds_median": rmed,
             "receiver_seconds_all": recv_seconds,
             "receiver_gbps": total / rmed / 1e9,
             "receiver_fraction_of_memcpy": statistics.median(recv_ratios),
             "receiver_peak_extra_bytes_max": max(peaks),
             "receiver_peak_extra_bytes_all": peaks,
+            "receiver_private_peak_exact": all(private_exact),
+            "receiver_shared_mapped_bytes_max": max(shared),
+            "build_seconds_median": statistics.median(build_seconds),
+            "bytes_verified": "every timed sync: receiver parameter checksums == version's",
+            "load_average_1m": [load_start, load.sample()],
         }
     finally:
         receiver.close()
+        cache.close()
 
 
 def _cycle_rank(rank: int, port: int, cycles: int, queue: Any) -> None:
@@ -272,38 +388,42 @@ def plot(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     ts = data["transports"]
-    names = [t["transport"] for t in ts] + ["shm floor"]
+    names = [t["transport"] for t in ts] + ["floor old", "floor new"]
     x = np.arange(len(names))
-    e2e = [100 * t["fraction_of_memcpy"] for t in ts] + [0.0]
+    e2e = [100 * t["fraction_of_memcpy"] for t in ts] + [0.0, 0.0]
     recv = [100 * t["receiver_fraction_of_memcpy"] for t in ts]
-    recv.append(100 * data["shm_floor"]["fraction_of_memcpy"])
+    recv += [100 * data["shm_floor"]["old"]["fraction_of_memcpy"],
+             100 * data["shm_floor"]["new"]["fraction_of_memcpy"]]
     ax = axes[0]
     ax.bar(x - 0.2, e2e, 0.4, label="end to end (sender)")
     ax.bar(x + 0.2, recv, 0.4, label="receiver side / floor")
-    ax.set_xticks(x, names)
+    ax.set_xticks(x, names, rotation=25, fontsize=8)
     ax.axhline(50, ls="--", color="red", label="target: 50% of memcpy")
     ax.set_ylabel("% of warm memcpy (same run, interleaved)")
     ax.set_title(
         f"sync of {data['version_bytes'] / 2**20:.0f} MiB, "
-        f"{data['bucket_bytes'] / 2**20:.0f} MiB buckets (memcpy {data['memcpy_gbps']:.1f} GB/s)"
+        f"{data['bucket_bytes'] / 2**20:.0f} MiB buckets (memcpy {data['memcpy_gbps']:.1f} GB/s)",
+        fontsize=9,
     )
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax = axes[1]
-    ax.bar(
-        [t["transport"] for t in data["transports"]],
-        [t["receiver_peak_extra_bytes_max"] / 2**20 for t in data["transports"]],
-    )
+    tx = np.arange(len(ts))
+    ax.bar(tx - 0.2, [t["receiver_peak_extra_bytes_max"] / 2**20 for t in ts], 0.4,
+           label="peak RSS rise in a sync (private when shared size unchanged)")
+    ax.bar(tx + 0.2, [t["receiver_shared_mapped_bytes_max"] / 2**20 for t in ts], 0.4,
+           label="shared pages mapped (the cache's, not new memory)")
     ax.axhline(data["bucket_bytes"] / 2**20, ls="--", color="red", label="one bucket")
+    ax.set_xticks(tx, [t["transport"] for t in ts], rotation=25, fontsize=8)
     ax.set_ylabel("MiB")
-    ax.set_title("receiver peak RSS rise during a sync")
-    ax.legend()
+    ax.set_title("receiver memory during a steady-state sync", fontsize=9)
+    ax.legend(fontsize=7)
     ax = axes[2]
     c = data["nccl_cycle"]
     ax.bar(["destroy", "re-init"], [c["destroy_ms_median"], c["reinit_ms_median"]])
     ax.set_ylabel("ms (median)")
-    ax.set_title(f"Megatron group cycle ({c['groups_per_cycle']} groups, gloo)")
+    ax.set_title(f"Megatron group cycle ({c['groups_per_cycle']} groups, gloo)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -312,64 +432,65 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=512)
     parser.add_argument("--bucket-mib", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("rlix_plugins").setLevel(logging.WARNING)
     torch.set_num_threads(1)
+    load = LoadSampler()
+    load.sample()
     total = args.total_mib << 20
     bucket = args.bucket_mib << 20
-    weights = make_weights(total, tensor_bytes=8 << 20)
-    layout = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in weights.items()}
-    cache = BucketCache(
-        "bench",
-        CacheConfig(
-            bucket_bytes=bucket + 4096, storage=StorageKind.SHARED, ram_reserve_bytes=1 << 30
-        ),
-    )
-    t0 = time.perf_counter()
-    cache.build(1, weights.items())
-    build_s = time.perf_counter() - t0
-    version_bytes = cache.info(1).total_bytes
-    del weights
+    first = make_weights(total, tensor_bytes=8 << 20)
+    weight_sets = [first, flipped(first)]
+    version_bytes = sum(int(t.numel()) * t.element_size() for t in first.values())
     memcpy = WarmMemcpy(version_bytes)
+
+    def config(**kw: Any) -> CacheConfig:
+        # + 4 KiB: eight 8 MiB tensors and their alignment fit one bucket
+        return CacheConfig(bucket_bytes=bucket + 4096, storage=StorageKind.SHARED,
+                           ram_reserve_bytes=1 << 30, **kw)
+
+    plan = [
+        ("shm", config(), TransportKind.SHM),
+        ("shm, no recycling", config(recycle_files=False), TransportKind.SHM),
+        ("zmq", config(), TransportKind.ZMQ),
+        ("gloo", config(), TransportKind.GLOO),
+        ("shm+crc32", config(checksum=ChecksumKind.CRC32), TransportKind.SHM),
+    ]
     transports = []
-    for kind in (TransportKind.SHM, TransportKind.ZMQ, TransportKind.GLOO):
-        r = bench_transport(cache, layout, kind, args.repeats, memcpy)
+    for label, cfg, kind in plan:
+        r = bench_transport(label, cfg, weight_sets, kind, args.repeats, memcpy, load)
         transports.append(r)
         logger.info(
             "%s: %.2f GB/s end to end (%.0f%% of memcpy), receiver side %.2f GB/s (%.0f%%), "
-            "receiver peak +%.1f MiB",
-            kind.value,
+            "receiver peak +%.1f MiB (private exact: %s), shared mapped %.0f MiB, load %s",
+            label,
             r["gbps"],
             100 * r["fraction_of_memcpy"],
             r["receiver_gbps"],
             100 * r["receiver_fraction_of_memcpy"],
             r["receiver_peak_extra_bytes_max"] / 2**20,
+            r["receiver_private_peak_exact"],
+            r["receiver_shared_mapped_bytes_max"] / 2**20,
+            [round(x, 1) for x in r["load_average_1m"]],
         )
-    floor = bench_shm_floor(cache, memcpy, args.repeats)
+    floor_cache = BucketCache("bench-floor", config())
+    floor_cache.build(1, first.items())
+    load.sample()
+    floor = bench_shm_floor(floor_cache, 1, memcpy, args.repeats)
+    load.sample()
+    floor_cache.close()
     logger.info(
-        "shm floor (map+checksum+copy+unmap, no protocol): %.0f%% of memcpy; parts %s",
-        100 * floor["fraction_of_memcpy"],
-        {k: round(v, 2) for k, v in floor["parts_in_memcpy_units"].items()},
+        "shm floor: old %.0f%% of memcpy (parts %s), new %.0f%% (%.2f memcpy units)",
+        100 * floor["old"]["fraction_of_memcpy"],
+        {k: round(v, 2) for k, v in floor["old"]["parts_in_memcpy_units"].items()},
+        100 * floor["new"]["fraction_of_memcpy"],
+        floor["new"]["in_memcpy_units"],
     )
-    cache.close()
-    # crc32 instead of fletcher64 on the fastest transport: what the stronger checksum costs
-    cache32 = BucketCache(
-        "bench32",
-        CacheConfig(
-            bucket_bytes=bucket + 4096,
-            storage=StorageKind.SHARED,
-            checksum=ChecksumKind.CRC32,
-            ram_reserve_bytes=1 << 30,
-        ),
-    )
-    cache32.build(1, make_weights(total, tensor_bytes=8 << 20).items())
-    crc = bench_transport(cache32, layout, TransportKind.SHM, args.repeats, memcpy)
-    crc["transport"] = "shm+crc32"
-    transports.append(crc)
-    cache32.close()
-    logger.info("shm with crc32: %.2f GB/s", crc["gbps"])
+    del weight_sets, first
     cycle = bench_nccl_cycle(args.cycles)
     logger.info("megatron cycle: %.1f ms median", cycle["cycle_ms_median"])
     data = {
@@ -382,13 +503,19 @@ def main() -> None:
         },
         "version_bytes": version_bytes,
         "bucket_bytes": bucket,
-        "cache_build_seconds": build_s,
         "memcpy_gbps": memcpy.gbps(),
         "memcpy_seconds_all": memcpy.seconds,
+        "load_average_1m": load.summary(),
+        "load_average_1m_all": load.samples,
         "ratio_method": "median over repeats of (memcpy time / sync time), each sync next to "
-        "its own memcpy; end to end = sender's sync_version time (includes the offer round trip "
-        "and the test receiver's post-sync parameter checksums); receiver side = the receiver's "
-        "own time from connecting to its final ack",
+        "its own memcpy; every timed sync is of a newly built version (two alternating weight "
+        "sets); end to end = sender's sync_version time (includes the offer round trip to the "
+        "receiver process); receiver side = the receiver's own time from connecting to its "
+        "final ack; the receiver's bytes are checked after each sync, untimed",
+        "memory_method": "receiver peak RSS rise = VmHWM (reset per sync) - VmRSS before; it "
+        "is the private rise exactly when RssShmem did not change during the sync "
+        "(receiver_private_peak_exact); shared mapped = RssShmem after the sync: the cache's "
+        "/dev/shm pages mapped by the receiver, counted once in the host (in the cache)",
         "target": "CPU transport >= 50% of warm memcpy",
         "target_met_by": [t["transport"] for t in transports if t["fraction_of_memcpy"] >= 0.5],
         "transports": transports,
@@ -397,10 +524,10 @@ def main() -> None:
         "gpu": bench_gpu(bucket),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "weight_sync.json").write_text(json.dumps(data, indent=2))
-    plot(data, RESULTS / "weight_sync.png")
-    logger.info("wrote %s", RESULTS)
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "weight_sync.json").write_text(json.dumps(data, indent=2))
+    plot(data, args.output / "weight_sync.png")
+    logger.info("wrote %s (load average %s)", args.output, load.summary())
 
 
 if __name__ == "__main__":

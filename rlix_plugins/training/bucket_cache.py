@@ -21,12 +21,24 @@ Decisions:
 * **Memory kind**: pinned when a CUDA device exists (fast H2D / NCCL staging); otherwise
   pageable memory backed by a file in ``/dev/shm`` (``SHARED``) so same-host receivers can map
   buckets without a copy, or plain pageable memory (``PAGEABLE``).
+* **Segment checksums**: besides the bucket checksum, every ``segment_bytes`` slice of a bucket
+  has its own checksum, so a receiver can verify a slice and apply it while it is still in the
+  CPU cache instead of reading the whole bucket twice.
+* **Recycled files** (``SHARED``, ``recycle_files=True``): the files of a freed version go to a
+  pool (at most as many files as the largest version has buckets) and the next build rewrites
+  them in place. Same-host receivers then keep their mappings across syncs: mapping and
+  unmapping 4 KiB tmpfs pages cost as much as copying them. Each file starts with a
+  :class:`~rlix_plugins.training.wire.ShmFileHeader` (cache token, generation, version, index,
+  size, checksum) that the receiver checks through its own mapping. The price: between a
+  version's activation and the next build the pool keeps up to one version of files that would
+  otherwise have been returned to the OS (the peak, during a build, is unchanged).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import logging
 import mmap
 import os
@@ -45,12 +57,13 @@ from rlix_plugins.errors import (
     UnknownWeightVersionError,
     WeightCacheError,
 )
-from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor, segment_checksums
 from rlix_plugins.training.host_memory import (
     HostMemory,
     accelerator_available,
     check_host_memory,
 )
+from rlix_plugins.training.wire import SHM_FILE_HEADER_BYTES, ShmFileHeader
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +74,9 @@ logger = logging.getLogger(__name__)
 #: dtype (bf16 needs 2, float64 8) and vector loads stay aligned.
 ALIGNMENT = 64
 SHM_PREFIX = "rlix-wcache-"
+#: Segment sizes are multiples of the fletcher64 block (4096 words), so one pass over a bucket
+#: gives both its checksum and its segment checksums.
+SEGMENT_UNIT = 32 << 10
 
 
 class StorageKind(str, enum.Enum):
@@ -77,7 +93,10 @@ class CacheConfig:
 
     ``storage=None`` picks automatically (pinned with a CUDA device, else shared if
     ``shm_dir`` has room, else pageable). ``ram_reserve_bytes`` is kept free for everything
-    else on the node when checking host RAM.
+    else on the node when checking host RAM. ``segment_bytes`` is the unit a receiver verifies
+    and applies at a time (a multiple of 32 KiB; 2 MiB measured best here: smaller segments pay
+    numpy's per-call cost, larger ones fall out of the L2/L3 cache). ``recycle_files`` reuses
+    the /dev/shm files of freed versions (see the module docstring).
     """
 
     bucket_bytes: int = 256 << 20
@@ -86,12 +105,19 @@ class CacheConfig:
     ram_reserve_bytes: int = 1 << 30
     shm_dir: Path = Path("/dev/shm")
     drain_on_error: bool = True
+    segment_bytes: int = 2 << 20
+    recycle_files: bool = True
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < ALIGNMENT or self.bucket_bytes % ALIGNMENT:
             raise WeightCacheError(
                 f"bucket_bytes={self.bucket_bytes} is invalid; expected a positive multiple of "
                 f"{ALIGNMENT}"
+            )
+        if self.segment_bytes < SEGMENT_UNIT or self.segment_bytes % SEGMENT_UNIT:
+            raise WeightCacheError(
+                f"segment_bytes={self.segment_bytes} is invalid; expected a positive multiple "
+                f"of {SEGMENT_UNIT} (the checksum's block size)"
             )
         if self.ram_reserve_bytes < 0:
             raise WeightCacheError(f"ram_reserve_bytes={self.ram_reserve_bytes} must be >= 0")
@@ -120,22 +146,32 @@ class TensorEntry:
 
 @dataclass(frozen=True, slots=True)
 class BucketLayout:
-    """What a bucket holds: its tensors, its used size and its checksum."""
+    """What a bucket holds: its tensors, its used size, its checksum and the checksum of each
+    ``segment_bytes`` slice (``segment_checksums[k]`` covers bytes ``[k*S, (k+1)*S)``)."""
 
     index: int
     nbytes: int
     checksum: int
     entries: tuple[TensorEntry, ...]
+    segment_bytes: int = 0
+    segment_checksums: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
 class Bucket:
-    """One bucket's bytes (``storage`` has the full capacity; ``data`` the used prefix)."""
+    """One bucket's bytes (``storage`` has the full capacity; ``data`` the used prefix).
+
+    A ``SHARED`` bucket's file has a :class:`ShmFileHeader` page before the data;
+    ``file_id`` is the file's ``(st_dev, st_ino)``, ``generation`` the header's generation.
+    """
 
     layout: BucketLayout
     storage: torch.Tensor
     shm_path: Path | None = None
     _mmap: mmap.mmap | None = None
+    file_id: tuple[int, int] | None = None
+    generation: int = 0
+    _header: np.ndarray | None = None
 
     @property
     def data(self) -> torch.Tensor:
@@ -165,6 +201,9 @@ class CachedVersion:
     retired: bool = False
     freed: bool = False
     sizes: tuple[int, int] = field(default=(0, 0))  # (num_tensors, total_bytes)
+    #: the cache's file token (``ShmFileHeader.token``) and whether its files are recycled
+    file_token: int = 0
+    recycles_files: bool = False
 
     @property
     def info(self) -> VersionInfo:
@@ -226,6 +265,12 @@ class BucketCache:
         self._latest: int | None = None
         self._active: int | None = None
         self._closed = False
+        # shared-memory files of freed versions, rewritten by later builds (recycle_files)
+        self._pool: list[Bucket] = []
+        self._pool_limit = 0
+        self._file_token = secrets.randbits(63) | 1
+        self._generations = itertools.count(1)
+        self._file_counter = itertools.count()
 
     # --- queries -------------------------------------------------------------------------
 
@@ -249,9 +294,16 @@ class BucketCache:
             return self._get(version).info
 
     def resident_bytes(self) -> int:
-        """Bytes of bucket capacity currently allocated (all versions, retired included)."""
+        """Bytes of bucket capacity currently allocated (all versions, retired included, and
+        the recycled-file pool)."""
         with self._lock:
-            return sum(int(b.storage.numel()) for cv in self._versions.values() for b in cv.buckets)
+            held = sum(int(b.storage.numel()) for cv in self._versions.values() for b in cv.buckets)
+            return held + sum(int(b.storage.numel()) for b in self._pool)
+
+    def pooled_bytes(self) -> int:
+        """Bytes of bucket capacity held in the recycled-file pool (reused by the next build)."""
+        with self._lock:
+            return sum(int(b.storage.numel()) for b in self._pool)
 
     def _get(self, version: int) -> CachedVersion:
         cv = self._versions.get(version)
@@ -272,7 +324,7 @@ class BucketCache:
         if accelerator_available():
             return StorageKind.PINNED
         need = max(expected_bytes or 0, 2 * self.config.bucket_bytes)
-        if self._shm_free() >= need:
+        if self._shm_free() + self.pooled_bytes() >= need:
             return StorageKind.SHARED
         return StorageKind.PAGEABLE
 
@@ -286,9 +338,10 @@ class BucketCache:
     def check_capacity(self, expected_bytes: int, *, probe: HostMemory | None = None) -> HostMemory:
         """Check host RAM for a version of ``expected_bytes``; call it on the owner rank
         BEFORE starting the collective gather (and share the verdict with the other ranks).
-        Raises :class:`InsufficientHostMemoryError`."""
+        Raises :class:`InsufficientHostMemoryError`. Files in the recycled-file pool are reused,
+        so they are subtracted from what the version needs."""
         return check_host_memory(
-            expected_bytes,
+            max(0, expected_bytes - self.pooled_bytes()),
             reserve_bytes=self.config.ram_reserve_bytes,
             what=f"weight cache of pipeline {self.pipeline_id!r}",
             probe=probe,
@@ -372,6 +425,10 @@ class BucketCache:
         import torch
 
         cap = self.config.bucket_bytes
+        if storage is StorageKind.SHARED:
+            reused = self._from_pool(index)
+            if reused is not None:
+                return reused
         check_host_memory(
             cap,
             reserve_bytes=self.config.ram_reserve_bytes,
@@ -391,21 +448,55 @@ class BucketCache:
                 f"{cap / 2**20:.1f} MiB; enlarge it (docker --shm-size) or use "
                 "CacheConfig(storage=StorageKind.PAGEABLE)"
             )
+        # The name does not say which version the file holds: recycled files keep their name
+        # (receivers key their kept mappings by it); the file header says what it holds.
         path = self.config.shm_dir / (
-            f"{SHM_PREFIX}{os.getpid()}-{self.pipeline_id}-v{version}-b{index}-"
-            f"{secrets.token_hex(4)}"
+            f"{SHM_PREFIX}{os.getpid()}-{self.pipeline_id}-f{next(self._file_counter)}-"
+            f"{secrets.token_hex(8)}"
         )
+        size = SHM_FILE_HEADER_BYTES + cap
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, cap)
-            mm = mmap.mmap(fd, cap)
+            os.ftruncate(fd, size)
+            st = os.fstat(fd)
+            mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
         os.close(fd)
-        arr = np.frombuffer(mm, dtype=np.uint8)
-        return Bucket(empty, torch.from_numpy(arr), shm_path=path, _mmap=mm)
+        header = np.frombuffer(mm, dtype="<u8", count=ShmFileHeader.WORDS)
+        arr = np.frombuffer(mm, dtype=np.uint8, offset=SHM_FILE_HEADER_BYTES)
+        return Bucket(
+            empty,
+            torch.from_numpy(arr),
+            shm_path=path,
+            _mmap=mm,
+            file_id=(int(st.st_dev), int(st.st_ino)),
+            _header=header,
+        )
+
+    def _from_pool(self, index: int) -> Bucket | None:
+        """A freed version's file to rewrite, marked as being written (generation 0)."""
+        with self._lock:
+            if not self._pool:
+                return None
+            bucket = self._pool.pop(0)  # oldest first: bucket i reuses the file of bucket i
+        # A full tmpfs raises SIGBUS on a write to a page the file never had; a recycled file
+        # may have had fewer used pages than this build writes, so check room as for a new one.
+        free = self._shm_free()
+        if free < self.config.bucket_bytes:
+            self._free_bucket(bucket)
+            raise InsufficientHostMemoryError(
+                f"{self.config.shm_dir} has {free / 2**20:.1f} MiB free but a bucket may need "
+                f"{self.config.bucket_bytes / 2**20:.1f} MiB; enlarge it (docker --shm-size) or "
+                "use CacheConfig(storage=StorageKind.PAGEABLE)"
+            )
+        assert bucket._header is not None
+        bucket._header[:] = 0
+        bucket.generation = 0
+        bucket.layout = BucketLayout(index=index, nbytes=0, checksum=0, entries=())
+        return bucket
 
     def _pack(
         self,
@@ -440,7 +531,7 @@ class BucketCache:
                     )
                 if current is None or offset + nbytes > cap:
                     if current is not None:
-                        buckets.append(self._seal(current, entries, offset))
+                        buckets.append(self._seal(current, entries, offset, version))
                         current = None
                     current = self._allocate(storage, version, len(buckets), probe)
                     entries, offset = [], 0
@@ -459,32 +550,51 @@ class BucketCache:
                 n_tensors += 1
                 total += nbytes
             if current is not None:
-                buckets.append(self._seal(current, entries, min(offset, cap)))
+                buckets.append(self._seal(current, entries, min(offset, cap), version))
                 current = None
         except BaseException:
             for b in buckets if current is None else [*buckets, current]:
                 self._free_bucket(b)
             raise
+        recycles = storage is StorageKind.SHARED and self.config.recycle_files
+        if recycles:
+            with self._lock:
+                self._pool_limit = max(self._pool_limit, len(buckets))
         return CachedVersion(
             version=version,
             buckets=buckets,
             storage=storage,
             checksum=self.config.checksum,
             sizes=(n_tensors, total),
+            file_token=self._file_token,
+            recycles_files=recycles,
         )
 
-    def _seal(self, bucket: Bucket, entries: list[TensorEntry], used: int) -> Bucket:
+    def _seal(self, bucket: Bucket, entries: list[TensorEntry], used: int, version: int) -> Bucket:
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # pending non_blocking D2H copies into this bucket
         data = bucket.storage[:used]
+        seg = self.config.segment_bytes
+        if data.device.type == "cpu":
+            checksum, segs = segment_checksums(data.numpy(), seg, self.config.checksum)
+        else:  # pragma: no cover - pinned host memory is CPU; kept for completeness
+            checksum, segs = checksum_tensor(data, self.config.checksum), ()
         bucket.layout = BucketLayout(
             index=bucket.layout.index,
             nbytes=used,
-            checksum=checksum_tensor(data, self.config.checksum),
+            checksum=checksum,
             entries=tuple(entries),
+            segment_bytes=seg if segs else 0,
+            segment_checksums=segs,
         )
+        if bucket._header is not None:
+            # written last: a receiver that sees this generation sees the finished bucket
+            bucket.generation = next(self._generations)
+            bucket._header[:] = ShmFileHeader(
+                self._file_token, bucket.generation, version, bucket.layout.index, used, checksum
+            ).to_words()
         return bucket
 
     # --- versions ------------------------------------------------------------------------
@@ -549,7 +659,9 @@ class BucketCache:
         self._free_all(freed)
 
     def close(self) -> None:
-        """Free every version (syncs still running keep theirs until they end)."""
+        """Free every version and the file pool (syncs still running keep their version until
+        they end). Receivers that kept mappings of this cache's files hold those pages until
+        their next sync or ``release_shm_mappings()``."""
         with self._lock:
             self._closed = True
             self._latest = self._active = None
@@ -559,21 +671,50 @@ class BucketCache:
                 if cv.pins == 0:
                     del self._versions[v]
                     freed.append(cv)
+            pool, self._pool = self._pool, []
         self._free_all(freed)
+        for b in pool:
+            self._free_bucket(b)
 
     def _free_all(self, versions: list[CachedVersion]) -> None:
         for cv in versions:
             for b in cv.buckets:
-                self._free_bucket(b)
+                self._recycle_or_free(b, cv.recycles_files)
             cv.buckets = []
             cv.freed = True
             logger.debug("pipeline %s: freed weight version %d", self.pipeline_id, cv.version)
+
+    def _recycle_or_free(self, bucket: Bucket, recycles: bool) -> None:
+        import torch
+
+        if recycles and bucket._header is not None and bucket._mmap is not None:
+            with self._lock:
+                if not self._closed and len(self._pool) < self._pool_limit:
+                    # a fresh Bucket object: the retired version's record must not alias it
+                    self._pool.append(
+                        Bucket(
+                            BucketLayout(index=0, nbytes=0, checksum=0, entries=()),
+                            bucket.storage,
+                            shm_path=bucket.shm_path,
+                            _mmap=bucket._mmap,
+                            file_id=bucket.file_id,
+                            generation=bucket.generation,
+                            _header=bucket._header,
+                        )
+                    )
+                    bucket.shm_path = None
+                    bucket._mmap = None
+                    bucket._header = None
+                    bucket.storage = torch.empty(0, dtype=torch.uint8)
+                    return
+        self._free_bucket(bucket)
 
     @staticmethod
     def _free_bucket(bucket: Bucket) -> None:
         import torch
 
         bucket.storage = torch.empty(0, dtype=torch.uint8)
+        bucket._header = None
         if bucket.shm_path is not None:
             bucket.shm_path.unlink(missing_ok=True)
         if bucket._mmap is not None:

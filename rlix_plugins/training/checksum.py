@@ -58,22 +58,71 @@ def _padded_words(data: np.ndarray) -> np.ndarray:
     return np.concatenate([words, tail.view(np.uint64)])
 
 
+_weights_cache = np.arange(1, _BLOCK_WORDS + 1, dtype=np.uint64)
+
+
+def _block_weights(n: int) -> np.ndarray:
+    """``[1, 2, ..., n]`` as uint64, from a cached array (a receiver checksums many small
+    segments; allocating the weights each time was a third of a 1 MiB segment's cost)."""
+    global _weights_cache
+    if n > _weights_cache.shape[0]:
+        _weights_cache = np.arange(1, max(n, 2 * _weights_cache.shape[0]) + 1, dtype=np.uint64)
+    return _weights_cache[:n]
+
+
+def _block_sums(words: np.ndarray) -> np.ndarray:
+    """Sum (mod 2**64) of every block of ``_BLOCK_WORDS`` words; the last block may be short."""
+    nw = words.shape[0]
+    nfull = nw // _BLOCK_WORDS
+    if nfull * _BLOCK_WORDS == nw:
+        full: np.ndarray = np.add.reduce(words.reshape(nfull, _BLOCK_WORDS), axis=1)
+        return full
+    sums = np.empty(nfull + 1, dtype=np.uint64)
+    if nfull:
+        np.add.reduce(words[: nfull * _BLOCK_WORDS].reshape(nfull, _BLOCK_WORDS), axis=1,
+                      out=sums[:nfull])
+    sums[nfull] = np.add.reduce(words[nfull * _BLOCK_WORDS :])
+    return sums
+
+
+def _from_block_sums(block_sums: np.ndarray, nbytes: int) -> int:
+    # integer array arithmetic wraps mod 2**64 without warnings
+    s1 = int(np.add.reduce(block_sums)) if block_sums.shape[0] else 0
+    s2 = int(np.dot(block_sums, _block_weights(block_sums.shape[0]))) if block_sums.shape[0] else 0
+    return _combine(s1, s2, nbytes)
+
+
 def fletcher64_numpy(data: np.ndarray) -> int:
     """Fletcher-style 64-bit checksum of a 1-D uint8 array (see module docstring)."""
     if data.dtype != np.uint8 or data.ndim != 1:
         raise ValueError(f"expected a 1-D uint8 array, got {data.dtype} with shape {data.shape}")
-    words = _padded_words(data)
-    nblocks_full = words.shape[0] // _BLOCK_WORDS
-    head = words[: nblocks_full * _BLOCK_WORDS].reshape(nblocks_full, _BLOCK_WORDS)
-    block_sums = head.sum(axis=1, dtype=np.uint64)
-    tail = words[nblocks_full * _BLOCK_WORDS :]
-    if tail.shape[0]:
-        block_sums = np.concatenate([block_sums, tail.sum(dtype=np.uint64, keepdims=True)])
-    weights = np.arange(1, block_sums.shape[0] + 1, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        s1 = int(block_sums.sum(dtype=np.uint64))
-        s2 = int((block_sums * weights).sum(dtype=np.uint64))
-    return _combine(s1, s2, int(data.shape[0]))
+    return _from_block_sums(_block_sums(_padded_words(data)), int(data.shape[0]))
+
+
+def segment_checksums(
+    data: np.ndarray, segment_bytes: int, kind: ChecksumKind
+) -> tuple[int, tuple[int, ...]]:
+    """The checksum of all of ``data`` and of each ``segment_bytes`` slice of it (the last one
+    may be shorter): ``checksum_bytes(data[k*S:(k+1)*S], kind)`` for segment ``k``.
+
+    With fletcher64 and segments that are whole blocks (``segment_bytes`` a multiple of
+    ``8 * 4096``) the block sums are computed once and serve both, so the segment table costs
+    no second pass over the bucket.
+    """
+    n = int(data.shape[0])
+    if segment_bytes <= 0:
+        raise ValueError(f"segment_bytes={segment_bytes} must be positive")
+    bounds = [(a, min(a + segment_bytes, n)) for a in range(0, n, segment_bytes)]
+    block_bytes = 8 * _BLOCK_WORDS
+    if kind is ChecksumKind.FLETCHER64 and segment_bytes % block_bytes == 0:
+        sums = _block_sums(_padded_words(data))
+        per = segment_bytes // block_bytes
+        segs = tuple(
+            _from_block_sums(sums[k * per : (k + 1) * per], b - a)
+            for k, (a, b) in enumerate(bounds)
+        )
+        return _from_block_sums(sums, n), segs
+    return checksum_bytes(data, kind), tuple(checksum_bytes(data[a:b], kind) for a, b in bounds)
 
 
 def fletcher64_torch(data: torch.Tensor) -> int:

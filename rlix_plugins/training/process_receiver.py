@@ -4,7 +4,13 @@ Stands in for an inference worker where a real one is not needed (multi-process 
 the bandwidth benchmark): it is a separate process with its own memory, so transports,
 failure detection and peak receiver memory are measured for real. The child resets the
 kernel's peak-RSS counter before each sync (``/proc/self/clear_refs``) and reports how far
-its resident memory rose above the level at the start of the sync.
+its resident memory rose above the level at the start of the sync, and its shared-mapped
+(``RssShmem``: the cache's /dev/shm pages it maps) and private (``RssAnon``) sizes before and
+after, so a rise made of mapped sender pages is told apart from new private memory.
+
+The child copies received tensors straight into its preallocated ones (the ``destination``
+path of :func:`~rlix_plugins.training.receiver.receive_weights`). Parameter checksums are
+computed only on request (:meth:`SpawnedReceiver.param_checksums`), outside a sync.
 """
 
 from __future__ import annotations
@@ -29,16 +35,36 @@ Layout = Mapping[str, tuple[str, tuple[int, ...]]]
 
 @dataclass(frozen=True, slots=True)
 class ChildSyncStats:
-    """Receiver-side figures of one sync in the child."""
+    """Receiver-side figures of one sync in the child (bytes)."""
 
     result: ReceiveResult
     rss_before_bytes: int
     peak_rss_bytes: int
-    checksums: dict[str, str]
+    shmem_before_bytes: int = 0
+    shmem_after_bytes: int = 0
+    anon_before_bytes: int = 0
+    anon_after_bytes: int = 0
 
     @property
     def peak_extra_bytes(self) -> int:
+        """Peak RSS rise during the sync, shared-mapped pages included."""
         return max(0, self.peak_rss_bytes - self.rss_before_bytes)
+
+    @property
+    def shared_mapped_bytes(self) -> int:
+        """Sender pages mapped by the receiver after the sync (not receiver memory)."""
+        return self.shmem_after_bytes
+
+    @property
+    def private_peak_extra_bytes(self) -> int:
+        """Peak rise of the receiver's own memory. Exact when the shared-mapped size did not
+        change during the sync (a steady-state sync with kept mappings, or zmq/gloo); otherwise
+        the total rise, an upper bound (the kernel keeps no peak of private memory alone)."""
+        return self.peak_extra_bytes
+
+    @property
+    def private_peak_is_exact(self) -> bool:
+        return self.shmem_before_bytes == self.shmem_after_bytes
 
 
 def _status_kb(field: str) -> int:
@@ -70,24 +96,25 @@ def _child(conn: multiprocessing.connection.Connection, layout: dict[str, Any]) 
         msg = conn.recv()
         if msg is None:
             return
+        if msg == "checksums":
+            kind = ChecksumKind.FLETCHER64
+            raw = {n: t.reshape(-1).view(torch.uint8) for n, t in target.tensors.items()}
+            conn.send({n: f"{checksum_tensor(b, kind):x}" for n, b in raw.items()})
+            continue
         offer = SyncOffer.from_dict(msg)
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM so the peak below belongs to this sync
         except OSError:
             pass
-        before = _status_kb("VmRSS") * 1024
+        before = [_status_kb(k) * 1024 for k in ("VmRSS", "RssShmem", "RssAnon")]
         try:
-            result = receive_weights(offer, target.load_weights)
+            result = receive_weights(offer, target.load_weights, destination=target.destination)
         except BaseException as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
             continue
-        peak = _status_kb("VmHWM") * 1024
-        sums = {
-            n: f"{checksum_tensor(t.reshape(-1).view(torch.uint8), ChecksumKind.FLETCHER64):x}"
-            for n, t in target.tensors.items()
-        }
-        conn.send(("ok", result.to_dict(), before, peak, sums))
+        after = [_status_kb(k) * 1024 for k in ("VmHWM", "RssShmem", "RssAnon")]
+        conn.send(("ok", result.to_dict(), before, after))
 
 
 class SpawnedReceiver:
@@ -144,9 +171,17 @@ class SpawnedReceiver:
                     reply = self._conn.recv()
                 if reply[0] != "ok":
                     raise WeightSyncError(f"receiver {self._shard_id}: {reply[1]}")
-                _, raw, before, peak, sums = reply
+                _, raw, before, after = reply
                 result = ReceiveResult.from_dict(raw)
-                self.last_stats = ChildSyncStats(result, before, peak, sums)
+                self.last_stats = ChildSyncStats(
+                    result,
+                    rss_before_bytes=before[0],
+                    peak_rss_bytes=after[0],
+                    shmem_before_bytes=before[1],
+                    shmem_after_bytes=after[1],
+                    anon_before_bytes=before[2],
+                    anon_after_bytes=after[2],
+                )
                 self.syncs += 1
                 fut.set_result(result)
             except BaseException as exc:  # EOFError/BrokenPipe when the child died
@@ -158,6 +193,16 @@ class SpawnedReceiver:
 
         threading.Thread(target=run, daemon=True, name=f"rlix-wait-{self._shard_id}").start()
         return fut
+
+    def param_checksums(self, timeout_s: float = 120.0) -> dict[str, str]:
+        """Fletcher-64 (hex) of each of the child's tensors, computed now (not during a sync)."""
+        with self._lock:
+            self._conn.send("checksums")
+            if not self._conn.poll(timeout_s):
+                raise ReceiverGoneError(f"receiver {self._shard_id}: no checksums in {timeout_s}s")
+            sums = self._conn.recv()
+        assert isinstance(sums, dict)
+        return sums
 
     def kill(self) -> None:
         """SIGKILL the child (tests of a receiver dying mid-sync)."""

@@ -2,12 +2,24 @@
 
 :func:`receive_weights` runs inside the inference worker (a vLLM worker extension calls it
 with the model's ``load_weights``). Per bucket: fetch the bytes through the offer's transport,
-verify the bucket checksum, hand views of its tensors to ``load_weights`` (which copies them
-into the model), drop the bucket, ack. Only one bucket is held at a time.
+then verify and apply it **segment by segment**: each ``segment_bytes`` slice (2 MiB by
+default) is checked against its own checksum and applied right after, while it is still in the
+CPU cache, so the bucket is read from memory once instead of twice. The whole bucket is
+verified before it is acked; only one bucket is held at a time.
 
-Mid-sync failure cannot be rolled back (the model was updated in place, bucket by bucket),
-so callers must treat the receiver's weights as invalid until a sync completes; the vLLM
-extension clears its recorded version when a sync starts and sets it only on success.
+Guarantee: no byte is applied before the segment holding it was verified. A bad segment stops
+the sync with :class:`ChecksumMismatchError`; segments before it (of this bucket too) are
+already applied, the receiver reports failure and its version is not reported applied (the
+vLLM extension clears it when a sync starts and sets it only on success). Before segment
+checksums a bad bucket left the model untouched by that bucket; now only by the bad segment
+and what follows. Either way a failed sync leaves a partly updated model that must be resynced
+before it serves (the same as a failure in a later bucket always did).
+
+Applying: targets that expose preallocated destination tensors (``destination``, e.g.
+:class:`StateDictTarget`) get each verified segment copied straight into the destination; a
+plain ``load_weights`` gets batches of whole tensors of at most ``batch_bytes`` (a tensor is
+never split), each called right after the batch was verified. GPU-resident buckets (CUDA IPC,
+NCCL) are verified whole, then applied, as before.
 """
 
 from __future__ import annotations
@@ -20,9 +32,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from rlix_plugins.errors import ChecksumMismatchError, ReceiverGoneError, WeightSyncError
-from rlix_plugins.training.bucket_cache import TensorEntry, unpack_bucket
-from rlix_plugins.training.checksum import checksum_tensor
+from rlix_plugins.training.bucket_cache import TensorEntry, torch_dtype, unpack_bucket
+from rlix_plugins.training.checksum import checksum_bytes, checksum_tensor
 from rlix_plugins.training.transports.base import ReceiverTransport, open_receiver_transport
 from rlix_plugins.training.transports.selection import ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer, decode, encode
@@ -36,6 +50,13 @@ logger = logging.getLogger(__name__)
 #: ``load_weights(list of (HF name, tensor view))``: must copy what it keeps; the views are
 #: only valid during the call.
 LoadWeightsFn = Callable[[list[tuple[str, "torch.Tensor"]]], object]
+#: ``destination(name, dtype, shape)``: the preallocated tensor that ``name`` is copied into,
+#: or None to hand it to ``load_weights`` instead.
+DestinationFn = Callable[[str, "torch.dtype", tuple[int, ...]], "torch.Tensor | None"]
+
+#: Default ``batch_bytes``: what a plain ``load_weights`` gets per call, verified just before;
+#: small enough to still be in the L3 cache when ``load_weights`` copies it.
+DEFAULT_BATCH_BYTES = 4 << 20
 
 
 def _error_type(exc: BaseException) -> str:
@@ -49,10 +70,85 @@ class _Stats:
     peak: int = 0
 
 
+class _Verifier:
+    """Verifies one bucket's bytes in order, segment by segment, before they are applied.
+
+    ``upto(end)`` guarantees ``[0, end)`` was verified (it checks the segments not checked yet);
+    a bucket without segment checksums, or one in GPU memory, is verified whole at once.
+    """
+
+    def __init__(self, offer: SyncOffer, header: Mapping[str, Any], data: torch.Tensor) -> None:
+        self.offer = offer
+        self.index = int(header["index"])
+        self.nbytes = int(header["nbytes"])
+        self.verified = 0
+        self.host: np.ndarray | None = None
+        seg = int(header.get("segment_bytes") or 0)
+        sums = [int(x) for x in header.get("segment_checksums") or ()]
+        if int(data.shape[0]) != self.nbytes:
+            raise WeightSyncError(
+                f"shard {offer.shard_id}: bucket {self.index} has {int(data.shape[0])} bytes, "
+                f"header says {self.nbytes}"
+            )
+        if data.device.type != "cpu" or seg <= 0:
+            self._verify_whole(int(header["checksum"]), data)
+            self.verified = self.nbytes
+            return
+        if len(sums) != -(-self.nbytes // seg):
+            raise WeightSyncError(
+                f"shard {offer.shard_id}: bucket {self.index} has {len(sums)} segment checksums "
+                f"for {self.nbytes} bytes in segments of {seg}"
+            )
+        self.host = data.numpy()
+        self.segment_bytes = seg
+        self.sums = sums
+
+    def _verify_whole(self, expected: int, data: torch.Tensor) -> None:
+        got = checksum_tensor(data, self.offer.checksum)
+        if got != expected:
+            raise ChecksumMismatchError(
+                f"shard {self.offer.shard_id}: bucket {self.index} of weight version "
+                f"{self.offer.version} ({self.nbytes} bytes) has {self.offer.checksum.value} "
+                f"{got:#x}, sender computed {expected:#x}; nothing of this bucket was applied"
+            )
+
+    def upto(self, end: int) -> None:
+        if end <= self.verified:
+            return
+        assert self.host is not None
+        seg = self.segment_bytes
+        while self.verified < end:
+            k = self.verified // seg
+            a, b = k * seg, min((k + 1) * seg, self.nbytes)
+            got = checksum_bytes(self.host[a:b], self.offer.checksum)
+            if got != self.sums[k]:
+                raise ChecksumMismatchError(
+                    f"shard {self.offer.shard_id}: bucket {self.index} of weight version "
+                    f"{self.offer.version}, segment {k} (bytes {a}..{b}) has "
+                    f"{self.offer.checksum.value} {got:#x}, sender computed {self.sums[k]:#x}; "
+                    f"bytes 0..{a} of this bucket passed and may have been applied, nothing "
+                    "after; the version is not applied"
+                )
+            self.verified = b
+
+    def finish(self) -> None:
+        self.upto(self.nbytes)
+
+
+@dataclass(slots=True)
+class _Received:
+    """One fetched bucket: its bytes, its tensor entries and their verifier."""
+
+    data: torch.Tensor
+    entries: list[TensorEntry]
+    verifier: _Verifier
+
+
 def _bucket_stream(
     sock: zmq.Socket[bytes], transport: ReceiverTransport, offer: SyncOffer, stats: _Stats
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield each verified bucket's tensors; ack it once the consumer asks for the next one."""
+) -> Iterator[_Received]:
+    """Yield each bucket; once the consumer asks for the next one, verify whatever it did not
+    (trailing bytes), release the bucket and ack it."""
     import zmq
 
     timeout_ms = int(offer.timeout_s * 1000)
@@ -80,12 +176,16 @@ def _bucket_stream(
         if kind != "bucket":
             raise WeightSyncError(f"unexpected control message {header!r}")
         data = transport.fetch(header, list(frames[1:]))
-        tensors = _verified(offer, header, data)
+        received = _Received(
+            data, [TensorEntry.from_wire(e) for e in header["entries"]],
+            _Verifier(offer, header, data),
+        )
         # Drop every local reference to this bucket before it is acked: the next bucket
         # arrives right after the ack, and a live reference here would double the peak.
         del frames, data
-        yield tensors
-        del tensors
+        yield received
+        received.verifier.finish()
+        del received
         transport.release()
         nbytes = int(header["nbytes"])
         stats.count += 1
@@ -94,10 +194,7 @@ def _bucket_stream(
         sock.send(encode({"ok": True, "kind": "ack", "index": int(header["index"])}))
 
 
-def _run(
-    offer: SyncOffer,
-    consume: Callable[[Iterator[list[tuple[str, torch.Tensor]]]], object],
-) -> ReceiveResult:
+def _run(offer: SyncOffer, consume: Callable[[Iterator[_Received]], object]) -> ReceiveResult:
     import zmq
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -133,15 +230,85 @@ def _run(
         sock.close(linger=1000)
 
 
-def receive_weights(offer: SyncOffer, load_weights: LoadWeightsFn) -> ReceiveResult:
-    """Receive ``offer.version``, calling ``load_weights`` once per verified bucket; blocking."""
+def _view(data: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    return data[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
 
-    def consume(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
-        for tensors in buckets:
-            load_weights(tensors)
-            del tensors  # the loop variable would keep this bucket alive into the next one
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """A flat uint8 numpy view of a contiguous CPU tensor, else None."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _copy_verified(b: _Received, e: TensorEntry, dst: torch.Tensor) -> None:
+    """Copy entry ``e`` into ``dst``, each segment right after it was verified."""
+    ver = b.verifier
+    out = _host_bytes(dst) if ver.host is not None and e.nbytes else None
+    if out is None or ver.host is None:
+        ver.upto(e.offset + e.nbytes)
+        dst.copy_(_view(b.data, e))
+        return
+    src = ver.host
+    pos, end = e.offset, e.offset + e.nbytes
+    while pos < end:
+        ver.upto(pos + 1)  # the segment holding ``pos``
+        stop = min(end, ver.verified)
+        np.copyto(out[pos - e.offset : stop - e.offset], src[pos:stop])
+        pos = stop
+
+
+def _check_destination(e: TensorEntry, dst: torch.Tensor) -> None:
+    if tuple(dst.shape) != e.shape or dst.dtype != torch_dtype(e.dtype):
+        raise WeightSyncError(
+            f"parameter {e.name!r} is {dst.dtype} {tuple(dst.shape)}, received "
+            f"{e.dtype} {e.shape}"
+        )
+
+
+def receive_weights(
+    offer: SyncOffer,
+    load_weights: LoadWeightsFn,
+    *,
+    destination: DestinationFn | None = None,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+) -> ReceiveResult:
+    """Receive ``offer.version``; blocking.
+
+    Tensors for which ``destination`` returns a tensor are copied into it segment by segment,
+    each segment verified just before; the others go to ``load_weights`` in batches of whole
+    tensors of at most ``batch_bytes`` (one tensor if larger), each batch verified just before
+    the call. A tensor is never handed out before all its bytes were verified.
+    """
+
+    def consume(buckets: Iterator[_Received]) -> None:
+        for b in buckets:
+            batch: list[TensorEntry] = []
+            size = 0
+            for e in b.entries:
+                dst = destination(e.name, torch_dtype(e.dtype), e.shape) if destination else None
+                if dst is not None:
+                    _check_destination(e, dst)
+                    _copy_verified(b, e, dst)
+                    continue
+                if batch and size + e.nbytes > batch_bytes:
+                    _load_batch(b, batch, load_weights)
+                    batch, size = [], 0
+                batch.append(e)
+                size += e.nbytes
+            if batch:
+                _load_batch(b, batch, load_weights)
+            del b  # the loop variable would keep this bucket alive into the next one
 
     return _run(offer, consume)
+
+
+def _load_batch(b: _Received, batch: list[TensorEntry], load_weights: LoadWeightsFn) -> None:
+    last = batch[-1]
+    b.verifier.upto(last.offset + last.nbytes)
+    load_weights(unpack_bucket(b.data, batch))
 
 
 def receive_weights_streaming(
@@ -149,31 +316,24 @@ def receive_weights_streaming(
 ) -> ReceiveResult:
     """Receive ``offer.version`` as ONE iterator of (name, tensor) handed to ``consume``.
 
-    For loaders that take a whole weights iterator (vLLM's ``reload_weights``). A bucket is
-    acked when ``consume`` asks for the first tensor after it; tensors it keeps beyond that
-    keep their bucket's memory alive, so the one-bucket bound holds only for consumers that
-    copy as they go.
+    For loaders that take a whole weights iterator (vLLM's ``reload_weights``). Each tensor is
+    yielded only after every segment holding its bytes was verified. A bucket is acked when
+    ``consume`` asks for the first tensor after it; tensors it keeps beyond that keep their
+    bucket's memory alive, so the one-bucket bound holds only for consumers that copy as they
+    go.
     """
 
-    def flatten(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> None:
-        consume(t for tensors in buckets for t in tensors)
+    def tensors(buckets: Iterator[_Received]) -> Iterator[tuple[str, torch.Tensor]]:
+        for b in buckets:
+            for e in b.entries:
+                b.verifier.upto(e.offset + e.nbytes)
+                yield e.name, _view(b.data, e)
+            del b
+
+    def flatten(buckets: Iterator[_Received]) -> None:
+        consume(tensors(buckets))
 
     return _run(offer, flatten)
-
-
-def _verified(
-    offer: SyncOffer, header: Mapping[str, Any], data: torch.Tensor
-) -> list[tuple[str, torch.Tensor]]:
-    expected = int(header["checksum"])
-    got = checksum_tensor(data, offer.checksum)
-    if got != expected:
-        raise ChecksumMismatchError(
-            f"shard {offer.shard_id}: bucket {header['index']} of weight version "
-            f"{offer.version} ({header['nbytes']} bytes) has {offer.checksum.value} {got:#x}, "
-            f"sender computed {expected:#x}; nothing of this bucket was applied"
-        )
-    entries = [TensorEntry.from_wire(e) for e in header["entries"]]
-    return unpack_bucket(data, entries)
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -210,6 +370,22 @@ class StateDictTarget:
         self.allocate_missing = allocate_missing
         self.loaded: list[str] = []
 
+    def destination(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        """The preallocated tensor ``name`` is copied into (None: no slot, ``load_weights``
+        decides); for :func:`receive_weights`'s ``destination``."""
+        dst = self.tensors.get(name)
+        if dst is None:
+            return None
+        if tuple(dst.shape) != tuple(shape) or dst.dtype != dtype:
+            raise WeightSyncError(
+                f"parameter {name!r} is {dst.dtype} {tuple(dst.shape)}, received "
+                f"{dtype} {tuple(shape)}"
+            )
+        self.loaded.append(name)
+        return dst
+
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         for name, src in weights:
             dst = self.tensors.get(name)
@@ -235,9 +411,12 @@ class ThreadReceiver:
         shard_id: str,
         load_weights: LoadWeightsFn,
         location: ReceiverLocation | None = None,
+        *,
+        destination: DestinationFn | None = None,
     ) -> None:
         self._shard_id = shard_id
         self._load = load_weights
+        self._destination = destination
         self._location = location or ReceiverLocation()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"rlix-recv-{shard_id}"
@@ -254,7 +433,7 @@ class ThreadReceiver:
 
     def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
         def run() -> ReceiveResult:
-            result = receive_weights(offer, self._load)
+            result = receive_weights(offer, self._load, destination=self._destination)
             self.versions.append(result.version)
             return result
 

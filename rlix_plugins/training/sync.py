@@ -3,7 +3,9 @@
 :func:`sync_version` pins the version in the cache, picks a transport per receiver
 (:func:`~rlix_plugins.training.transports.select_transport`), and streams the version bucket by
 bucket; each receiver acks a bucket only after verifying and applying it, and the next bucket
-is sent only after that ack, so a receiver's extra memory peaks at one bucket.
+is sent only after that ack, so a receiver's extra memory peaks at one bucket. The shm
+transport is the exception to the lockstep: its receivers map the cache's own pages, so all
+bucket headers are sent at once and the receiver works through them one bucket at a time.
 
 Receivers that share nothing are independent: point-to-point receivers (shm, zmq, cuda_ipc)
 each get their own thread, broadcast receivers (nccl, gloo) share one temporary group. State
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 20
+_GRACE_S = 10.0
 _BROADCAST = (TransportKind.NCCL, TransportKind.GLOO)
 
 
@@ -159,7 +162,13 @@ def _wait(member: _Member, event: int, deadline: float, what: str) -> None:
             return
         fut = member.future
         if fut is not None and fut.done():
-            if member.socket.poll(0, event):  # its last message may have raced the future
+            # A receiver that ended well sent its last messages before its future completed,
+            # but they travel on another channel (ZMQ's I/O threads) than the future's result
+            # (a pipe, an RPC) and can arrive later under load: give them a grace period.
+            failed = fut.cancelled() or fut.exception() is not None
+            left = max(0.0, deadline - time.monotonic())
+            grace_ms = 0 if failed else int(1000 * min(_GRACE_S, left))
+            if member.socket.poll(grace_ms, event):
                 return
             raise _gone(member, f"ended before {what}")
         if time.monotonic() > deadline:
@@ -234,7 +243,17 @@ class _Group:
                         ),
                     ) from exc
             self._guard(None, transport.prepare)
+            # Acks awaited from the receivers, oldest first. A transport whose receivers hold
+            # no copy of a bucket (shm: they map the cache's own pages) may announce buckets
+            # ahead of the acks, so a receiver goes from one bucket to the next without a
+            # round trip through the sender; the others keep strict lockstep (one in flight).
+            window = max(1, transport.headers_ahead)
+            in_flight = 0
             for bucket in cv.buckets:
+                while in_flight >= window:
+                    for m in self.members:
+                        self._guard(m, _recv, m, opts.ack_timeout_s, "bucket ack")
+                    in_flight -= 1
                 extras, frames = transport.frames(bucket)
                 header = {
                     "kind": "bucket",
@@ -242,11 +261,15 @@ class _Group:
                     "nbytes": bucket.layout.nbytes,
                     "checksum": bucket.layout.checksum,
                     "entries": [e.to_wire() for e in bucket.layout.entries],
+                    "segment_bytes": bucket.layout.segment_bytes,
+                    "segment_checksums": list(bucket.layout.segment_checksums),
                     **extras,
                 }
                 for m in self.members:
                     self._guard(m, _send, m, header, frames, opts.ack_timeout_s)
                 self._guard(None, transport.after_headers, bucket)
+                in_flight += 1
+            for _ in range(in_flight):
                 for m in self.members:
                     self._guard(m, _recv, m, opts.ack_timeout_s, "bucket ack")
             outcomes: list[ShardOutcome] = []

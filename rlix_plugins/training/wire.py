@@ -7,6 +7,11 @@ imports only this module, the checksum and the transports; never the cache.
 Per bucket the sender sends a JSON header (+ transport frames) on a ZMQ control channel and
 waits for the receiver's JSON ack before the next bucket: that lockstep is what bounds a
 receiver's extra memory to one bucket.
+
+A shared-memory bucket file also starts with a small binary header (:class:`ShmFileHeader`)
+written by the cache when the bucket is sealed: the receiver reads it through its own mapping
+and compares it with the control message, so a mapping kept from an earlier sync is only used
+when it shows exactly the bucket the sender announced.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 from rlix_plugins.errors import WeightSyncError
 from rlix_plugins.training.checksum import ChecksumKind
@@ -116,3 +123,56 @@ def decode(raw: bytes | memoryview) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise WeightSyncError(f"control message is not an object: {value!r}")
     return value
+
+
+#: Bytes before a shared-memory bucket's data (one page, so the data stays page-aligned).
+SHM_FILE_HEADER_BYTES = 4096
+_SHM_MAGIC = 0x31305742584C4952  # b"RLIXWB01" little-endian
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ShmFileHeader:
+    """What a /dev/shm bucket file holds right now, as written by the cache at seal time.
+
+    ``token`` is random per cache instance and ``generation`` increases every time the cache
+    (re)writes a bucket, so the pair names one bucket content uniquely; ``generation == 0``
+    marks a file being (re)written. The sender puts the same fields in the bucket's control
+    header; a receiver whose mapping shows anything else has a stale or foreign mapping.
+    """
+
+    token: int
+    generation: int
+    version: int
+    index: int
+    nbytes: int
+    checksum: int
+
+    WORDS = 8
+
+    def to_words(self) -> np.ndarray:
+        """The header as little-endian uint64 words (the first 64 bytes of the file)."""
+        return np.array(
+            [_SHM_MAGIC, self.token, self.generation, self.version & _U64, self.index,
+             self.nbytes, self.checksum & _U64, 0],
+            dtype="<u8",
+        )
+
+    @staticmethod
+    def from_words(words: np.ndarray) -> ShmFileHeader | None:
+        """Parse the first 8 words of a file; None when it holds no sealed bucket."""
+        w = [int(x) for x in words[: ShmFileHeader.WORDS]]
+        if len(w) < ShmFileHeader.WORDS or w[0] != _SHM_MAGIC or w[2] == 0:
+            return None
+        version = w[3] - (1 << 64) if w[3] >> 63 else w[3]
+        return ShmFileHeader(w[1], w[2], version, w[4], w[5], w[6])
+
+    def to_wire(self) -> dict[str, int]:
+        return {
+            "token": self.token,
+            "generation": self.generation,
+            "version": self.version,
+            "index": self.index,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+        }

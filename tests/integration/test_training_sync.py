@@ -6,8 +6,10 @@ in spawned child processes (SpawnedReceiver). GPU transports are at the end, mar
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,7 +23,11 @@ from rlix_plugins.errors import (
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind
 from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
 from rlix_plugins.training.process_receiver import SpawnedReceiver
-from rlix_plugins.training.receiver import StateDictTarget, ThreadReceiver
+from rlix_plugins.training.receiver import (
+    StateDictTarget,
+    ThreadReceiver,
+    receive_weights_streaming,
+)
 from rlix_plugins.training.sync import SyncOptions, sync_version
 from rlix_plugins.training.transports.selection import ReceiverLocation, SenderLocation
 from rlix_plugins.training.wire import SyncOffer, TransportKind
@@ -179,6 +185,79 @@ def test_corrupted_bucket_is_detected_and_not_applied() -> None:
     cache.close()
 
 
+class _StreamingReceiver:
+    """The library's streaming receive loop (the vLLM path) on a thread; keeps copies."""
+
+    def __init__(self, shard_id: str) -> None:
+        self.shard_id = shard_id
+        self.location = ReceiverLocation()
+        self.got: dict[str, torch.Tensor] = {}
+        self.versions: list[int] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[object]:
+        def consume(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+            for name, t in weights:
+                self.got[name] = t.clone()
+
+        def run() -> object:
+            result = receive_weights_streaming(offer, consume)
+            self.versions.append(result.version)
+            return result
+
+        return self._pool.submit(run)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("kind", [TransportKind.SHM, TransportKind.ZMQ])
+@pytest.mark.parametrize("path", ["destination", "load_weights", "streaming"])
+def test_corrupted_segment_is_detected_and_never_applied(kind: TransportKind, path: str) -> None:
+    # 32 KiB segments, 256 KiB buckets: the corruption sits in a later segment of bucket 1,
+    # so earlier segments are applied (the documented guarantee) and the bad one never is.
+    seg = 32 << 10
+    w = _weights(9, n=40, size=6000)
+    cache = BucketCache(
+        "ft_seg",
+        CacheConfig(bucket_bytes=256 << 10, storage=StorageKind.SHARED, ram_reserve_bytes=0,
+                    segment_bytes=seg),
+    )
+    cache.build(1, w.items())
+    with cache.pinned(1) as cv:
+        assert len(cv.buckets) >= 3 and cv.buckets[1].layout.segment_bytes == seg
+        first_names = {e.name for e in cv.buckets[0].layout.entries}
+        hit = next(e for e in cv.buckets[1].layout.entries if e.offset >= 2 * seg)
+        bad_segment = (hit.offset + 8) // seg
+        cv.buckets[1].storage[hit.offset + 8] ^= 0x5A  # after the checksums were taken
+    target = StateDictTarget(_zeros_like(w))
+    receiver: ThreadReceiver | _StreamingReceiver
+    if path == "streaming":
+        receiver = _StreamingReceiver("s0")
+    else:
+        receiver = ThreadReceiver(
+            "s0", target.load_weights,
+            destination=target.destination if path == "destination" else None,
+        )
+    try:
+        with pytest.raises(
+            ChecksumMismatchError, match=rf"failed for \['s0'\].*bucket 1 .*segment {bad_segment} "
+        ):
+            sync_version(cache, 1, [receiver], options=SyncOptions(
+                transports={"s0": kind}, ack_timeout_s=20))
+        assert receiver.versions == []  # the version is not reported applied
+        got = receiver.got if isinstance(receiver, _StreamingReceiver) else target.tensors
+        assert hit.name not in got or not got[hit.name].any()  # its bytes never arrived
+        for name in first_names:  # bucket 0 verified and applied before bucket 1 arrived
+            assert torch.equal(got[name], w[name]), name
+        with cache.pinned(1) as cv:
+            later = [e.name for b in cv.buckets[2:] for e in b.layout.entries]
+        assert all(n not in got or not got[n].any() for n in later)
+    finally:
+        receiver.close()
+        cache.close()
+
+
 def test_receiver_failing_mid_sync_fails_only_itself() -> None:
     w = _weights(5)
     cache = _cache("ft_f", 1, w)
@@ -240,8 +319,16 @@ def test_spawned_receivers_get_the_version_with_one_bucket_of_extra_memory() -> 
         expected = {k: _fp(v) for k, v in w.items()}
         for r in receivers[:2]:
             stats = r.last_stats
-            assert stats is not None and stats.checksums == expected
+            assert stats is not None and r.param_checksums() == expected
             assert stats.peak_extra_bytes < 2 * bucket, (r.shard_id, stats.peak_extra_bytes)
+            # steady state: the mapped shared size did not change, so the rise is private
+            assert stats.private_peak_is_exact, stats
+        shm_stats = receivers[1].last_stats
+        assert shm_stats is not None
+        # the shm receiver keeps the cache's files mapped (shared pages, not its own memory)
+        # and copies from them straight into its tensors: no private bucket-sized buffer
+        assert shm_stats.shared_mapped_bytes >= 16 << 20
+        assert shm_stats.private_peak_extra_bytes < bucket
         assert receivers[2].syncs == 0
     finally:
         for r in receivers:
@@ -289,8 +376,7 @@ def test_gpu_transports(kind: TransportKind) -> None:  # pragma: no cover - need
             options=SyncOptions(transports={"g0": kind}),
         )
         assert report.succeeded == ("g0",)
-        stats = receiver.last_stats
-        assert stats is not None and stats.checksums == {k: _fp(v) for k, v in w.items()}
+        assert receiver.param_checksums() == {k: _fp(v) for k, v in w.items()}
     finally:
         receiver.close()
         cache.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlix_plugins.errors import ChecksumMismatchError
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
 from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
 from rlix_plugins.training.sync import SyncOptions, sync_version
@@ -107,6 +108,19 @@ def test_vllm_engine_weights_replaced_through_worker_extension(
         sync_version(cache, 3, [receiver], options=opts)
         assert _greedy(engine) == out1
         assert receiver.weight_version() == 3
+
+        # a corrupted segment: each tensor is verified before vLLM sees it; the sync fails
+        # and the worker reports no version (it holds a partly updated model)
+        cache.activate(3)  # kept while version 4 is built
+        cache.build(4, w2.items())
+        with cache.pinned(4) as cv:
+            assert len(cv.buckets) > 1
+            cv.buckets[1].storage[200] ^= 0xFF
+        with pytest.raises(ChecksumMismatchError, match=r"bucket 1 .*segment 0"):
+            sync_version(cache, 4, [receiver], options=opts)
+        assert receiver.weight_version() is None
+        sync_version(cache, 3, [receiver], options=opts)  # a resync restores a served version
+        assert receiver.weight_version() == 3 and _greedy(engine) == out1
     finally:
         receiver.close()
         cache.close()

@@ -233,3 +233,73 @@ def test_fletcher_numpy_and_torch_agree_and_detect_changes() -> None:
     swapped = np.concatenate([blocks[1], blocks[0], blocks[2], blocks[3]])
     assert fletcher64_numpy(swapped) != fletcher64_numpy(data)
     assert fletcher64_numpy(data[:-8]) != fletcher64_numpy(data)
+
+
+def test_freed_versions_files_are_recycled_with_a_new_file_header() -> None:
+    from rlix_plugins.training.wire import ShmFileHeader
+
+    files0 = _shm_files()
+    cache = BucketCache(
+        "p", CacheConfig(bucket_bytes=8192, storage=StorageKind.SHARED, ram_reserve_bytes=0)
+    )
+    cache.build(1, _weights(1).items())
+    cache.activate(1)
+    v1 = _bucket_paths(cache, 1)
+    cache.build(2, _weights(2).items())
+    cache.activate(2)  # frees 1: its files go to the pool, not back to the OS
+    assert cache.pooled_bytes() == len(v1) * 8192
+    assert {p.name for p in v1} <= _shm_files()
+    cache.check_capacity(len(v1) * 8192, probe=HostMemory(available_bytes=0, source="probe"))
+    cache.build(3, _weights(3).items())
+    assert _bucket_paths(cache, 3) == v1 and cache.pooled_bytes() == 0
+    with cache.pinned(3) as cv:
+        gens = [b.generation for b in cv.buckets]
+        for b in cv.buckets:
+            assert b._header is not None
+            got = ShmFileHeader.from_words(b._header)
+            assert got == ShmFileHeader(
+                cv.file_token, b.generation, 3, b.layout.index, b.layout.nbytes, b.layout.checksum
+            )
+    with cache.pinned(2) as cv:
+        assert min(gens) > max(b.generation for b in cv.buckets)  # generations only grow
+    got = dict(cache.named_tensors(3))
+    assert all(torch.equal(got[k].view(-1).view(torch.uint8), v.contiguous().view(-1).view(
+        torch.uint8)) for k, v in _weights(3).items())
+    cache.close()
+    assert _shm_files() == files0  # the pool is emptied on close
+
+
+def test_recycling_off_returns_freed_files() -> None:
+    cache = BucketCache(
+        "p",
+        CacheConfig(bucket_bytes=8192, storage=StorageKind.SHARED, ram_reserve_bytes=0,
+                    recycle_files=False),
+    )
+    cache.build(1, _weights(1).items())
+    cache.activate(1)
+    v1 = _bucket_paths(cache, 1)
+    cache.build(2, _weights(2).items())
+    cache.activate(2)
+    assert cache.pooled_bytes() == 0 and not {p.name for p in v1} & _shm_files()
+    cache.build(3, _weights(3).items())
+    assert not set(_bucket_paths(cache, 3)) & set(v1)
+    cache.close()
+
+
+def test_segment_checksums_cover_each_slice() -> None:
+    cache = BucketCache(
+        "p", CacheConfig(bucket_bytes=256 << 10, storage=StorageKind.PAGEABLE,
+                         ram_reserve_bytes=0, segment_bytes=32 << 10)
+    )
+    cache.build(1, {f"t{i}": torch.randn(10_000) for i in range(12)}.items())
+    with cache.pinned(1) as cv:
+        for b in cv.buckets:
+            seg = b.layout.segment_bytes
+            data = b.data.numpy()
+            assert seg == 32 << 10 and len(b.layout.segment_checksums) == -(-len(data) // seg)
+            for k, s in enumerate(b.layout.segment_checksums):
+                assert s == checksum_bytes(data[k * seg : (k + 1) * seg], ChecksumKind.FLETCHER64)
+            assert b.layout.checksum == fletcher64_numpy(data)
+    cache.close()
+    with pytest.raises(WeightCacheError, match="segment_bytes=1000 is invalid"):
+        CacheConfig(segment_bytes=1000)

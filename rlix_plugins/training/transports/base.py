@@ -30,6 +30,9 @@ class SenderTransport(abc.ABC):
     """Sender side of one transport for one group of receivers."""
 
     kind: TransportKind
+    #: How many bucket headers may be sent before the oldest is acked. 1 (lockstep) keeps a
+    #: receiver's extra memory at one bucket for transports that copy bytes to the receiver.
+    headers_ahead: int = 1
 
     def details(self, rank: int) -> dict[str, Any]:
         """Transport details for the receiver at ``rank`` (1-based within the group)."""
@@ -93,7 +96,7 @@ def open_receiver_transport(offer: SyncOffer) -> ReceiverTransport:
     if kind is TransportKind.SHM:
         from rlix_plugins.training.transports.shm import ShmReceiver
 
-        return ShmReceiver()
+        return ShmReceiver(offer)
     if kind is TransportKind.ZMQ:
         from rlix_plugins.training.transports.zmq import ZmqReceiver
 
