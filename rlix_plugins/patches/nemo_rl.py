@@ -17,6 +17,12 @@ driver                ``grpo.VllmGeneration`` -> :class:`RLixVllmGeneration` (ro
                       after-training half with the native refit skipped
 driver / any          ``vllm_generation.resolve_generation_worker_cls`` (looked up at call
                       time) maps the stock async worker FQN to ours
+driver                placement (partial overlap): ``grpo.RayVirtualCluster`` -> role views
+                      of one shared placement group, bound to ``policy.generation.rlix`` by
+                      the ``VllmGeneration`` / ``Policy`` subclasses; ``RayWorkerGroup`` as
+                      looked up by ``vllm_generation`` and ``lm_policy`` places workers on
+                      the role's bundles and checks their GPUs
+                      (:mod:`rlix_plugins.adapters.nemo_rl_placement`)
 driver                ``async_utils.ReplayBuffer`` / ``AsyncTrajectoryCollector`` (imported at
                       call time inside ``async_grpo_train``) -> subclasses of their undecorated
                       classes, re-decorated: ``valid_count`` and progress reports
@@ -68,6 +74,7 @@ _POLICY = "nemo_rl.models.policy.lm_policy"
 _MEGATRON = "nemo_rl.models.policy.workers.megatron_policy_worker"
 _WSYNC = "nemo_rl.weight_sync.interfaces"
 _WGROUP = "nemo_rl.distributed.worker_groups"
+_VCLUSTER = "nemo_rl.distributed.virtual_cluster"
 
 #: FQNs NeMo RL's builders import for our worker classes.
 RLIX_VLLM_WORKER_FQN = "rlix_plugins.adapters.nemo_rl_workers.RLixVllmAsyncGenerationWorker"
@@ -109,6 +116,15 @@ PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
         _p("worker handles", f"{_WGROUP}:RayWorkerGroup.workers", PlugKind.READ),
         _p("one-worker call", f"{_WGROUP}:RayWorkerGroup.run_single_worker_single_data",
            PlugKind.READ, ("method_name", "worker_idx")),
+        _p("vLLM worker group class", f"{_VGEN}:RayWorkerGroup", PlugKind.ATTRIBUTE,
+           why="looked up at call time in VllmGeneration.__init__: workers on the role's "
+           "bundles of the shared placement group, then checked"),
+        _p("worker group", f"{_WGROUP}:RayWorkerGroup.__init__", PlugKind.SUBCLASS,
+           ("cluster", "remote_worker_builder", "workers_per_node", "name_prefix",
+            "bundle_indices_list", "sharding_annotations", "env_vars")),
+        _p("vLLM placement groups", f"{_VCLUSTER}:RayVirtualCluster._init_placement_groups",
+           PlugKind.SUBCLASS, ("strategy", "use_unified_pg"),
+           why="VllmGeneration.__init__ calls it; a bound view already holds the shared group"),
     ),
     _VWORKER: (
         _p("async vLLM worker (undecorated)", f"{_VWORKER}:VllmAsyncGenerationWorkerImpl",
@@ -126,6 +142,19 @@ PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
            why="grpo.setup's init_vllm looks the name up at call time"),
         _p("policy class", f"{_GRPO}:Policy", PlugKind.ATTRIBUTE,
            why="grpo.setup uses Policy when no policy_factory is given"),
+        _p("cluster class", f"{_GRPO}:RayVirtualCluster", PlugKind.ATTRIBUTE,
+           why="grpo.setup looks it up at call time: train/inference clusters become views of "
+           "one shared placement group (partial overlap)"),
+        _p("cluster", f"{_VCLUSTER}:RayVirtualCluster.__init__", PlugKind.SUBCLASS,
+           ("bundle_ct_per_node_list", "use_gpus", "max_colocated_worker_groups",
+            "num_gpus_per_node", "name", "placement_group_strategy",
+            "node_resource_constraints")),
+        _p("cluster shutdown", f"{_VCLUSTER}:RayVirtualCluster.shutdown", PlugKind.SUBCLASS),
+        _p("cluster placement groups", f"{_VCLUSTER}:RayVirtualCluster.get_placement_groups",
+           PlugKind.READ),
+        _p("bundle GPU probe", f"{_VCLUSTER}:get_reordered_bundle", PlugKind.READ,
+           ("pg", "segment_size", "gpus_per_node"),
+           why="asks Ray which GPU each bundle of the shared group landed on"),
         _p("setup", f"{_GRPO}:setup", PlugKind.READ, ("master_config", "policy_factory")),
         _p("refit", f"{_GRPO}:refit_policy_generation", PlugKind.READ,
            ("policy", "policy_generation", "colocated_inference", "timer", "kv_scales"),
@@ -154,6 +183,9 @@ PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
         _p("offload after refit", f"{_POLICY}:Policy.offload_after_refit", PlugKind.READ),
         _p("all-worker call", f"{_POLICY}:Policy.run_all_workers_single_data", PlugKind.READ,
            ("method_name",)),
+        _p("policy worker group class", f"{_POLICY}:RayWorkerGroup", PlugKind.ATTRIBUTE,
+           why="looked up at call time in Policy.__init__: training workers are checked "
+           "against the layout on the shared placement group"),
     ),
     _MEGATRON: (
         _p("Megatron worker (undecorated)", f"{_MEGATRON}:MegatronPolicyWorkerImpl",
@@ -202,15 +234,31 @@ def _apply_vgen(patch: NemoRlPatch, module: Any) -> None:
         return resolved
 
     patch.set_attribute(module, "resolve_generation_worker_cls", resolve_generation_worker_cls)
+    _apply_worker_group(patch, module)
+
+
+def _apply_worker_group(patch: NemoRlPatch, module: Any) -> None:
+    from rlix_plugins.adapters.nemo_rl_placement import RLixRayWorkerGroup
+
+    patch.set_attribute(module, "RayWorkerGroup", RLixRayWorkerGroup)
 
 
 def _apply_grpo(patch: NemoRlPatch, module: Any) -> None:
     from rlix_plugins.adapters.nemo_rl import attach_generation, make_policy_class
     from rlix_plugins.adapters.nemo_rl_generation import RLixVllmGeneration
+    from rlix_plugins.adapters.nemo_rl_placement import (
+        RLixPlacementCluster,
+        make_placed_policy_class,
+    )
+    from rlix_plugins.adapters.nemo_rl_placement_generation import RLixPlacedVllmGeneration
 
     patch.set_attribute(RLixVllmGeneration, "_rlix_on_init", staticmethod(attach_generation))
-    patch.set_attribute(module, "VllmGeneration", RLixVllmGeneration)
-    patch.set_attribute(module, "Policy", make_policy_class(module.Policy))
+    # Placement binds the clusters before the router subclass and NeMo RL's constructors run.
+    patch.set_attribute(module, "RayVirtualCluster", RLixPlacementCluster)
+    patch.set_attribute(module, "VllmGeneration", RLixPlacedVllmGeneration)
+    patch.set_attribute(
+        module, "Policy", make_placed_policy_class(make_policy_class(module.Policy))
+    )
 
 
 def _apply_async(patch: NemoRlPatch, module: Any) -> None:
@@ -224,11 +272,12 @@ def _apply_async(patch: NemoRlPatch, module: Any) -> None:
 _PARTS: tuple[_Part, ...] = (
     _Part(_REGISTRY, _apply_registry),
     _Part(_VGEN, _apply_vgen),
+    _Part(_POLICY, _apply_worker_group),
     _Part(_GRPO, _apply_grpo),
     _Part(_ASYNC, _apply_async),
 )
 
-# The points of _VWORKER, _POLICY, _MEGATRON and _WSYNC are only checked (we subclass there,
+# The points of _VWORKER, _MEGATRON and _WSYNC are only checked (we subclass there,
 # in our own modules, and replace nothing in the host module): doctor checks them all.
 
 

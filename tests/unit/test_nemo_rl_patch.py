@@ -98,3 +98,94 @@ def test_progress_target_and_batches() -> None:
     tracker.record(1, weight_version=4)  # intended for a later step: not this demand
     assert sent[0].metrics is not None and sent[0].metrics["new_batch"] is True
     assert sent[-1].completed == 1 and sent[-1].step_target_trajectories == 4
+
+
+# ------------------------------------------------------------------ placement plan (pure)
+
+
+def _bundles(*gpus: int, node: str = "n0") -> list[object]:
+    from rlix_plugins.adapters.nemo_rl_placement_plan import BundleGpu
+
+    return [BundleGpu(i, node, g) for i, g in enumerate(gpus)]
+
+
+def test_plan_follows_where_ray_put_each_bundle() -> None:
+    from rlix_plugins.adapters.nemo_rl_placement_plan import plan_placement
+
+    # Ray put bundle 0 on GPU 1 and bundle 1 on GPU 0: ranks follow GPU order, not bundles.
+    plan = plan_placement([0, 1], [0], _bundles(1, 0), {"n0": 0}, 2)  # type: ignore[arg-type]
+    assert plan.infer.bundles == (1, 0) and plan.train.bundles == (1,)
+    assert plan.device_mappings() == {"actor_infer": [0, 1], "actor_train": [0]}
+    assert plan.infer.bundle_groups(1) == [(0, [1]), (0, [0])]
+    assert plan.infer.bundle_groups(2) == [(0, [1, 0])]
+    assert plan.global_gpu_of_bundle(0) == 1
+
+
+def test_plan_global_ids_use_the_node_rank() -> None:
+    from rlix_plugins.adapters.nemo_rl_placement_plan import BundleGpu, plan_placement
+
+    bundles = [BundleGpu(0, "b", 0), BundleGpu(1, "a", 1)]
+    plan = plan_placement([1, 2], [2], bundles, {"a": 0, "b": 1}, 2)
+    assert plan.infer.gpus == (1, 2) and plan.infer.bundles == (1, 0)
+    assert plan.train.bundles == (0,) and plan.infer.node_indices == (0, 1)
+
+
+def test_plan_refuses_what_ray_did_not_give() -> None:
+    from rlix_plugins.adapters.nemo_rl_placement_plan import PlacementError, plan_placement
+
+    with pytest.raises(PlacementError, match=r"inference on GPUs \[0\] but Ray placed the "
+                       r"shared bundles on GPUs \[1\] \(bundle 0 -> GPU 1\)"):
+        plan_placement([0], [0], _bundles(1), {"n0": 0}, 2)  # type: ignore[arg-type]
+    with pytest.raises(PlacementError, match="subset of the inference GPUs"):
+        plan_placement([0], [1], _bundles(0), {"n0": 0}, 2)  # type: ignore[arg-type]
+    with pytest.raises(PlacementError, match="both report GPU 0"):
+        plan_placement([0, 1], [0], _bundles(0, 0), {"n0": 0}, 2)  # type: ignore[arg-type]
+    with pytest.raises(PlacementError, match="has no node rank"):
+        plan_placement([0], [0], _bundles(0, node="x"), {"n0": 0}, 2)  # type: ignore[arg-type]
+
+
+def test_worker_and_device_mapping_checks_name_the_mismatch() -> None:
+    from rlix_plugins.adapters.nemo_rl_placement_plan import (
+        PlacementError,
+        WorkerGpu,
+        check_device_mappings,
+        check_worker_gpus,
+        plan_placement,
+    )
+
+    plan = plan_placement([0, 1], [0], _bundles(0, 1), {"n0": 0}, 2)  # type: ignore[arg-type]
+    check_worker_gpus(plan, "actor_infer", [WorkerGpu(0, (0,), "0", "n0"),
+                                            WorkerGpu(1, (1,), "1", "n0")])
+    with pytest.raises(PlacementError, match=r"rank 0: on GPU \[1\].*planned GPU 0"):
+        check_worker_gpus(plan, "actor_train", [WorkerGpu(0, (1,), "1", "n0")])
+    with pytest.raises(PlacementError, match="rank 1: no report"):
+        check_worker_gpus(plan, "actor_infer", [WorkerGpu(0, (0,), "0", "n0")])
+    check_device_mappings(plan, {"actor_infer": [1, 0], "actor_train": [0]})
+    with pytest.raises(PlacementError, match=r"actor_train: coordinator told \[1\], workers "
+                       r"placed on \[0\]"):
+        check_device_mappings(plan, {"actor_infer": [0, 1], "actor_train": [1]})
+
+
+def test_layout_gpus_reads_policy_generation_rlix() -> None:
+    from rlix_plugins.adapters.nemo_rl_placement_plan import PlacementError, layout_gpus
+
+    assert layout_gpus({"rlix": {"infer_gpus": [0, 1], "train_gpus": [0]}}, 1, 1) == (
+        (0, 1), (0,))
+    assert layout_gpus({"rlix": {"infer_gpus": [0, 1, 2, 3], "train_gpu_count": 2}}, 1, 2) == (
+        (0, 1, 2, 3), (0, 1))
+    assert layout_gpus({}, 2, 1) == ((0, 1), (0,))  # defaults: stock size, train on the first
+    with pytest.raises(PlacementError, match="not a multiple of tp"):
+        layout_gpus({}, 3, 2)
+
+
+def test_placement_plug_points_are_declared() -> None:
+    targets = {p.target: p for p in NemoRlPatch.plug_points}
+    for target, kind in (
+        ("nemo_rl.algorithms.grpo:RayVirtualCluster", PlugKind.ATTRIBUTE),
+        ("nemo_rl.models.generation.vllm.vllm_generation:RayWorkerGroup", PlugKind.ATTRIBUTE),
+        ("nemo_rl.models.policy.lm_policy:RayWorkerGroup", PlugKind.ATTRIBUTE),
+        ("nemo_rl.distributed.virtual_cluster:RayVirtualCluster.__init__", PlugKind.SUBCLASS),
+        ("nemo_rl.distributed.worker_groups:RayWorkerGroup.__init__", PlugKind.SUBCLASS),
+        ("nemo_rl.distributed.virtual_cluster:get_reordered_bundle", PlugKind.READ),
+    ):
+        assert targets[target].kind is kind
