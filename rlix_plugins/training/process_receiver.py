@@ -44,6 +44,7 @@ class ChildSyncStats:
     shmem_after_bytes: int = 0
     anon_before_bytes: int = 0
     anon_after_bytes: int = 0
+    files_mapped: int = 0
 
     @property
     def peak_extra_bytes(self) -> int:
@@ -57,14 +58,14 @@ class ChildSyncStats:
 
     @property
     def private_peak_extra_bytes(self) -> int:
-        """Peak rise of the receiver's own memory. Exact when the shared-mapped size did not
-        change during the sync (a steady-state sync with kept mappings, or zmq/gloo); otherwise
-        the total rise, an upper bound (the kernel keeps no peak of private memory alone)."""
+        """Peak rise of the receiver's own memory. Exact when the sync mapped no file and the
+        shared-mapped size did not change (kept mappings, zmq, gloo); otherwise the total rise,
+        an upper bound (the kernel keeps no peak of private memory alone)."""
         return self.peak_extra_bytes
 
     @property
     def private_peak_is_exact(self) -> bool:
-        return self.shmem_before_bytes == self.shmem_after_bytes
+        return self.files_mapped == 0 and self.shmem_before_bytes == self.shmem_after_bytes
 
 
 def _status_kb(field: str) -> int:
@@ -82,6 +83,7 @@ def _child(conn: multiprocessing.connection.Connection, layout: dict[str, Any]) 
     from rlix_plugins.training.bucket_cache import torch_dtype
     from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
     from rlix_plugins.training.receiver import StateDictTarget, receive_weights
+    from rlix_plugins.training.transports.shm import mappings_opened
 
     torch.set_num_threads(1)
     tensors = {
@@ -108,12 +110,14 @@ def _child(conn: multiprocessing.connection.Connection, layout: dict[str, Any]) 
         except OSError:
             pass
         before = [_status_kb(k) * 1024 for k in ("VmRSS", "RssShmem", "RssAnon")]
+        maps_before = mappings_opened()
         try:
             result = receive_weights(offer, target.load_weights, destination=target.destination)
         except BaseException as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
             continue
         after = [_status_kb(k) * 1024 for k in ("VmHWM", "RssShmem", "RssAnon")]
+        after.append(mappings_opened() - maps_before)
         conn.send(("ok", result.to_dict(), before, after))
 
 
@@ -181,6 +185,7 @@ class SpawnedReceiver:
                     shmem_after_bytes=after[1],
                     anon_before_bytes=before[2],
                     anon_after_bytes=after[2],
+                    files_mapped=after[3],
                 )
                 self.syncs += 1
                 fut.set_result(result)

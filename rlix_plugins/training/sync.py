@@ -269,12 +269,19 @@ class _Group:
                     self._guard(m, _send, m, header, frames, opts.ack_timeout_s)
                 self._guard(None, transport.after_headers, bucket)
                 in_flight += 1
+            # with every header ahead, "end" goes right behind them: the receiver finishes
+            # without waiting for the sender to collect its acks
+            end_early = window > len(cv.buckets)
+            if end_early:
+                for m in self.members:
+                    self._guard(m, _send, m, {"kind": "end"}, [], opts.ack_timeout_s)
             for _ in range(in_flight):
                 for m in self.members:
                     self._guard(m, _recv, m, opts.ack_timeout_s, "bucket ack")
             outcomes: list[ShardOutcome] = []
-            for m in self.members:
-                self._guard(m, _send, m, {"kind": "end"}, [], opts.ack_timeout_s)
+            if not end_early:
+                for m in self.members:
+                    self._guard(m, _send, m, {"kind": "end"}, [], opts.ack_timeout_s)
             for m in self.members:
                 ack = self._guard(m, _recv, m, opts.ack_timeout_s, "final ack")
                 assert m.future is not None

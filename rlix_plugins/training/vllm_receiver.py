@@ -80,6 +80,14 @@ class RlixWeightReceiverExtension:
         )
         return result.to_dict()
 
+    def rlix_release_weight_mappings(self) -> int:
+        """Unmap the cache's bucket files this worker kept mapped after shm syncs (returns how
+        many). Kept mappings are the cache's pages, not worker memory, but they keep a closed
+        cache's pages alive until the next sync; call this when the worker stops syncing."""
+        from rlix_plugins.training.transports.shm import release_shm_mappings
+
+        return release_shm_mappings()
+
     def rlix_weight_version(self) -> int | None:
         """The version last applied completely, or None (never synced, or a sync failed)."""
         return getattr(self, "_rlix_weight_version", None)

@@ -126,7 +126,14 @@ class _Mapped:
             self.mm.close()
 
 
+_opened_lock = threading.Lock()
+_opened = 0
+
+
 def _map_file(path: str, file_id: tuple[int, int], pipeline_id: str) -> _Mapped:
+    global _opened
+    with _opened_lock:
+        _opened += 1
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
@@ -153,7 +160,6 @@ class _Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: dict[str, _Mapped] = {}
-        self.opened = 0  # mappings created (tests and benchmarks read it)
 
     def acquire(
         self, path: str, file_id: tuple[int, int], pipeline_id: str
@@ -172,7 +178,6 @@ class _Registry:
             stale.close()
         fresh = _map_file(path, file_id, pipeline_id)
         with self._lock:
-            self.opened += 1
             other = self._maps.get(path)
             if other is not None and other.file_id == file_id:
                 # another receiver thread of this process mapped it meanwhile: share theirs
@@ -269,8 +274,10 @@ def kept_mapping_bytes(pipeline_id: str | None = None) -> int:
 
 
 def mappings_opened() -> int:
-    """How many bucket files this process has mapped so far (a kept mapping counts once)."""
-    return _REGISTRY.opened
+    """How many times this process has mapped a bucket file so far (a kept mapping counts
+    once; without kept mappings every bucket of every sync counts)."""
+    with _opened_lock:
+        return _opened
 
 
 class ShmReceiver(ReceiverTransport):
