@@ -1,4 +1,6 @@
-"""Per-bucket checksums: computed once when a bucket is built, verified by every receiver.
+"""Per-bucket and per-segment checksums: computed once when a bucket is built, verified by
+every receiver (segment by segment, each just before it is applied; see
+:func:`segment_checksums`).
 
 Two algorithms, chosen per cache (:class:`ChecksumKind`):
 
