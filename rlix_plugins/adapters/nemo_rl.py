@@ -24,10 +24,11 @@ Wiring (installed by :mod:`rlix_plugins.patches.nemo_rl`, nothing in NeMo RL is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +166,8 @@ class NemoRlPipeline:
         self._nccl_destroyed = False
         self._cached_once = False
         self._gen_thread: threading.Thread | None = None
+        self._controller: NemoRlShardController | None = None
+        self._closed = False
 
     # registration -------------------------------------------------------------------------
     def register(self) -> None:
@@ -196,14 +199,25 @@ class NemoRlPipeline:
         logger.info("NeMo RL pipeline %s registered: %s", self.pipeline_id, self.layout)
 
     def controller(self) -> NemoRlShardController:
-        """The shard controller (needs the policy: its rank 0 worker owns the cache)."""
-        assert self.policy is not None and self.state is not None
-        shards = self.generation.rlix_shards()
-        wg = self.generation.worker_group
-        leaders = [wg.workers[wg.get_dp_leader_worker_idx(r)] for r in range(wg.dp_size)]
-        owner = self.policy.worker_group.workers[0]
-        lifecycle = ShardLifecycle(self.state, shards, PreemptionConfig())
-        return NemoRlShardController(lifecycle, self.state, CacheSync(owner, leaders))
+        """The shard controller (needs the policy: its rank 0 worker owns the cache).
+
+        Built once: each controller owns an event-loop thread, and the driver uses it every
+        step (initial sleep, active refresh). The coordinator actor gets its own copy.
+        """
+        if self._controller is None:
+            if self.policy is None or self.state is None:
+                raise RegistrationError(
+                    f"pipeline {self.pipeline_id}: the shard controller needs the registered "
+                    "shard state and the policy (attach_policy was not called)"
+                )
+            shards = self.generation.rlix_shards()
+            wg = self.generation.worker_group
+            leaders = [wg.workers[wg.get_dp_leader_worker_idx(r)] for r in range(wg.dp_size)]
+            owner = self.policy.worker_group.workers[0]
+            lifecycle = ShardLifecycle(self.state, shards, PreemptionConfig())
+            self._controller = NemoRlShardController(lifecycle, self.state,
+                                                     CacheSync(owner, leaders))
+        return self._controller
 
     def attach_policy(self, policy: Any) -> None:
         """Called by the Policy subclass once its workers exist."""
@@ -222,18 +236,19 @@ class NemoRlPipeline:
         self.hooks.before_training(self.step)
         self._holding_train = True
         if self._nccl_destroyed and self.policy is not None:
-            import ray
-
-            ray.get(self.policy.run_all_workers_single_data("rlix_reinit_parallel_state"))
+            # Policy.run_all_workers_single_data waits for the workers and returns results.
+            self.policy.run_all_workers_single_data("rlix_reinit_parallel_state")
             self._nccl_destroyed = False
 
     def after_training(self) -> dict[str, float]:
         """Cache, offload, destroy NCCL groups, refresh active shards, release, re-request."""
-        import ray
-
-        assert self.policy is not None, "the Policy subclass did not attach the policy"
+        if self.policy is None:
+            raise RegistrationError(
+                f"pipeline {self.pipeline_id}: refit before the policy was attached (the Policy "
+                "subclass from make_policy_class attaches it at construction)"
+            )
         version = self.step + 1 if self._cached_once else 0
-        ray.get(self.policy.run_all_workers_single_data("rlix_build_cache", version))
+        self.policy.run_all_workers_single_data("rlix_build_cache", version)
         if not self._cached_once:
             # Init: every shard was loaded by NeMo RL; from now on the coordinator decides.
             self._cached_once = True
@@ -243,7 +258,7 @@ class NemoRlPipeline:
             return {"rlix/cached_version": float(version)}
         self.policy.offload_before_refit()
         self.policy.offload_after_refit()
-        ray.get(self.policy.run_all_workers_single_data("rlix_destroy_parallel_state"))
+        self.policy.run_all_workers_single_data("rlix_destroy_parallel_state")
         self._nccl_destroyed = True
         active = list(self.state.snapshot().active)
         if active:
@@ -276,6 +291,42 @@ class NemoRlPipeline:
 
         self._gen_thread = threading.Thread(target=run, daemon=True, name=f"rlix-gen-{step}")
         self._gen_thread.start()
+
+    # end of the job ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Leave the coordinator: unregister (every GPU the pipeline held is freed and a
+        waiting request fails), stop the heartbeat, stop the coordinator and shard-state
+        actors. Idempotent; each part is attempted even if an earlier one failed."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        def attempt(what: str, fn: Any) -> None:
+            try:
+                fn()
+            except Exception:
+                logger.warning("pipeline %s shutdown: %s failed", self.pipeline_id, what,
+                               exc_info=True)
+
+        def unregister() -> None:
+            orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
+            ray.get(orch.unregister_pipeline.remote(self.pipeline_id))
+
+        attempt("unregister", unregister)
+        close = getattr(self.hooks, "close", None)
+        if callable(close):
+            attempt("heartbeat stop", close)
+        if self._gen_thread is not None:
+            # Unregistering failed its pending generation request; the thread ends with it.
+            self._gen_thread.join(timeout=10)
+        if self.coordinator is not None:
+            attempt("coordinator actor", lambda: ray.kill(self.coordinator, no_restart=True))
+        if self.state is not None:
+            state = self.state
+            attempt("shard state", lambda: (state.close(), ray.kill(state.handle,
+                                                                     no_restart=True)))
+        logger.info("NeMo RL pipeline %s left the coordinator", self.pipeline_id)
 
 
 def _set_controller(actor_self: Any, controller: NemoRlShardController) -> None:
@@ -358,7 +409,12 @@ class RLixWeightSynchronizer:
         return metrics
 
     def shutdown(self) -> None:
-        """The coordinator actor and shard state die with the job's Ray namespace."""
+        """``VllmGeneration.shutdown`` calls this: the pipeline leaves the coordinator."""
+        global _pipeline, _pending_policy
+        self.pipeline.shutdown()
+        with _pipeline_lock:
+            if _pipeline is self.pipeline:
+                _pipeline, _pending_policy = None, None
 
 
 def make_policy_class(base: type) -> type:
@@ -406,16 +462,59 @@ def _num_prompts_per_step(master_config: Any) -> int | None:
     return None if value is None else int(value)
 
 
-class SchedulerProgressSink:
-    """Progress sink that sends reports to ``rlix:scheduler`` (fire and forget; picklable)."""
+#: ``rank_load`` (progress metric): requests in flight per active dp rank. The planner takes
+#: the lightest donor rank when it moves GPUs (``coordinator/core/planner.py``).
+RankLoad = Callable[[], Mapping[int, int] | None]
 
-    def __init__(self, namespace: str) -> None:
+
+def router_rank_load(generation: Any) -> dict[int, int] | None:
+    """In-flight requests per ACTIVE dp rank of ``generation``'s router copy (None: no router).
+
+    Under NeMo RL the collector's copy of the generation does all the pipeline's routing, so
+    its counts are the pipeline's load; a preempted or sleeping rank is never a donor, so
+    only active ranks are reported.
+    """
+    router = getattr(generation, "rlix_router", None)
+    if router is None:
+        return None
+    inflight = router.inflight
+    return {int(r): int(inflight[r]) for r in router.state.snapshot().active}
+
+
+def with_rank_load(report: ProgressReport, load: Mapping[int, int] | None) -> ProgressReport:
+    """``report`` with ``metrics["rank_load"]`` set from ``load`` (unchanged when None)."""
+    if load is None:
+        return report
+    metrics = dict(report.metrics or {})
+    metrics["rank_load"] = {int(r): int(n) for r, n in load.items()}
+    return dataclasses.replace(report, metrics=metrics)
+
+
+class SchedulerProgressSink:
+    """Progress sink that sends reports to ``rlix:scheduler`` (fire and forget).
+
+    ``rank_load`` (optional) is read at each report and attached as the ``rank_load`` metric;
+    a failing reader drops only the hint, never the report.
+    """
+
+    def __init__(self, namespace: str, rank_load: RankLoad | None = None) -> None:
         self.namespace = namespace
+        self.rank_load = rank_load
+
+    def _load(self) -> Mapping[int, int] | None:
+        if self.rank_load is None:
+            return None
+        try:
+            return self.rank_load()
+        except Exception:  # a load hint is advisory
+            logger.warning("rlix: rank_load unavailable; report sent without it", exc_info=True)
+            return None
 
     def __call__(self, report: ProgressReport) -> None:
         import ray
 
-        ray.get_actor(SCHEDULER_ACTOR, namespace=self.namespace).report_progress.remote(report)
+        sched = ray.get_actor(SCHEDULER_ACTOR, namespace=self.namespace)
+        sched.report_progress.remote(with_rank_load(report, self._load()))
 
     def clear(self, pipeline_id: str) -> None:
         import ray
@@ -424,8 +523,13 @@ class SchedulerProgressSink:
         sched.clear_progress.remote(pipeline_id=pipeline_id)
 
 
-def progress_tracker_for_collector(master_config: Any) -> ProgressTracker | None:
-    """The collector's tracker (None when standalone or no pipeline id is known)."""
+def progress_tracker_for_collector(master_config: Any,
+                                   generation: Any = None) -> ProgressTracker | None:
+    """The collector's tracker (None when standalone or no pipeline id is known).
+
+    ``generation``: the collector's copy of the generation; its router's in-flight counts go
+    with every report as ``rank_load``.
+    """
     settings = load_settings()
     if not settings.enabled or not settings.pipeline_id:
         return None
@@ -433,7 +537,11 @@ def progress_tracker_for_collector(master_config: Any) -> ProgressTracker | None
     if target is None:
         logger.warning("rlix: grpo.num_prompts_per_step unknown; no progress reports")
         return None
-    sink = SchedulerProgressSink(settings.namespace)
+    load: RankLoad | None = None
+    if generation is not None:
+        def load() -> Mapping[int, int] | None:
+            return router_rank_load(generation)
+    sink = SchedulerProgressSink(settings.namespace, load)
     pid = settings.pipeline_id
     tracker = ProgressTracker(pid, sink, on_clear=lambda: sink.clear(pid))
     tracker._rlix_step_target = target  # type: ignore[attr-defined]
@@ -461,4 +569,6 @@ __all__ = [
     "begin_progress_batch",
     "make_policy_class",
     "progress_tracker_for_collector",
+    "router_rank_load",
+    "with_rank_load",
 ]

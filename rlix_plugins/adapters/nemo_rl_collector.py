@@ -40,8 +40,11 @@ class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         from rlix_plugins.adapters.nemo_rl import progress_tracker_for_collector
 
+        # NeMo RL's __init__ stored both, however they were passed; the generation is this
+        # collector's copy, whose router does the pipeline's routing (rank_load hints).
         self._rlix_progress: ProgressTracker | None = progress_tracker_for_collector(
-            kwargs.get("master_config")
+            getattr(self, "master_config", kwargs.get("master_config")),
+            getattr(self, "policy_generation", kwargs.get("policy_generation")),
         )
 
     async def _enqueue_rollout_group(
