@@ -19,6 +19,8 @@ registry entry with an undo step, so ``revert`` restores veRL exactly):
   :class:`~.verl_routing.RLixRequestLoadBalancer`, which routes only to ACTIVE shards;
 * ``RolloutReplicaRegistry["vllm"]`` -> RLix vLLM replica/server subclasses (lazy loader);
 * ``CheckpointEngineRegistry["rlix_cache"]`` -> the CPU-cache checkpoint engine;
+* ``agent_loop_tq.AgentLoopWorkerTQ`` -> :class:`~.verl_agent_loop.RLixAgentLoopWorkerTQ`,
+  which counts each stored trajectory (per-trajectory progress);
 * ``main_ppo.get_ppo_ray_runtime_env`` -> forwards the RLix environment to Ray workers.
 
 Plug points that live in modules needing vLLM or Megatron (:data:`DEFERRED_PLUG_POINTS`) are
@@ -29,6 +31,7 @@ checks them too (the doctor's full report).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -80,6 +83,8 @@ _CKPT = "verl.checkpoint_engine.base"
 _MAIN = "verl.trainer.main_ppo"
 _VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 _ENGINE_WORKERS = "verl.workers.engine_workers"
+_AGENT_TQ = "verl.trainer.ppo.v1.agent_loop_tq"
+_AGENT = "verl.experimental.agent_loop.agent_loop"
 _MEGATRON = "verl.workers.engine.megatron.transformer_impl"
 
 CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
@@ -128,6 +133,17 @@ CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
               PlugKind.READ, ("global_steps",)),
     PlugPoint("rollout worker update", f"{_CKPT}:CheckpointEngineWorker.update_weights",
               PlugKind.READ, ("global_steps",)),
+    PlugPoint("agent loop worker", f"{_AGENT_TQ}:AgentLoopWorkerTQ", PlugKind.ATTRIBUTE, (),
+              "looked up by AgentLoopManagerTQ.__init__ at call time; replaced by the "
+              "per-trajectory progress subclass"),
+    PlugPoint("trajectory stored", f"{_AGENT}:AgentLoopWorker._agent_loop_postprocess",
+              PlugKind.SUBCLASS, ("output", "validate"),
+              "the per-trajectory completion point (TQ override keeps this signature)"),
+    PlugPoint("checkpoint manager", f"{_CKPT}:CheckpointEngineManager", PlugKind.SUBCLASS,
+              ("__init__", "config", "actor_wg", "replicas"),
+              "standalone replicas' manager replaced by the coordinator-aware one"),
+    PlugPoint("worker update", f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.update_weights",
+              PlugKind.READ, ("global_steps", "mode"), "fills the cache (mode=rlix_cache)"),
     PlugPoint("runtime env", f"{_MAIN}:get_ppo_ray_runtime_env", PlugKind.WRAP, ("config",),
               "forward RLix variables to workers of an existing Ray cluster"),
 )
@@ -201,6 +217,7 @@ def _initializing(module_name: str) -> bool:
 
 _ROUTING_MOD = "rlix_plugins.patches.verl_routing"
 _CKPT_MOD = "rlix_plugins.patches.verl_checkpoint"
+_AGENT_MOD = "rlix_plugins.patches.verl_agent_loop"
 
 
 class VerlPatch(HostPatch):
@@ -248,6 +265,11 @@ class VerlPatch(HostPatch):
 
             engines: dict[str, type] = resolve(f"{_CKPT}:CheckpointEngineRegistry")._registry
             self.set_item(engines, BACKEND, RLixCacheCheckpointEngine)
+        if not _initializing(_AGENT_MOD):
+            from rlix_plugins.patches.verl_agent_loop import rlix_agent_loop_worker_actor
+
+            self.set_attribute(importlib.import_module(_AGENT_TQ), "AgentLoopWorkerTQ",
+                               rlix_agent_loop_worker_actor())
         main = sys.modules[_MAIN]
         self.set_attribute(main, "get_ppo_ray_runtime_env",
                            forwarding_runtime_env(main.get_ppo_ray_runtime_env))

@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from verl.checkpoint_engine.base import CheckpointEngineWithCache
+from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWithCache
 
 from rlix_plugins.errors import WeightSyncError
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
@@ -294,3 +294,126 @@ def restore_parallel_state() -> bool:
     _lifecycle.reinitialize()
     return True
 
+
+
+# ---------------------------------------------------------------- trainer-side manager
+def engine_call_name(worker_group: Any) -> str:
+    """The Ray actor method behind ``worker_group.execute_checkpoint_engine``.
+
+    veRL's trainer builds its workers as colocated ``WorkerDict`` actors whose methods carry
+    the role as prefix (``actor_rollout_execute_checkpoint_engine``); the worker group rebinds
+    them without it, and names each bound callable's type after the real actor method.
+    """
+    bound = getattr(worker_group, "execute_checkpoint_engine", None)
+    if bound is None:
+        raise WeightSyncError(
+            f"{type(worker_group).__name__} has no execute_checkpoint_engine; the rlix_cache "
+            "backend needs veRL's training worker group"
+        )
+    name = type(bound).__name__
+    return name if name.endswith("execute_checkpoint_engine") else "execute_checkpoint_engine"
+
+
+class VerlCacheSync:
+    """``sync(indices, version)``: the cache owner (training rank 0) streams ``version`` to the
+    rollout workers of exactly those replicas (picklable: Ray handles and names only)."""
+
+    def __init__(self, owner_worker: Any, owner_method: str, replica_workers: list[list[Any]]):
+        self.owner = owner_worker
+        self.owner_method = owner_method
+        self.replica_workers = replica_workers
+
+    @classmethod
+    def of(cls, actor_wg: Any, replicas: Sequence[Any]) -> VerlCacheSync:
+        """Sync from ``actor_wg``'s rank 0 to ``replicas`` (veRL ``RolloutReplica`` objects)."""
+        return cls(actor_wg.workers[0], engine_call_name(actor_wg),
+                   [list(r.workers) for r in replicas])
+
+    def _call(self, *args: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.owner, self.owner_method).remote(*args))
+
+    def __call__(self, indices: Sequence[int], version: int) -> dict[str, Any]:
+        receivers = [
+            (f"replica{d}-w{i}", w)
+            for d in indices
+            for i, w in enumerate(self.replica_workers[d])
+        ]
+        report: dict[str, Any] = self._call("rlix_serve", int(version), receivers)
+        if report.get("failed"):
+            raise WeightSyncError(f"weight sync v{version} failed for {report['failed']}")
+        return report
+
+    def latest_version(self) -> int | None:
+        versions = self._call("rlix_cached_versions")
+        return max(versions) if versions else None
+
+
+def _run(coro: Any) -> Any:
+    """Run a veRL replica coroutine from the trainer's (synchronous) step loop."""
+    return asyncio.run(coro)
+
+
+class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc]
+    """veRL's checkpoint manager for replicas the coordinator owns (``rlix_cache`` backend).
+
+    ``update_weights(step)``: every training rank runs veRL's own
+    ``update_weights(mode="rlix_cache")``, which caches the version on rank 0; the version is
+    then streamed to the replicas that are ACTIVE now (an in-place refresh: their requests are
+    aborted and resumed, as veRL's own update does). Sleeping replicas are NOT contacted: the
+    coordinator's expand syncs them from the cache when it wakes them. Until :meth:`bind`
+    (veRL's first sync, before the pipeline is registered) every replica is synced.
+    """
+
+    def __init__(self, config: Any, actor_wg: Any, replicas: list[Any]) -> None:
+        super().__init__(config=config, actor_wg=actor_wg, replicas=replicas)
+        self.rlix_sync = VerlCacheSync.of(actor_wg, replicas)
+        self._active: Any = None
+        self._ranks: list[int] = list(range(len(replicas)))
+        #: (version, ranks synced in place) per update, for observability: this manager's
+        #: replica indices until :meth:`bind`, the pipeline's dp ranks after
+        self.refreshed: list[tuple[int, tuple[int, ...]]] = []
+
+    def bind(self, active: Any, ranks: Sequence[int]) -> None:
+        """From now on refresh only replicas whose pipeline dp rank is in ``active()``;
+        ``ranks[i]`` is the pipeline dp rank of this manager's replica ``i``."""
+        if len(ranks) != len(self.replicas):
+            raise ValueError(f"{len(ranks)} ranks for {len(self.replicas)} replicas")
+        self._active = active
+        self._ranks = list(ranks)
+
+    def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
+        import ray
+
+        if self.backend != BACKEND:
+            raise WeightSyncError(f"RLixCheckpointEngineManager needs backend {BACKEND!r}, "
+                                  f"got {self.backend!r}")
+        version = int(global_steps or 0)
+        metrics: dict[str, Any] = {}
+        for result in ray.get(self.actor_wg.update_weights(global_steps=version,
+                                                           mode=self.backend)):
+            if isinstance(result, dict):
+                metrics.update(result)
+        if self._active is None:
+            chosen = list(range(len(self.replicas)))
+        else:
+            active = set(self._active())
+            chosen = [i for i, r in enumerate(self._ranks) if r in active]
+        self.refreshed.append((version, tuple(self._ranks[i] for i in chosen)))
+        if not chosen:
+            return metrics
+        replicas = [self.replicas[i] for i in chosen]
+        if self._active is not None:
+            _run(_gather(r.abort_all_requests() for r in replicas))
+        try:
+            report = self.rlix_sync(chosen, version)
+        finally:
+            if self._active is not None:
+                _run(_gather(r.resume_generation() for r in replicas))
+        metrics["rlix/sync_seconds"] = report.get("seconds")
+        return metrics
+
+
+async def _gather(coros: Iterable[Any]) -> list[Any]:
+    return list(await asyncio.gather(*coros))

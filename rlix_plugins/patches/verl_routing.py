@@ -62,6 +62,9 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         self._shard_ids: tuple[str, ...] = ()
         self._shard_handles: dict[str, Any] = {}
         self._routed: set[str] = set()
+        # trajectories stored by the agent-loop workers / taken by the trainer (progress)
+        self._finished = 0
+        self._consumed = 0
 
     # ---------------------------------------------------------------- shard state (owner)
     def bind_shards(
@@ -119,6 +122,29 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
                 self._servers.pop(sid, None)
         self._routed = active
         logger.info("routing to %d active shard(s): %s", len(active), snap.describe())
+
+    # ---------------------------------------------------------------- progress (per trajectory)
+    def rlix_trajectory_done(self, n: int = 1) -> int:
+        """Count ``n`` trajectories stored by an agent-loop worker; returns the uncounted rest.
+
+        Every agent-loop worker calls this as each trajectory lands in the replay buffer (this
+        actor is shared by all of them, so the count is the pipeline's, not one worker's).
+        """
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        self._finished += n
+        return self.rlix_pending()
+
+    def rlix_consume(self, n: int) -> int:
+        """The trainer took ``n`` trajectories for a train step; returns what is left."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        self._consumed += n
+        return self.rlix_pending()
+
+    def rlix_pending(self) -> int:
+        """Trajectories finished and not yet taken by the trainer."""
+        return max(0, self._finished - self._consumed)
 
     # ---------------------------------------------------------------- stock API, guarded
     def add_servers(self, servers: dict[str, Any]) -> None:

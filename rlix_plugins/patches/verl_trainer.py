@@ -9,8 +9,13 @@ The job keeps its ``trainer.v1.trainer_mode``; the registry entry of that mode i
 * ``get_llm_client``: the re-dispatching :class:`~.verl_routing.RLixLLMServerClient` on the
   same load balancer (agent loops receive it pickled);
 * ``on_step_begin``: ask for generation GPUs for the step (non-blocking) and reset progress;
-* ``on_sample_end`` (batch collected, training about to start): block until the trainer GPUs
-  are granted, then re-create Megatron's NCCL groups;
+* ``on_init_end`` also replaces the standalone replicas' checkpoint manager (``rlix_cache``)
+  by :class:`~.verl_checkpoint.RLixCheckpointEngineManager`: updates cache the version and
+  refresh only ACTIVE replicas; the coordinator's expand syncs the ones it wakes;
+* ``on_train_begin``: start the progress thread (trajectories counted per trajectory by the
+  agent loops, :mod:`.verl_agent_loop`);
+* ``on_sample_end`` (batch collected, training about to start): mark the sampled trajectories
+  consumed, block until the trainer GPUs are granted, then re-create Megatron's NCCL groups;
 * ``on_step_end`` (after veRL's weight update, which with the ``rlix_cache`` backend fills the
   CPU cache): destroy Megatron's NCCL groups, then release the trainer GPUs.
 
@@ -46,31 +51,30 @@ def _uses_megatron(config: Any) -> bool:
         return False
 
 
-class VerlCacheSync:
-    """``sync(dp_ranks, version)``: the cache owner (training rank 0) streams ``version`` to
-    the rollout workers of exactly those replicas (picklable: Ray handles only)."""
+def routing_load_balancer(trainer: Any) -> Any:
+    """The load balancer veRL routes the trainer's generation through (a Ray actor)."""
+    mgr = getattr(trainer, "standalone_server_manager", None) or trainer.llm_server_manager
+    return mgr.global_load_balancer
 
-    def __init__(self, owner_worker: Any, replica_workers: list[list[Any]]) -> None:
-        self.owner = owner_worker
-        self.replica_workers = replica_workers
 
-    def __call__(self, dp_ranks: Any, version: int) -> Any:
-        import ray
+def install_cache_manager(trainer: Any) -> bool:
+    """Replace the standalone replicas' checkpoint manager by the coordinator-aware one.
 
-        receivers = [
-            (f"replica{d}-w{i}", w)
-            for d in dp_ranks
-            for i, w in enumerate(self.replica_workers[d])
-        ]
-        return ray.get(
-            self.owner.execute_checkpoint_engine.remote("rlix_serve", version, receivers)
-        )
+    veRL's own manager syncs every replica on every update; with ``rlix_cache`` that would
+    make sleeping replicas wait for weights nobody sends. Hybrid replicas keep veRL's
+    (colocated, "naive") manager: see docs/verl.md.
+    """
+    from rlix_plugins.patches.verl_checkpoint import RLixCheckpointEngineManager
 
-    def latest_version(self) -> int | None:
-        import ray
-
-        versions = ray.get(self.owner.execute_checkpoint_engine.remote("rlix_cached_versions"))
-        return max(versions) if versions else None
+    stock = getattr(trainer, "standalone_checkpoint_manager", None)
+    if stock is None or isinstance(stock, RLixCheckpointEngineManager):
+        return False
+    if not _uses_cache_backend(trainer.config):
+        return False
+    trainer.standalone_checkpoint_manager = RLixCheckpointEngineManager(
+        config=stock.config, actor_wg=stock.actor_wg, replicas=list(stock.replicas)
+    )
+    return True
 
 
 def build_adapter(trainer: Any) -> Any:
@@ -79,6 +83,7 @@ def build_adapter(trainer: Any) -> Any:
 
     from rlix_plugins.adapters.verl import VerlLayout, VerlPipelineAdapter, make_shard_controller
     from rlix_plugins.hooks import make_hooks
+    from rlix_plugins.patches.verl_checkpoint import VerlCacheSync
     from rlix_plugins.protocol.names import new_pipeline_id
     from rlix_plugins.settings import load_settings
 
@@ -88,10 +93,14 @@ def build_adapter(trainer: Any) -> Any:
     standalone_mgr = getattr(trainer, "standalone_server_manager", None)
     standalone = list(standalone_mgr.get_replicas()) if standalone_mgr is not None else []
     replicas = hybrid + standalone
-    routing_mgr = standalone_mgr or trainer.llm_server_manager
-    lb = routing_mgr.global_load_balancer
+    lb = routing_load_balancer(trainer)
     ray.get(lb.bind_shards.remote([(r.server_address, r.server_handle) for r in replicas]))
-    sync = VerlCacheSync(trainer.actor_rollout_wg.workers[0], [list(r.workers) for r in replicas])
+    sync = VerlCacheSync.of(trainer.actor_rollout_wg, replicas)
+    manager: Any = getattr(trainer, "standalone_checkpoint_manager", None)
+    if manager is not None and hasattr(manager, "bind"):
+        # Standalone replicas are dp ranks len(hybrid).. of the pipeline.
+        manager.bind(lambda: set(ray.get(lb.shard_snapshot.remote()).active),
+                     [len(hybrid) + i for i in range(len(standalone))])
     controller = make_shard_controller(
         lb, [list(r.servers) for r in replicas], sync, sync.latest_version
     )
@@ -127,6 +136,7 @@ class RLixTrainerMixin:
     global_steps: int
 
     def on_init_end(self) -> None:
+        install_cache_manager(self)
         super().on_init_end()  # type: ignore[misc]
         self._rlix_adapter = build_adapter(self)
 
@@ -148,6 +158,7 @@ class RLixTrainerMixin:
     def on_sample_end(self) -> None:
         super().on_sample_end()  # type: ignore[misc]
         if self._rlix_adapter is not None:
+            self._consume_trajectories()
             self._rlix_adapter.before_training(self.global_steps)
         self._worker_call("rlix_restore_parallel_state")
 
@@ -157,12 +168,24 @@ class RLixTrainerMixin:
         if self._rlix_adapter is not None:
             self._rlix_adapter.after_training(self.global_steps)
 
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        # veRL's fit returns from its last step without calling on_train_end: close here too.
+        try:
+            return super().fit(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._rlix_close()
+
     def on_train_end(self) -> None:
         super().on_train_end()  # type: ignore[misc]
+        self._rlix_close()
+
+    def _rlix_close(self) -> None:
+        """Stop progress reports and the heartbeat; idempotent."""
         if self._rlix_progress is not None:
             self._rlix_progress.set()
-        if self._rlix_adapter is not None:
-            self._rlix_adapter.close()
+        adapter, self._rlix_adapter = self._rlix_adapter, None
+        if adapter is not None:
+            adapter.close()
 
     # separate_async: the coordinator owns which replicas run
     def switch_to_trainer(self) -> None:
@@ -187,21 +210,37 @@ class RLixTrainerMixin:
         wg = self.actor_rollout_wg  # type: ignore[attr-defined]
         ray.get(wg.execute_checkpoint_engine([method] * wg.world_size))
 
+    def _sample_trajectories(self) -> int:
+        """Trajectories one replay-buffer sample takes (veRL samples per parameter sync)."""
+        cfg = self.config
+        per_sync = int(cfg.data.train_batch_size) // int(getattr(self, "parameter_sync_step", 1))
+        return per_sync * int(cfg.actor_rollout_ref.rollout.n)
+
+    def _consume_trajectories(self) -> None:
+        import ray
+
+        ray.get(routing_load_balancer(self).rlix_consume.remote(self._sample_trajectories()))
+
     def _start_progress(self) -> None:
-        """Report collected groups (the replay buffer the agent loops fill) as demand."""
+        """Report trajectories stored by the agent loops and not yet trained on as demand.
+
+        The agent-loop workers count every stored trajectory on the load balancer
+        (:mod:`.verl_agent_loop`); this thread reads that count every ``PROGRESS_PERIOD_S`` and
+        the hooks send it when its 2% bucket changes.
+        """
         if self._rlix_adapter is None or self._rlix_progress is not None:
             return
+        import ray
+
         stop = threading.Event()
         self._rlix_progress = stop
-        n = int(self.config.actor_rollout_ref.rollout.n)
+        lb = routing_load_balancer(self)
 
         def loop() -> None:
             while not stop.wait(PROGRESS_PERIOD_S):
                 try:
-                    groups = self.replay_buffer.get_sampleable_count(  # type: ignore[attr-defined]
-                        self.global_steps, "train"
-                    )
-                    self._rlix_adapter.report_collected(int(groups) * n, self.global_steps)
+                    pending = int(ray.get(lb.rlix_pending.remote()))
+                    self._rlix_adapter.report_collected(pending, self.global_steps)
                 except Exception:
                     logger.exception("progress report failed; retrying")
 

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.verl
 
 def _stock() -> dict[str, Any]:
     import verl.trainer.main_ppo as main_ppo
+    import verl.trainer.ppo.v1.agent_loop_tq as agent_loop_tq
     import verl.workers.rollout.router as router
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
@@ -28,6 +29,7 @@ def _stock() -> dict[str, Any]:
         "vllm": RolloutReplicaRegistry._registry["vllm"],
         "engines": dict(CheckpointEngineRegistry._registry),
         "env": main_ppo.get_ppo_ray_runtime_env,
+        "agent": agent_loop_tq.AgentLoopWorkerTQ,
     }
 
 
@@ -58,6 +60,7 @@ def test_apply_replaces_the_real_classes_and_revert_restores_them(verl_env: Verl
         assert now["vllm"]().__name__ == "RLixvLLMReplica"
         assert now["engines"][BACKEND] is RLixCacheCheckpointEngine
         assert now["env"] is not before["env"]
+        assert now["agent"] is not before["agent"]
     finally:
         patch.revert()
         patch.revert()

