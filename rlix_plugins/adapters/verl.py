@@ -10,7 +10,9 @@ has created its replicas, load balancer and checkpoint managers. It
   :class:`VerlShardController` (ShardController protocol): shrink = the generation module's
   preempt (mark -> abort -> drain -> sleep) on veRL replicas, expand = wake -> selective sync
   from the CPU cache to exactly those replicas -> activate;
-* requests and releases GPUs around each train step through the RLix hooks.
+* requests and releases GPUs around each train step through the RLix hooks, which are built
+  only after the pipeline is registered and admitted (their heartbeat would otherwise beat for
+  a pipeline the coordinator does not know yet).
 
 Host details stay here and in patches/; generation/ and training/ never import veRL.
 """
@@ -23,8 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlix_plugins.adapters.observability import ObservationWriter
 from rlix_plugins.adapters.shard_controller import LifecycleShardController, SyncFn
 from rlix_plugins.adapters.verl_shards import LoadBalancerShardState, VerlReplicaEngine
+from rlix_plugins.errors import RlixPluginsError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.hooks.protocol import RLixHooks
 from rlix_plugins.protocol.names import (
@@ -40,6 +44,9 @@ from rlix_plugins.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+
+class AdapterNotRegisteredError(RlixPluginsError, RuntimeError):
+    """The adapter's hooks were used before :meth:`VerlPipelineAdapter.register`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +93,9 @@ class VerlShardController(LifecycleShardController):
         state: LoadBalancerShardState,
         sync: SyncFn,
         version: Callable[[], int | None],
+        observer: ObservationWriter | None = None,
     ) -> None:
-        super().__init__(lifecycle, state, sync, version)
+        super().__init__(lifecycle, state, sync, version, observer=observer)
 
 
 def make_shard_controller(
@@ -96,12 +104,14 @@ def make_shard_controller(
     sync: SyncFn,
     version: Callable[[], int | None],
     preemption: PreemptionConfig | None = None,
+    observer: ObservationWriter | None = None,
 ) -> VerlShardController:
-    """Controller for replicas ``replica_servers[d]`` (server handles of dp rank ``d``)."""
+    """Controller for replicas ``replica_servers[d]`` (server handles of dp rank ``d``);
+    ``observer`` gets the version records (default: ``RLIX_OBSERVE_DIR`` / ``PIPELINE_ID``)."""
     engines = [VerlReplicaEngine(servers) for servers in replica_servers]
     state = LoadBalancerShardState(load_balancer)
     lifecycle = ShardLifecycle(state, engines, preemption)
-    return VerlShardController(lifecycle, state, sync, version)
+    return VerlShardController(lifecycle, state, sync, version, observer)
 
 
 class VerlPipelineAdapter:
@@ -114,21 +124,33 @@ class VerlPipelineAdapter:
         pipeline_id: str,
         layout: VerlLayout,
         controller: VerlShardController,
-        hooks: RLixHooks,
+        hooks_factory: Callable[[], RLixHooks],
         step_target: int,
     ) -> None:
         self.settings = settings
         self.pipeline_id = pipeline_id
         self.layout = layout
         self.controller = controller
-        self.hooks = hooks
+        self._hooks_factory = hooks_factory
+        self._hooks: RLixHooks | None = None
         self.step_target = step_target
         self._coordinator: Any = None
         self._generation_thread: threading.Thread | None = None
 
+    @property
+    def hooks(self) -> RLixHooks:
+        """The pipeline's hooks (built by :meth:`register`)."""
+        if self._hooks is None:
+            raise AdapterNotRegisteredError(
+                f"veRL pipeline {self.pipeline_id}: hooks are used before register(); "
+                "call register() first (it builds them once the pipeline is admitted)"
+            )
+        return self._hooks
+
     # ---------------------------------------------------------------- registration
     def register(self) -> None:
-        """Register and admit the pipeline, then serve ``resize_infer`` for it."""
+        """Register and admit the pipeline, serve ``resize_infer`` for it, then build the hooks
+        (their heartbeat starts only now, for a pipeline the coordinator knows)."""
         import ray
 
         from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
@@ -148,6 +170,8 @@ class VerlPipelineAdapter:
             control_namespace=self.settings.namespace or CONTROL_PLANE_NAMESPACE,
         )
         ray.get(orch.admit_pipeline.remote(pipeline_id=self.pipeline_id))
+        if self._hooks is None:
+            self._hooks = self._hooks_factory()
         logger.info("veRL pipeline %s registered: %s", self.pipeline_id, self.layout)
 
     # ---------------------------------------------------------------- per step
@@ -196,7 +220,10 @@ class VerlPipelineAdapter:
         self.hooks.after_training(step)
 
     def close(self) -> None:
-        self.hooks.clear_progress()
-        close = getattr(self.hooks, "close", None)
+        """Clear progress and stop the hooks (heartbeat); no-op before :meth:`register`."""
+        if self._hooks is None:
+            return
+        self._hooks.clear_progress()
+        close = getattr(self._hooks, "close", None)
         if callable(close):
             close()

@@ -28,7 +28,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWithCache
@@ -370,18 +370,26 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
         super().__init__(config=config, actor_wg=actor_wg, replicas=replicas)
         self.rlix_sync = VerlCacheSync.of(actor_wg, replicas)
         self._active: Any = None
+        self._observe: Callable[[Sequence[int], int], None] | None = None
         self._ranks: list[int] = list(range(len(replicas)))
         #: (version, ranks synced in place) per update, for observability: this manager's
         #: replica indices until :meth:`bind`, the pipeline's dp ranks after
         self.refreshed: list[tuple[int, tuple[int, ...]]] = []
 
-    def bind(self, active: Any, ranks: Sequence[int]) -> None:
+    def bind(
+        self,
+        active: Any,
+        ranks: Sequence[int],
+        observe: Callable[[Sequence[int], int], None] | None = None,
+    ) -> None:
         """From now on refresh only replicas whose pipeline dp rank is in ``active()``;
-        ``ranks[i]`` is the pipeline dp rank of this manager's replica ``i``."""
+        ``ranks[i]`` is the pipeline dp rank of this manager's replica ``i``. ``observe(ranks,
+        version)`` runs after each in-place refresh (the shard controller's version record)."""
         if len(ranks) != len(self.replicas):
             raise ValueError(f"{len(ranks)} ranks for {len(self.replicas)} replicas")
         self._active = active
         self._ranks = list(ranks)
+        self._observe = observe
 
     def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
         import ray
@@ -412,6 +420,8 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
             if self._active is not None:
                 _run(_gather(r.resume_generation() for r in replicas))
         metrics["rlix/sync_seconds"] = report.get("seconds")
+        if self._observe is not None:
+            self._observe([self._ranks[i] for i in chosen], version)
         return metrics
 
 

@@ -81,6 +81,7 @@ def build_adapter(trainer: Any) -> Any:
     """The pipeline adapter of a veRL trainer whose replicas are up (after init)."""
     import ray
 
+    from rlix_plugins.adapters.observability import ObservationWriter
     from rlix_plugins.adapters.verl import VerlLayout, VerlPipelineAdapter, make_shard_controller
     from rlix_plugins.hooks import make_hooks
     from rlix_plugins.patches.verl_checkpoint import VerlCacheSync
@@ -96,14 +97,17 @@ def build_adapter(trainer: Any) -> Any:
     lb = routing_load_balancer(trainer)
     ray.get(lb.bind_shards.remote([(r.server_address, r.server_handle) for r in replicas]))
     sync = VerlCacheSync.of(trainer.actor_rollout_wg, replicas)
+    controller = make_shard_controller(
+        lb, [list(r.servers) for r in replicas], sync, sync.latest_version,
+        observer=ObservationWriter.from_env(pipeline_id),
+    )
     manager: Any = getattr(trainer, "standalone_checkpoint_manager", None)
     if manager is not None and hasattr(manager, "bind"):
-        # Standalone replicas are dp ranks len(hybrid).. of the pipeline.
+        # Standalone replicas are dp ranks len(hybrid).. of the pipeline; each in-place
+        # refresh is recorded like the controller's own (what every active engine holds).
         manager.bind(lambda: set(ray.get(lb.shard_snapshot.remote()).active),
-                     [len(hybrid) + i for i in range(len(standalone))])
-    controller = make_shard_controller(
-        lb, [list(r.servers) for r in replicas], sync, sync.latest_version
-    )
+                     [len(hybrid) + i for i in range(len(standalone))],
+                     observe=lambda ranks, v: controller.observe("refresh", ranks, v))
     cfg = trainer.config
     rollout = cfg.actor_rollout_ref.rollout
     layout = VerlLayout(
@@ -117,7 +121,8 @@ def build_adapter(trainer: Any) -> Any:
         pipeline_id=pipeline_id,
         layout=layout,
         controller=controller,
-        hooks=make_hooks(settings, pipeline_id=pipeline_id),
+        # Built by register() after the pipeline is admitted: the heartbeat starts then.
+        hooks_factory=lambda: make_hooks(settings, pipeline_id=pipeline_id),
         step_target=int(cfg.data.train_batch_size) * int(rollout.n),
     )
     adapter.register()

@@ -4,9 +4,15 @@ veRL's ``vLLMHttpServer.sleep``/``wake_up`` act only in hybrid/colocated mode (s
 replicas never sleep in veRL) and it has no running-request count. Under RLix every replica is
 a shard the coordinator may put to sleep, so :class:`RLixvLLMHttpServer` adds, on node rank 0
 (the one holding ``AsyncLLM``): ``rlix_num_running``, ``rlix_sleep(level)``,
-``rlix_wake_up(tags)`` and ``rlix_is_sleeping``. Ray freezes a decorated actor class, so the
-methods are added by subclassing the undecorated server and decorating that subclass
-(:class:`RLixvLLMReplica` sets ``server_class``); veRL's class is never touched.
+``rlix_wake_up(tags)``, ``rlix_is_sleeping`` and ``rlix_weight_version``. Ray freezes a
+decorated actor class, so the methods are added by subclassing the undecorated server and
+decorating that subclass (:class:`RLixvLLMReplica` sets ``server_class``); veRL's class is
+never touched.
+
+``rlix_weight_version`` is the weight version the engine holds completely: veRL's rollout-side
+``ServerAdapter.update_weights`` calls the server's ``set_global_steps(v)`` only after the
+weight load into the engine has returned, so the subclass records ``v`` there; a level-2 sleep
+discards the weights and clears it (None until the next complete load).
 
 :func:`load_rlix_vllm_replica` is the loader registered in veRL's ``RolloutReplicaRegistry``
 under ``"vllm"`` (the official seam), so ``LLMServerManager`` builds RLix replicas. It imports
@@ -24,7 +30,20 @@ logger = logging.getLogger(__name__)
 
 
 class RLixvLLMHttpServer(vLLMHttpServer):  # type: ignore[misc]
-    """veRL's vLLM server plus engine-level sleep/wake/count usable in every rollout mode."""
+    """veRL's vLLM server plus engine-level sleep/wake/count usable in every rollout mode,
+    and the weight version its engine holds."""
+
+    #: version set by the last complete weight load (None: none yet, or discarded by sleep)
+    _rlix_version: int | None = None
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        """veRL's call after a complete weight load; also recorded as the engine's version."""
+        await super().set_global_steps(global_steps)
+        self._rlix_version = None if global_steps is None else int(global_steps)
+
+    async def rlix_weight_version(self) -> int | None:
+        """Weight version the engine applied completely (None: unknown or discarded)."""
+        return self._rlix_version
 
     async def rlix_num_running(self) -> int:
         """Unfinished requests in this server's engine (0 on non-leader nodes)."""
@@ -36,7 +55,11 @@ class RLixvLLMHttpServer(vLLMHttpServer):  # type: ignore[misc]
         """Sleep the engine at ``level`` (default: veRL's resolved level, 2 for full weights)."""
         if self.node_rank != 0:
             return
-        await self.engine.sleep(level=self._resolve_sleep_level() if level is None else level)
+        lvl = self._resolve_sleep_level() if level is None else level
+        await self.engine.sleep(level=lvl)
+        if lvl >= 2:
+            # Level 2 discards the weights: the engine no longer holds any version.
+            self._rlix_version = None
 
     async def rlix_wake_up(self, tags: list[str] | None = None) -> None:
         """Wake the engine (all tags by default); the prefix cache is stale, so reset it."""

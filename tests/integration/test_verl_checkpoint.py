@@ -32,7 +32,30 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _rollout_worker_group(ray: Any) -> Any:
+def _reporting_adapter_cls() -> type:
+    from tests.support.verl_cpu_server import FakeServerAdapter
+
+    class FakeReportingServerAdapter(FakeServerAdapter):  # type: ignore[misc]
+        """FakeServerAdapter that, like veRL's vLLM ``ServerAdapter.update_weights``, tells its
+        server ``set_global_steps(v)`` once the load returned (the server's version record)."""
+
+        def __init__(self, server: Any) -> None:
+            super().__init__()
+            self.server = server
+
+        async def update_weights(
+            self, weights: Any, global_steps: int | None = None, **kwargs: Any
+        ) -> None:
+            await super().update_weights(weights, global_steps=global_steps, **kwargs)
+            if global_steps is not None:
+                await self.server.set_global_steps.remote(global_steps)
+
+    return FakeReportingServerAdapter
+
+
+def _rollout_worker_group(ray: Any, server: Any = None) -> Any:
+    """One veRL rollout ``CheckpointEngineWorker``; with ``server`` (a vLLM server actor) its
+    adapter reports each loaded version to that server as veRL's ServerAdapter does."""
     from verl.checkpoint_engine.base import CheckpointEngineWorker
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.workers.config import CheckpointEngineConfig, RolloutConfig
@@ -50,7 +73,7 @@ def _rollout_worker_group(ray: Any) -> Any:
         cls=ray.remote(CheckpointEngineWorker),
         rollout_config=cfg,
         model_config=None,
-        server_adapter=FakeServerAdapter(),
+        server_adapter=FakeServerAdapter() if server is None else _reporting_adapter_cls()(server),
     )
     # max_colocate_count=1: the default (10) reserves 10 CPUs per worker bundle.
     pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)

@@ -331,6 +331,7 @@ class Run:
     agent: FakeAgentLoopManager
     plane: Any
     pipeline_id: str = ""
+    servers: list[tuple[str, Any]] = field(default_factory=list)
 
 
 @pytest.fixture
@@ -349,6 +350,8 @@ def coordinator_2gpu(
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     monkeypatch.setenv("RLIX_NAMESPACE", cfg.namespace)
     monkeypatch.setenv("PIPELINE_ID", f"ft_{uuid.uuid4().hex[:12]}")
+    # Observation records (versions after each sync, the client's request counters).
+    monkeypatch.setenv("RLIX_OBSERVE_DIR", str(tmp_path / "observe"))
     yield plane
     stop_coordinator(cfg.namespace)
 
@@ -385,10 +388,10 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
 
         # What PPOTrainer._setup builds with GPUs, built here on CPU.
         wg = training_worker_group(verl_ray)
-        groups = [_rollout_worker_group(verl_ray) for _ in range(2)]
+        servers = list(verl_servers.servers)
+        groups = [_rollout_worker_group(verl_ray, server=servers[d][1]) for d in range(2)]
         receivers = [g.workers[0] for g in groups]
         replica_cls = RolloutReplicaRegistry.get("vllm")
-        servers = list(verl_servers.servers)
         reps = [replica(replica_cls, d, config, servers[d], receivers[d]) for d in range(2)]
         lb = get_router_handle(dict([servers[1]]))  # veRL's factory: the standalone pool
         trainer.actor_rollout_wg = wg
@@ -415,7 +418,7 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
         t_end = time.time()
         pipeline_id = os.environ["PIPELINE_ID"]
         trace = verl_ray.get(coordinator_2gpu.scheduler.get_trace.remote())
-        run = Run(trainer, wg, lb, receivers, agent, coordinator_2gpu, pipeline_id)
+        run = Run(trainer, wg, lb, receivers, agent, coordinator_2gpu, pipeline_id, servers)
         _check(run, trace, t_fit, t_end, intervals_from_trace)
     finally:
         loop.close()
@@ -470,6 +473,34 @@ def _check(run: Run, trace: Any, t_fit: float, t_end: float, intervals_from_trac
     for version, tensors in loaded[0].items():
         for name, tensor in weights(version):
             assert torch.equal(tensors[name], tensor)
+
+    # 3b. What the engines report (``rlix_weight_version``, set when a load completed): the
+    # always-active replica 1 holds the last version; the records written after every expand
+    # and every in-place refresh show each ACTIVE engine holding the version just synced.
+    import os
+
+    from rlix_plugins.adapters.observability import read_observations
+    from rlix_plugins.adapters.verl_shards import VerlReplicaEngine
+
+    servers = [h for _, h in run.servers]
+    assert asyncio.run(VerlReplicaEngine([servers[1]]).weight_version()) == STEPS
+    obs = read_observations(Path(os.environ["RLIX_OBSERVE_DIR"]))
+    refreshes = [r for r in obs.shard_versions if r.event == "refresh"]
+    expands = [r for r in obs.shard_versions if r.event == "expand"]
+    assert [(r.trainer_version, r.synced) for r in refreshes] == [
+        (v, (1,)) for v in range(1, STEPS + 1)]
+    assert [r.trainer_version for r in expands if 0 in r.synced] == list(range(1, STEPS))
+    for rec in refreshes + expands:
+        assert rec.shard_versions and set(rec.shard_versions.values()) == {
+            rec.trainer_version}, rec
+
+    # 3c. The client's request ledger: every request completed once, none lost/duplicated.
+    counters = [r for r in obs.router_counters
+                if r.copy_id == run.agent.client.counters().copy_id]
+    assert counters, obs.router_counters
+    last = counters[-1]
+    assert (last.submitted, last.completed, last.lost, last.duplicated, last.in_flight) == (
+        len(run.agent.served), len(run.agent.served), 0, 0, 0)
 
     # 4. Every trajectory was counted (per trajectory) and taken by the trainer's samples.
     served = {(s, uid) for s, uid in run.agent.served}
