@@ -105,15 +105,19 @@ class NemoRlLayout:
 
 
 class CacheSync:
-    """Sends a cached weight version from the cache owner (Megatron rank 0) to shard leaders.
+    """Selective sync of a cached weight version from the cache owner (Megatron rank 0) to
+    exactly the chosen shard leaders.
 
-    Picklable (actor handles only). The owner streams bucket by bucket, so a receiver's peak
-    extra memory is one bucket (``RLixMegatronWorkerMixin.rlix_push_weights``).
+    Picklable (actor handles only). The owner runs the training module's
+    :func:`~rlix_plugins.training.sync.sync_version` (``RLixMegatronWorkerMixin.rlix_push_weights``)
+    and the leaders' engines receive through the weight-receiver extension: shared memory on
+    one host, one bucket of extra memory per receiver, no tensor through Ray.
     """
 
-    def __init__(self, owner: Any, leaders: Sequence[Any]) -> None:
+    def __init__(self, owner: Any, leaders: Sequence[Any], pipeline_id: str = "nemo_rl") -> None:
         self.owner = owner
         self.leaders = list(leaders)
+        self.pipeline_id = pipeline_id
 
     def latest(self) -> int | None:
         import ray
@@ -121,11 +125,18 @@ class CacheSync:
         version: int | None = ray.get(self.owner.rlix_latest_version.remote())
         return version
 
-    def __call__(self, dp_ranks: Sequence[int], version: int) -> None:
+    def __call__(self, dp_ranks: Sequence[int], version: int) -> dict[str, Any]:
         import ray
 
-        targets = [self.leaders[r] for r in dp_ranks]
-        ray.get(self.owner.rlix_push_weights.remote(version, targets))
+        bad = [r for r in dp_ranks if not 0 <= r < len(self.leaders)]
+        if bad:
+            raise RegistrationError(
+                f"pipeline {self.pipeline_id}: dp ranks {bad} do not exist; valid: "
+                f"0..{len(self.leaders) - 1}"
+            )
+        targets = [(f"{self.pipeline_id}/{r}", self.leaders[r]) for r in dp_ranks]
+        report: dict[str, Any] = ray.get(self.owner.rlix_push_weights.remote(version, targets))
+        return report
 
 
 class PendingController:
@@ -177,6 +188,7 @@ class NemoRlPipeline:
         from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
         from rlix_plugins.generation.ray_state import RayShardState
 
+        self.check_placement()
         orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
         ray.get(orch.register_pipeline.remote(
             pipeline_id=self.pipeline_id,
@@ -198,6 +210,19 @@ class NemoRlPipeline:
         ray.get(orch.admit_pipeline.remote(pipeline_id=self.pipeline_id))
         logger.info("NeMo RL pipeline %s registered: %s", self.pipeline_id, self.layout)
 
+    def check_placement(self) -> None:
+        """When the generation's workers were placed by an RLix placement view (its cluster
+        carries ``rlix_plan``), the GPUs about to be told to the coordinator must be the ones
+        the workers are on: raises
+        :class:`~rlix_plugins.adapters.nemo_rl_placement_plan.PlacementError` otherwise."""
+        wg = getattr(self.generation, "worker_group", None)
+        plan = getattr(getattr(wg, "cluster", None), "rlix_plan", None)
+        if plan is None:
+            return
+        from rlix_plugins.adapters.nemo_rl_placement_plan import check_device_mappings
+
+        check_device_mappings(plan, self.layout.device_mappings())
+
     def controller(self) -> NemoRlShardController:
         """The shard controller (needs the policy: its rank 0 worker owns the cache).
 
@@ -215,8 +240,8 @@ class NemoRlPipeline:
             leaders = [wg.workers[wg.get_dp_leader_worker_idx(r)] for r in range(wg.dp_size)]
             owner = self.policy.worker_group.workers[0]
             lifecycle = ShardLifecycle(self.state, shards, PreemptionConfig())
-            self._controller = NemoRlShardController(lifecycle, self.state,
-                                                     CacheSync(owner, leaders))
+            self._controller = NemoRlShardController(
+                lifecycle, self.state, CacheSync(owner, leaders, self.pipeline_id))
         return self._controller
 
     def attach_policy(self, policy: Any) -> None:
@@ -261,10 +286,9 @@ class NemoRlPipeline:
         self.policy.run_all_workers_single_data("rlix_destroy_parallel_state")
         self._nccl_destroyed = True
         active = list(self.state.snapshot().active)
-        if active:
-            # Active refresh: shards that never slept take the new version without draining
-            # (the collector is paused by NeMo RL around the refit).
-            self.controller()._sync(active, version)
+        # Active refresh: shards that never slept take the new version without draining (the
+        # collector is paused by NeMo RL around the refit); recorded for the gates.
+        self.controller().refresh(active, version, step=self.step)
         self.hooks.after_training(self.step)
         self._holding_train = False
         self.step += 1

@@ -16,8 +16,11 @@ What the subclass adds, all on top of :class:`~rlix_plugins.generation.vllm_engi
   ``rlix_wake_up`` / ``rlix_resume``: the lifecycle the adapter drives.
 * ``sleep_async`` sleeps at the configured level (``policy.generation.rlix.sleep_level``,
   default 2) instead of NeMo RL's hard-coded 1.
-* ``rlix_load_weights``: receiver side of the selective sync (one bucket of HF-named tensors
-  at a time, loaded through NeMo RL's own vLLM worker extension ``_load_weights``).
+* ``rlix_receive_weights`` / ``rlix_receiver_location`` / ``rlix_weight_version``: receiver side
+  of the training module's selective sync. The engine's worker extension is NeMo RL's own plus
+  :class:`~rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension`
+  (:data:`RLIX_VLLM_EXTENSION_FQN`, swapped in by ``_create_engine``): the engine pulls the
+  buckets from the sender's transport; no tensor passes through ``collective_rpc``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import ray
 from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
 
-from rlix_plugins.errors import ShardPreemptedError
+from rlix_plugins.errors import ShardPreemptedError, WeightSyncError
 from rlix_plugins.generation.engine import ABORTED
 from rlix_plugins.generation.vllm_engine import DEFAULT_SLEEP_LEVEL, VllmAsyncShard
 
@@ -41,6 +44,31 @@ RLIX_ASYNC_WORKER_FQN = "rlix_plugins.adapters.nemo_rl_workers.RLixVllmAsyncGene
 STOCK_ASYNC_WORKER_FQN = (
     "nemo_rl.models.generation.vllm.vllm_worker_async.VllmAsyncGenerationWorker"
 )
+
+
+def rlix_extension_fqn(stock: str | None) -> str:
+    """The engine's worker extension under RLix: NeMo RL's ``stock`` one with the receiver
+    mixed in (:mod:`rlix_plugins.adapters.nemo_rl_vllm_ext`). Raises ValueError for an
+    extension we have no combined class for (the selective sync would be missing)."""
+    try:
+        return _RLIX_EXTENSIONS[stock or ""]
+    except KeyError:
+        raise ValueError(
+            f"vLLM worker_extension_cls={stock!r} has no RLix counterpart; supported: "
+            f"{sorted(k for k in _RLIX_EXTENSIONS if k)}"
+        ) from None
+
+
+_NEMO_EXT = "nemo_rl.models.generation.vllm.vllm_backend."
+_RLIX_EXT = "rlix_plugins.adapters.nemo_rl_vllm_ext."
+#: NeMo RL's extension FQN -> ours (its subclass with the receiver mixed in).
+_RLIX_EXTENSIONS = {
+    _NEMO_EXT + "VllmInternalWorkerExtension": _RLIX_EXT + "RLixVllmInternalWorkerExtension",
+    _NEMO_EXT + "VllmInternalWorkerExtensionWithCheckpointEngine":
+        _RLIX_EXT + "RLixVllmInternalWorkerExtensionWithCheckpointEngine",
+}
+#: The default (NeMo RL without a checkpoint engine).
+RLIX_VLLM_EXTENSION_FQN = _RLIX_EXTENSIONS[_NEMO_EXT + "VllmInternalWorkerExtension"]
 
 
 def configured_sleep_level(cfg: Any) -> int:
@@ -144,7 +172,15 @@ class RLixVllmWorkerMixin:
 
     async def rlix_sleep(self, level: int | None = None) -> None:
         """Sleep at ``level`` (default: the configured level), aborting any straggler."""
-        await self._rlix().sleep(level)
+        shard = self._rlix()
+        await shard.sleep(level)
+        await self._rlix_after_sleep(shard.sleep_level if level is None else level)
+
+    async def _rlix_after_sleep(self, level: int) -> None:
+        if level == 2:
+            # Level 2 discards the weights: no version is held until the next complete sync.
+            # Kept here, not in the engine: an engine without the receiver can still sleep.
+            self._rlix_weights_discarded = True
 
     async def rlix_wake_up(self) -> None:
         """Wake the engine; it stays out of routing (gate closed) until :meth:`rlix_resume`."""
@@ -154,10 +190,38 @@ class RLixVllmWorkerMixin:
         """Reopen the dispatch gate (after the shard's weights are current)."""
         await self._rlix().resume()
 
-    async def rlix_load_weights(self, weights: list[tuple[str, Any]]) -> bool:
-        """Load one bucket of HF-named tensors through NeMo RL's vLLM worker extension."""
-        await self._rlix().engine.collective_rpc("_load_weights", args=(weights,))
-        return True
+    def rlix_receiver_location(self) -> dict[str, Any]:
+        """Where this shard receives weights (the sender picks the transport from it).
+
+        The engine receives into host memory (shared memory on the sender's host, else ZMQ);
+        GPU-direct transports (CUDA IPC, NCCL) are not wired for NeMo RL.
+        """
+        from rlix_plugins.training.transports.selection import local_host_id
+
+        return {"host": local_host_id()}
+
+    async def rlix_receive_weights(self, offer: dict[str, Any]) -> dict[str, Any]:
+        """Receiver side of the selective sync: the engine's worker runs the receiver extension
+        (``rlix_receive_weights``), which pulls the offered version bucket by bucket from the
+        sender's transport. Only the offer (plain data) crosses the engine's RPC."""
+        replies = await self._rlix().engine.collective_rpc("rlix_receive_weights",
+                                                           args=(offer,))
+        if len(replies) != 1:
+            raise WeightSyncError(
+                f"{len(replies)} vLLM workers answered one offer; the receiver supports one "
+                "worker per engine (tensor parallel size 1)"
+            )
+        result: dict[str, Any] = replies[0]
+        self._rlix_weights_discarded = False
+        return result
+
+    async def rlix_weight_version(self) -> int | None:
+        """The version the engine holds (applied completely), or None: never synced, a sync
+        failed, or a level-2 sleep discarded the weights since the last complete sync."""
+        if getattr(self, "_rlix_weights_discarded", False):
+            return None
+        replies = await self._rlix().engine.collective_rpc("rlix_weight_version")
+        return None if replies[0] is None else int(replies[0])
 
 
 class RLixVllmAsyncGenerationWorkerImpl(
@@ -166,6 +230,9 @@ class RLixVllmAsyncGenerationWorkerImpl(
     """NeMo RL's async vLLM worker with the time-sharing methods (undecorated, subclassable)."""
 
     def _create_engine(self, llm_kwargs: dict[str, Any]) -> None:
+        llm_kwargs = dict(llm_kwargs)
+        llm_kwargs["worker_extension_cls"] = rlix_extension_fqn(
+            llm_kwargs.get("worker_extension_cls"))
         super()._create_engine(llm_kwargs)
         self.rlix_install()
 
@@ -176,6 +243,7 @@ class RLixVllmAsyncGenerationWorkerImpl(
         if hasattr(shard.engine, "reset_mm_cache"):
             await shard.engine.reset_mm_cache()
         await shard.engine.sleep(level=shard.sleep_level)
+        await self._rlix_after_sleep(shard.sleep_level)
 
 
 # Decorated here, on our own subclass: Ray copies methods at decoration time.

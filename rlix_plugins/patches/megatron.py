@@ -6,8 +6,11 @@ Injected through NeMo RL's own seam ``Policy(worker_extension_cls_fqn=...)`` (th
 * ``rlix_build_cache(version)``: every rank iterates NeMo RL's HF-weight gather
   ``_iter_params_with_optional_kv_scales`` (it is collective: all ranks must take part); rank 0
   keeps the tensors in the versioned CPU :class:`~rlix_plugins.training.bucket_cache.BucketCache`.
-* ``rlix_push_weights(version, receivers)``: rank 0 sends the cached version bucket by bucket to
-  the given vLLM shard leaders (``rlix_load_weights``): peak extra memory per receiver = 1 bucket.
+* ``rlix_push_weights(version, receivers)``: rank 0 runs the training module's selective sync
+  (:func:`~rlix_plugins.training.sync.sync_version`) to exactly the given vLLM shard leaders,
+  whose engines receive through the
+  :class:`~rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension` (shared memory on
+  one host): peak extra memory per receiver = 1 bucket, no tensor passes through Ray.
 * ``rlix_destroy_parallel_state`` / ``rlix_reinit_parallel_state``: the training module's
   :class:`~rlix_plugins.training.nccl_lifecycle.MegatronParallelLifecycle`, HERE, in the worker
   process where ``parallel_state`` lives (never in the driver, where it is empty).
@@ -19,9 +22,10 @@ The mixin (:class:`RLixMegatronWorkerMixin`) needs from its host only
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
 from rlix_plugins.training.nccl_lifecycle import (
@@ -29,6 +33,10 @@ from rlix_plugins.training.nccl_lifecycle import (
     MegatronParallelLifecycle,
     ParallelConfig,
 )
+from rlix_plugins.training.wire import ReceiveResult, SyncOffer
+
+if TYPE_CHECKING:
+    from rlix_plugins.training.transports.selection import ReceiverLocation
 
 logger = logging.getLogger(__name__)
 
@@ -97,21 +105,32 @@ class RLixMegatronWorkerMixin:
         """Newest cached version on this rank (None on non-owners or before the first build)."""
         return self._rlix_cache().latest_version
 
-    def rlix_push_weights(self, version: int, receivers: Sequence[Any]) -> int:
-        """Send cached ``version`` bucket by bucket to ``receivers``; returns buckets sent."""
+    def rlix_push_weights(self, version: int, receivers: Sequence[tuple[str, Any]],
+                          ack_timeout_s: float = 300.0) -> dict[str, Any]:
+        """Selective sync of cached ``version`` to exactly ``receivers`` (``(shard_id, vLLM
+        worker actor)`` pairs) through the training module's :func:`sync_version`.
+
+        Each actor runs the receiver extension in its engine (``rlix_receive_weights``); on one
+        host the buckets travel through shared memory (the cache's own pages), else ZMQ. Raises
+        :class:`~rlix_plugins.errors.WeightSyncError` naming the failed and succeeded shards.
+        """
         import ray
 
-        cache = self._rlix_cache()
-        sent = 0
-        with cache.pinned(version) as cv:
-            from rlix_plugins.training.bucket_cache import unpack_bucket
+        from rlix_plugins.training.sync import SyncOptions, sync_version
 
-            for bucket in cv.buckets:
-                weights = [(n, t.clone()) for n, t in unpack_bucket(bucket.data,
-                                                                    bucket.layout.entries)]
-                ray.get([r.rlix_load_weights.remote(weights) for r in receivers])
-                sent += 1
-        return sent
+        if not receivers:
+            return {"version": version, "shards": [], "transports": {}, "bytes": 0,
+                    "buckets": 0, "seconds": 0.0}
+        # Where each receiver runs decides its transport; ask them all at once.
+        locations = ray.get([actor.rlix_receiver_location.remote() for _, actor in receivers])
+        handles = [RayWorkerReceiver(str(sid), actor, str(loc["host"]))
+                   for (sid, actor), loc in zip(receivers, locations, strict=True)]
+        report = sync_version(self._rlix_cache(), version, handles,
+                              options=SyncOptions(ack_timeout_s=ack_timeout_s))
+        return {"version": report.version, "shards": list(report.succeeded),
+                "transports": {o.shard_id: o.transport.value for o in report.outcomes},
+                "bytes": report.total_bytes, "buckets": report.num_buckets,
+                "seconds": report.seconds}
 
     def rlix_destroy_parallel_state(self) -> DestroyReport:
         """Destroy every Megatron process group in this worker (frees NCCL buffers)."""
@@ -122,6 +141,41 @@ class RLixMegatronWorkerMixin:
         lifecycle = self._rlix_lifecycle()
         if not lifecycle.initialized:
             lifecycle.reinitialize()
+
+
+class RayWorkerReceiver:
+    """:class:`~rlix_plugins.training.sync.ReceiverHandle` for a vLLM worker actor whose
+    ``rlix_receive_weights(offer)`` runs the receiver extension in its engine (NeMo RL:
+    ``RLixVllmWorkerMixin``). Only the offer (plain data) crosses Ray; buckets go through the
+    transport the sync picked."""
+
+    def __init__(self, shard_id: str, actor: Any, host: str) -> None:
+        from rlix_plugins.training.transports.selection import ReceiverLocation
+
+        self._shard_id = shard_id
+        self._actor = actor
+        self._location = ReceiverLocation(host=host)
+
+    @property
+    def shard_id(self) -> str:
+        return self._shard_id
+
+    @property
+    def location(self) -> ReceiverLocation:
+        return self._location
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
+        done: concurrent.futures.Future[ReceiveResult] = concurrent.futures.Future()
+        ref_future = self._actor.rlix_receive_weights.remote(offer.to_dict()).future()
+
+        def finish(f: concurrent.futures.Future[Any]) -> None:
+            try:
+                done.set_result(ReceiveResult.from_dict(f.result()))
+            except BaseException as exc:  # the sync reports it as this shard's failure
+                done.set_exception(exc)
+
+        ref_future.add_done_callback(finish)
+        return done
 
 
 def build_worker_class() -> tuple[type, Any]:

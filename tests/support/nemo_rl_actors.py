@@ -19,7 +19,8 @@ Fakes (the real thing cannot run here, each named so):
 * :class:`FakePolicy`: NeMo RL's ``lm_policy.Policy`` cannot import here (mlflow, wandb, ...); it
   offers exactly what the adapter calls (``run_all_workers_single_data``, ``offload_*``,
   ``prepare_for_training``, ``worker_group.workers``), with Policy's semantics.
-* The generation worker's engine-side NeMo RL extension (:mod:`tests.support.nemo_rl_vllm_ext`).
+* NeMo RL's half of the engine-side worker extension (:mod:`tests.support.nemo_rl_vllm_ext`;
+  the receiver half is the real one).
 * ``RecordingHooks`` wraps the real hooks only to timestamp the calls.
 """
 
@@ -196,6 +197,17 @@ class FakePolicyWorker(RLixMegatronWorkerMixin):
         self.model_dir = model_dir
         self.trained_steps = 0
         self.calls: list[str] = []
+        self.pushes: list[dict[str, Any]] = []
+
+    def rlix_push_weights(self, version: int, receivers: Any,
+                          ack_timeout_s: float = 300.0) -> dict[str, Any]:
+        # The real mixin's push; only recorded (which shards, which transport) for the test.
+        report = super().rlix_push_weights(version, receivers, ack_timeout_s)
+        self.pushes.append(report)
+        return report
+
+    def get_pushes(self) -> list[dict[str, Any]]:
+        return list(self.pushes)
 
     def _iter_params_with_optional_kv_scales(self, kv_scales: Any = None) -> Any:
         yield from tiny_weights(self.model_dir, self.trained_steps).items()
@@ -330,6 +342,10 @@ class NemoRlDriverHarness:
     def _engines(self) -> list[dict[str, Any]]:
         return list(ray.get([w.cpu_state.remote() for w in self.gen_workers]))
 
+    def _versions(self) -> list[int | None]:
+        """The version each engine says it holds (the workers' ``rlix_weight_version``)."""
+        return list(ray.get([w.rlix_weight_version.remote() for w in self.gen_workers]))
+
     def _checksums(self, ranks: list[int]) -> dict[int, dict[str, str]]:
         names = sorted(plain_checksums(self.model_dir, 0))
         got = ray.get([self.gen_workers[r].cpu_checksums.remote(names) for r in ranks])
@@ -407,6 +423,7 @@ class NemoRlDriverHarness:
                 self.policy.prepare_for_training()  # before_training: blocks for the GPUs
                 s["holding_statuses"] = self._statuses()
                 s["holding_engines"] = self._engines()
+                s["holding_versions"] = self._versions()
                 s["parallel_after_reinit"] = ray.get(
                     self.policy_workers[0].parallel_initialized.remote())
                 self.policy.run_all_workers_single_data("fake_train_step")
@@ -426,6 +443,7 @@ class NemoRlDriverHarness:
                 s["all_active_statuses"] = self._wait_all_active(120.0)
                 s["all_active_engines"] = self._engines()
                 s["checksums"] = self._checksums(list(range(len(self.gen_workers))))
+                s["versions"] = self._versions()
                 s["load_counts"] = ray.get([w.cpu_load_count.remote() for w in self.gen_workers])
                 rec["steps"].append(s)
             self.samples.extend(self._result(pending))
@@ -438,6 +456,7 @@ class NemoRlDriverHarness:
         router = self.generation.rlix_router
         rec["router"] = None if router is None else router.stats()
         rec["policy_calls"] = ray.get(self.policy_workers[0].get_calls.remote())
+        rec["pushes"] = ray.get(self.policy_workers[0].get_pushes.remote())
         return rec
 
     def shutdown(self) -> dict[str, Any]:

@@ -1,13 +1,11 @@
 """Engine-side worker extension for the NeMo RL pipeline test (imported in vLLM's EngineCore).
 
-``FakeNemoRlWorkerExtension`` is a FAKE of NeMo RL's ``VllmInternalWorkerExtension``: it offers
-the one method our vLLM worker calls on it, ``_load_weights(weights)``
-(``RLixVllmWorkerMixin.rlix_load_weights`` -> ``collective_rpc("_load_weights")``). NeMo RL's
-real one calls ``model.load_weights`` straight into the model, which is wrong on vLLM's CPU
-backend (linear weights are repacked into the GEMM kernel after loading); this one goes
-through vLLM's in-place ``reload_weights``, which re-runs that post-load processing. The
-version/checksum readers come from the real
-:class:`~rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension`.
+``FakeNemoRlWorkerExtension`` stands in for
+:class:`~rlix_plugins.adapters.nemo_rl_vllm_ext.RLixVllmInternalWorkerExtension` (NeMo RL's
+``VllmInternalWorkerExtension`` + our receiver): NeMo RL's half is a FAKE (its module needs
+NeMo RL's GPU refit dependencies, and our worker never calls it under RLix); the receiver half
+is the real :class:`~rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension`, whose
+``rlix_receive_weights`` the cache owner's selective sync drives. It only counts the syncs.
 
 Kept in its own small module: the EngineCore process imports it by FQN.
 """
@@ -22,15 +20,13 @@ EXTENSION_FQN = "tests.support.nemo_rl_vllm_ext.FakeNemoRlWorkerExtension"
 
 
 class FakeNemoRlWorkerExtension(RlixWeightReceiverExtension):
-    """Fake of NeMo RL's vLLM worker extension: ``_load_weights`` + checksum readers."""
+    """The real receiver extension, counting completed syncs (fake of NeMo RL's half)."""
 
-    def _load_weights(self, weights: list[tuple[str, Any]]) -> None:
-        # One call = one bucket; the test's cache keeps the tiny model in one bucket, so every
-        # layer is reloaded whole.
-        self.model_runner.reload_weights(weights_iterator=iter(weights),
-                                         is_checkpoint_format=True)
+    def rlix_receive_weights(self, offer: dict[str, Any]) -> dict[str, Any]:
+        result = super().rlix_receive_weights(offer)
         self._rlix_loads = getattr(self, "_rlix_loads", 0) + 1
+        return result
 
     def rlix_load_count(self) -> int:
-        """How many ``_load_weights`` calls this worker served."""
+        """How many syncs this worker applied completely."""
         return int(getattr(self, "_rlix_loads", 0))
