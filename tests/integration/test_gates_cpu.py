@@ -25,7 +25,7 @@ from rlix_plugins.gates.observed import request_totals
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 2
+STEPS = 3
 BATCH = 24
 EXPECTED = {"ownership_coordinator", "ownership_busy_log", "coordinator_status", "steps",
             "weights", "requests", "idle_share", "weights_observed", "requests_observed"}
