@@ -37,8 +37,9 @@ shard 1 on GPU 1, the Megatron worker on GPU 0, all of them in one placement gro
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, get_reordered_bundle
@@ -47,6 +48,8 @@ from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from rlix_plugins.adapters.nemo_rl_placement_plan import (
     GRPO_CLUSTER_ROLES,
     GRPO_COLOCATED_CLUSTER,
+    PINNED_WORKER_GROUPS,
+    SHARED_NODE_BUNDLE,
     SHARED_WORKER_GROUPS,
     BundleGpu,
     PlacementError,
@@ -55,10 +58,12 @@ from rlix_plugins.adapters.nemo_rl_placement_plan import (
     bundles_per_node,
     check_worker_gpus,
     layout_gpus,
+    pinned_worker_env,
+    plan_pinned,
     plan_placement,
     report_worker_gpu,
 )
-from rlix_plugins.protocol.names import ACTOR_INFER
+from rlix_plugins.protocol.names import ACTOR_INFER, ROLL_RESOURCE_MANAGER_ACTOR
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +84,7 @@ class SharedPlacement:
         self.owner = owner
         self.plan = plan
         (self.placement_group,) = owner.get_placement_groups()
+        self.placement_groups: list[Any] = [self.placement_group]
 
     @classmethod
     def create(cls, infer_gpus: Sequence[int], train_gpus: Sequence[int],
@@ -144,13 +150,87 @@ class SharedPlacement:
         self.owner.shutdown()
 
 
+class CoordinatorPlacement:
+    """The coordinator's shared per-node placement groups (``rlix:roll_resource_manager``, one
+    bundle ``{GPU: gpus_per_node}`` per node, named ``rlix_pg_node{i}``), the ones ROLL places
+    on. Several pipelines place on them at once; each worker asks for
+    ``1 / PINNED_WORKER_GROUPS`` GPU and is pinned to its layout GPU by CUDA_VISIBLE_DEVICES.
+    The groups belong to the coordinator: :meth:`shutdown` leaves them in place."""
+
+    def __init__(self, placement_groups: Sequence[Any], plan: PlacementPlan,
+                 namespace: str) -> None:
+        self.placement_groups = list(placement_groups)
+        self.plan = plan
+        self.namespace = namespace
+
+    @classmethod
+    def create(cls, infer_gpus: Sequence[int], train_gpus: Sequence[int], manager: Any,
+               namespace: str) -> CoordinatorPlacement:
+        """Ask the coordinator's manager for its groups (as ROLL's proxy does) and plan."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        state = ray.get(manager.get_state.remote())
+        pgs = list(state["placement_groups"])
+        node_ids = [str(placement_group_table(pg)["bundles_to_node_id"][SHARED_NODE_BUNDLE])
+                    for pg in pgs]
+        plan = plan_pinned(infer_gpus, train_gpus, node_ids, int(state["gpu_per_node"]))
+        logger.info(
+            "rlix: coordinator's shared placement groups (namespace %r): inference GPUs %s, "
+            "training GPUs %s, pinned by CUDA_VISIBLE_DEVICES", namespace, plan.infer.gpus,
+            plan.train.gpus,
+        )
+        return cls(pgs, plan, namespace)
+
+    def shutdown(self) -> None:
+        """Nothing to remove: the coordinator owns the groups (its stop removes them)."""
+
+
+def coordinator_groups(model_parallel: int) -> tuple[Any, str] | None:
+    """``(rlix:roll_resource_manager handle, namespace)`` when this pipeline places on the
+    coordinator's shared groups, else None (then it gets a placement group of its own).
+
+    Shared groups are used under ``RLIX_CONTROL_PLANE=rlix`` when the manager runs in the
+    control-plane namespace (``RLIX_NAMESPACE``, default ``rlix``) and vLLM runs one GPU per
+    engine (tp*pp == 1: NeMo RL's tensor-parallel path places vLLM's own workers on
+    per-GPU bundles, which the one-bundle-per-node groups do not have).
+    """
+    import ray
+
+    from rlix_plugins.settings import load_settings
+
+    settings = load_settings()
+    if not settings.enabled:
+        return None
+    try:
+        manager = ray.get_actor(ROLL_RESOURCE_MANAGER_ACTOR, namespace=settings.namespace)
+    except ValueError:
+        logger.warning(
+            "rlix: no %s in namespace %r: this pipeline reserves a placement group of its "
+            "own, so no other pipeline can share its GPUs", ROLL_RESOURCE_MANAGER_ACTOR,
+            settings.namespace,
+        )
+        return None
+    if model_parallel != 1:
+        logger.warning(
+            "rlix: vLLM tp*pp=%d: the coordinator's shared groups have one bundle per node, "
+            "NeMo RL's tensor-parallel vLLM path needs one per GPU; this pipeline reserves a "
+            "placement group of its own (no GPU sharing with other pipelines)", model_parallel,
+        )
+        return None
+    return manager, settings.namespace
+
+
+Placement = SharedPlacement | CoordinatorPlacement
+
+
 class _ClusterPair:
     """The train and inference views one ``grpo.setup`` call built (train first)."""
 
     def __init__(self) -> None:
         self.views: dict[str, RLixPlacementCluster] = {}
         self.lock = threading.Lock()
-        self.placement: SharedPlacement | None = None
+        self.placement: Placement | None = None
         self.layout: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.released: set[str] = set()
         self.allocated_ports: set[int] = set()
@@ -207,8 +287,12 @@ class RLixPlacementCluster(RayVirtualCluster):  # type: ignore[misc]
             stock = (infer_view or self).rlix_stock_world_size
             layout = layout_gpus(generation_cfg, stock, _model_parallel(generation_cfg))
             if pair.placement is None:
-                pair.placement = SharedPlacement.create(
-                    *layout, name=f"rlix_nemo_rl_shared_{id(pair):x}"
+                shared = coordinator_groups(_model_parallel(generation_cfg))
+                pair.placement = (
+                    CoordinatorPlacement.create(*layout, *shared) if shared is not None
+                    else SharedPlacement.create(
+                        *layout, name=f"rlix_nemo_rl_shared_{id(pair):x}"
+                    )
                 )
                 pair.layout = layout
             elif layout != pair.layout:
@@ -220,7 +304,7 @@ class RLixPlacementCluster(RayVirtualCluster):  # type: ignore[misc]
                 view._rlix_apply(pair.placement)
             return pair.placement.plan
 
-    def _rlix_apply(self, placement: SharedPlacement) -> None:
+    def _rlix_apply(self, placement: Placement) -> None:
         assert self.rlix_role is not None and self._rlix_pair is not None
         plan = placement.plan
         role = plan.role(self.rlix_role)
@@ -230,8 +314,11 @@ class RLixPlacementCluster(RayVirtualCluster):  # type: ignore[misc]
         self._bundle_ct_per_node_list = list(nodes.values())
         self._world_size = role.world_size
         self.num_gpus_per_node = plan.gpus_per_node
-        self.max_colocated_worker_groups = SHARED_WORKER_GROUPS
-        self._node_placement_groups: list[Any] | None = [placement.placement_group]
+        # NeMo RL asks 1 / max_colocated_worker_groups GPU per worker.
+        self.max_colocated_worker_groups = (
+            PINNED_WORKER_GROUPS if plan.pinned else SHARED_WORKER_GROUPS
+        )
+        self._node_placement_groups: list[Any] | None = list(placement.placement_groups)
         self._sorted_bundle_indices = list(role.bundles)
         self._nvlink_domain_per_bundle_index = None
         self._allocated_master_ports = self._rlix_pair.allocated_ports
@@ -302,7 +389,23 @@ class RLixRayWorkerGroup(RayWorkerGroup):  # type: ignore[misc]
         plan: PlacementPlan | None = getattr(cluster, "rlix_plan", None)
         role: str | None = getattr(cluster, "rlix_role", None)
         placed = plan is not None and role is not None
-        if placed and bundle_indices_list is None:
+        self._rlix_pins: Iterator[int] | None = None
+        if placed and plan is not None and plan.pinned:
+            assert role is not None
+            if bundle_indices_list is not None and any(
+                len(b) != 1 for _, b in bundle_indices_list
+            ):
+                raise PlacementError(
+                    f"{role}: tied worker groups {bundle_indices_list} cannot be placed on the "
+                    "coordinator's shared groups (one bundle per node); only one GPU per "
+                    "worker group is supported there"
+                )
+            # Rank r on node rank n: bundle 0 of group n, pinned to its layout GPU (in the
+            # order NeMo RL creates the workers, which is rank order).
+            bundle_indices_list = plan.role(role).bundle_groups(1)
+            self._rlix_pins = iter([plan.local_gpu(role, r)
+                                    for r in range(plan.role(role).world_size)])
+        elif placed and bundle_indices_list is None:
             assert plan is not None and role is not None
             if workers_per_node is not None:
                 logger.warning("rlix: workers_per_node=%s ignored on the shared placement",
@@ -319,6 +422,78 @@ class RLixRayWorkerGroup(RayWorkerGroup):  # type: ignore[misc]
         if placed:
             assert plan is not None and role is not None and bundle_indices_list is not None
             verify_worker_group(self, plan, role, bundle_indices_list)
+
+    # NeMo RL's _create_workers_from_bundle_indices fills this pool (one initializer per
+    # node) and calls ``pool[pg_idx].create_worker.remote(...)`` once per worker, in rank
+    # order. On a pinned plan the pool hands out wrappers that add the pinning env there:
+    # NeMo RL drops RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES from ``env_vars``, and every
+    # worker needs its own CUDA_VISIBLE_DEVICES.
+    @property
+    def _initializer_pool(self) -> dict[int, Any]:
+        pool: dict[int, Any] | None = self.__dict__.get("_rlix_initializer_pool")
+        if pool is None:  # NeMo RL's shutdown tests hasattr() before workers exist
+            raise AttributeError("_initializer_pool")
+        return pool
+
+    @_initializer_pool.setter
+    def _initializer_pool(self, pool: dict[int, Any]) -> None:
+        pins = self.__dict__.get("_rlix_pins")
+        self.__dict__["_rlix_initializer_pool"] = (
+            _PinningPool(pool, pins) if pins is not None else pool
+        )
+
+
+class _PinningPool(dict[int, Any]):
+    """NeMo RL's initializer pool; items read back by index pin the next worker."""
+
+    def __init__(self, pool: dict[int, Any], pins: Iterator[int]) -> None:
+        super().__init__(pool)
+        self._pins = pins
+
+    def __getitem__(self, key: int) -> Any:
+        return _PinningInitializer(super().__getitem__(key), self._pins)
+
+
+class _PinningInitializer:
+    """An ``IsolatedWorkerInitializer`` handle whose ``create_worker.remote`` pins the worker."""
+
+    def __init__(self, handle: Any, pins: Iterator[int]) -> None:
+        self._handle = handle
+        self._pins = pins
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+    @property
+    def create_worker(self) -> _PinnedCreate:
+        return _PinnedCreate(self._handle.create_worker, self._pins)
+
+
+class _PinnedCreate:
+    def __init__(self, method: Any, pins: Iterator[int]) -> None:
+        self._method = method
+        self._pins = pins
+
+    def remote(self, placement_group: Any, bundle_index: int, num_gpus: float,
+               bundle_indices: tuple[int, list[int]] | None = None, **options: Any) -> Any:
+        local = next(self._pins)
+        env = options.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        env.update(pinned_worker_env(local))
+        # The shared bundles hold GPUs only ({GPU: gpus_per_node}, as ROLL's): a worker that
+        # asked Ray's default one CPU would never fit, so it asks for none (as ROLL's).
+        options["num_cpus"] = 0
+        # NeMo RL names workers {prefix}-{pg_idx}-{bundle}: on one bundle per node those
+        # names repeat, so the GPU (and the pipeline, when the process has one) is added.
+        if options.get("name"):
+            pipeline = os.environ.get("PIPELINE_ID")
+            options["name"] = (f"{options['name']}-gpu{local}"
+                               + (f"-{pipeline}" if pipeline else ""))
+        if bundle_indices is not None:
+            # Every worker of a node takes bundle 0; the vLLM worker derives its seed,
+            # VLLM_PORT and cache dir from the bundle id, so it is told its GPU instead.
+            bundle_indices = (bundle_indices[0], [local])
+        return self._method.remote(placement_group, bundle_index, num_gpus, bundle_indices,
+                                   **options)
 
 
 def verify_worker_group(group: Any, plan: PlacementPlan, role: str,
@@ -363,11 +538,13 @@ def make_placed_policy_class(base: type) -> type:
 
 
 __all__ = [
+    "CoordinatorPlacement",
     "PlacementError",
     "RLixPlacementCluster",
     "RLixRayWorkerGroup",
     "SharedPlacement",
     "bind_cluster",
+    "coordinator_groups",
     "make_placed_policy_class",
     "verify_worker_group",
 ]

@@ -34,6 +34,12 @@ GRPO_COLOCATED_CLUSTER = "grpo_policy_cluster"
 #: ``1 / SHARED_WORKER_GROUPS`` of the bundle's GPU, so Ray's accounting lets a training and
 #: an inference worker sit on the same GPU; the coordinator decides which one computes.
 SHARED_WORKER_GROUPS = 2
+#: On the coordinator's shared per-node placement groups every worker asks for
+#: ``1 / PINNED_WORKER_GROUPS`` GPU (0.01, as ROLL's workers): Ray's accounting never stops
+#: two pipelines from sharing a GPU; the worker is pinned to its GPU by CUDA_VISIBLE_DEVICES.
+PINNED_WORKER_GROUPS = 100
+#: The only bundle of each shared per-node group (``{GPU: gpus_per_node}``).
+SHARED_NODE_BUNDLE = 0
 
 
 class PlacementError(RegistrationError):
@@ -85,6 +91,16 @@ class PlacementPlan:
     bundle_gpus: tuple[BundleGpu, ...]
     infer: RolePlacement
     train: RolePlacement
+    #: True on the coordinator's shared per-node groups: every worker of node ``n`` takes
+    #: bundle 0 of group ``n`` and is pinned to its GPU by CUDA_VISIBLE_DEVICES
+    #: (:func:`pinned_worker_env`); ``bundle_gpus`` is then empty.
+    pinned: bool = False
+    #: Ray node id of each node rank's shared group (pinned plans only).
+    node_ids: tuple[str, ...] = ()
+
+    def local_gpu(self, role: str, rank: int) -> int:
+        """Node-local GPU of rank ``rank`` of ``role``."""
+        return self.role(role).gpus[rank] % self.gpus_per_node
 
     def role(self, role: str) -> RolePlacement:
         if role == ACTOR_INFER:
@@ -94,6 +110,8 @@ class PlacementPlan:
         raise PlacementError(f"unknown role {role!r}; valid: {ACTOR_INFER!r}, {ACTOR_TRAIN!r}")
 
     def global_gpu_of_bundle(self, bundle_index: int) -> int:
+        if self.pinned:
+            raise PlacementError("a pinned plan has one bundle per node, not one per GPU")
         b = self.bundle_gpus[bundle_index]
         return self.node_ranks[b.node_id] * self.gpus_per_node + b.local_gpu
 
@@ -184,6 +202,60 @@ def plan_placement(
     )
 
 
+def plan_pinned(
+    infer_gpus: Sequence[int],
+    train_gpus: Sequence[int],
+    node_ids: Sequence[str],
+    gpus_per_node: int,
+) -> PlacementPlan:
+    """Plan on the coordinator's shared per-node groups (one ``{GPU: gpus_per_node}`` bundle
+    per node; ``node_ids[n]`` is where node rank ``n``'s group sits). Every layout GPU exists
+    there, so the only errors are layouts that name no such GPU or break partial overlap."""
+    if gpus_per_node < 1:
+        raise PlacementError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    total = len(node_ids) * gpus_per_node
+    extra = sorted(set(train_gpus) - set(infer_gpus))
+    if extra:
+        raise PlacementError(
+            f"training GPUs {extra} are not inference GPUs; partial overlap needs training "
+            "GPUs to be a subset of the inference GPUs"
+        )
+    for name, gpus in (("inference", infer_gpus), ("training", train_gpus)):
+        if len(set(gpus)) != len(gpus):
+            raise PlacementError(f"{name} GPUs {list(gpus)} name a GPU twice")
+        outside = sorted(g for g in gpus if not 0 <= g < total)
+        if outside:
+            raise PlacementError(
+                f"{name} GPUs {outside} do not exist: the coordinator's shared placement "
+                f"groups cover {len(node_ids)} node(s) of {gpus_per_node} GPUs (global GPU "
+                f"ids 0..{total - 1})"
+            )
+
+    def role(name: str, gpus: Sequence[int]) -> RolePlacement:
+        ordered = tuple(sorted(gpus))
+        return RolePlacement(name, ordered, tuple(SHARED_NODE_BUNDLE for _ in ordered),
+                             tuple(g // gpus_per_node for g in ordered))
+
+    return PlacementPlan(
+        gpus_per_node=gpus_per_node,
+        node_ranks={nid: i for i, nid in enumerate(node_ids)},
+        bundle_gpus=(),
+        infer=role(ACTOR_INFER, infer_gpus),
+        train=role(ACTOR_TRAIN, train_gpus),
+        pinned=True,
+        node_ids=tuple(node_ids),
+    )
+
+
+def pinned_worker_env(local_gpu: int) -> dict[str, str]:
+    """Environment that pins a worker to ``local_gpu`` of its node, as ROLL does: Ray's own
+    CUDA_VISIBLE_DEVICES (from its fractional-GPU accounting) is switched off for the actor."""
+    return {
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+        "CUDA_VISIBLE_DEVICES": str(local_gpu),
+    }
+
+
 def check_device_mappings(plan: PlacementPlan, registered: Mapping[str, Sequence[int]]) -> None:
     """Raise unless the mappings told to the coordinator are the ones this plan realises."""
     actual = plan.device_mappings()
@@ -214,6 +286,9 @@ def check_worker_gpus(
 ) -> None:
     """Raise unless each worker holding a GPU is on its rank's planned GPU.
 
+    On a pinned plan the check is what the worker sees: CUDA_VISIBLE_DEVICES must be exactly
+    its rank's node-local GPU, on the node of that node rank's shared group.
+
     ``ranks``: the role ranks that hold a GPU in Ray's accounting (default: all). A vLLM
     tensor-parallel follower asks Ray for no GPU (vLLM places it itself) and reports none.
     """
@@ -227,8 +302,18 @@ def check_worker_gpus(
             problems.append(f"rank {r}: no report")
             continue
         want = placement.gpus[r]
-        want_node = plan.bundle_gpus[placement.bundles[r]].node_id
         local = want % plan.gpus_per_node
+        if plan.pinned:
+            want_node = plan.node_ids[placement.node_indices[r]]
+            if w.cuda_visible_devices != str(local) or w.node_id != want_node:
+                problems.append(
+                    f"rank {r}: sees CUDA_VISIBLE_DEVICES={w.cuda_visible_devices} on node "
+                    f"{w.node_id[:12]}, planned GPU {want} = CUDA_VISIBLE_DEVICES={local} on "
+                    f"node {want_node[:12]} (shared group of node rank "
+                    f"{placement.node_indices[r]})"
+                )
+            continue
+        want_node = plan.bundle_gpus[placement.bundles[r]].node_id
         if w.gpu_ids != (local,) or w.node_id != want_node:
             problems.append(
                 f"rank {r}: on GPU {list(w.gpu_ids)} of node {w.node_id[:12]} "
@@ -258,8 +343,6 @@ def layout_gpus(generation_cfg: Mapping[str, Any] | None, default_world: int,
     return tuple(layout.infer_gpus), tuple(layout.train_gpus)
 
 
-
-
 def report_worker_gpu(actor_self: Any) -> tuple[list[int], str | None, str]:
     """Run inside a worker (``actor.__ray_call__``): its GPU ids, CUDA_VISIBLE_DEVICES, node.
 
@@ -277,6 +360,8 @@ def report_worker_gpu(actor_self: Any) -> tuple[list[int], str | None, str]:
 __all__ = [
     "GRPO_CLUSTER_ROLES",
     "GRPO_COLOCATED_CLUSTER",
+    "PINNED_WORKER_GROUPS",
+    "SHARED_NODE_BUNDLE",
     "SHARED_WORKER_GROUPS",
     "BundleGpu",
     "PlacementError",
@@ -287,6 +372,8 @@ __all__ = [
     "check_device_mappings",
     "check_worker_gpus",
     "layout_gpus",
+    "pinned_worker_env",
+    "plan_pinned",
     "plan_placement",
     "report_worker_gpu",
 ]

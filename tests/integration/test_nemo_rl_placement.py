@@ -162,3 +162,38 @@ def test_a_plain_cluster_is_left_to_nemo_rl(nemo_rl_src: Path) -> None:
     assert other.rlix_role is None
     assert bind_cluster(other, {"rlix": {"infer_gpus": [0, 1]}}) is None
     assert other.world_size() == 1
+
+
+def test_two_pipelines_share_the_coordinators_groups_each_worker_pinned(
+    scenarios: dict[str, Any],
+) -> None:
+    """Gate 2 layout under RLIX_CONTROL_PLANE=rlix with the real coordinator running: both
+    pipelines infer on GPUs 0,1, A trains on GPU 0 and B on GPU 1, all placed at once."""
+    r = _ok(scenarios, "shared_two")
+    shared = set(r["shared_pgs"])
+    for name, train_gpu in (("a", 0), ("b", 1)):
+        p = r[name]
+        assert p["pinned"] is True
+        assert p["device_mappings"] == {"actor_infer": [0, 1], "actor_train": [train_gpu]}
+        # What each worker sees: CUDA_VISIBLE_DEVICES is exactly its layout GPU.
+        assert [w["cuda_visible_devices"] for w in p["infer_workers"]] == ["0", "1"]
+        assert [w["cuda_visible_devices"] for w in p["train_workers"]] == [str(train_gpu)]
+        workers = p["infer_workers"] + p["train_workers"]
+        # On the coordinator's group, never a group of the pipeline's own.
+        assert {w["pg_id"] for w in workers} <= shared
+        assert all(_gpu_share(w) == pytest.approx(0.01) for w in workers)
+        assert p["max_colocated"] == [100, 100]
+        # Distinct seeds/ports per engine although all share bundle 0 (told their GPU).
+        assert [w["vllm_port"] for w in p["infer_workers"]] == ["7000", "7100"]
+        assert [d["cuda_visible_devices"] for d in p["reported"]] == ["0", "1"]
+    # Six workers at once on 2 GPUs: Ray's accounting holds only their small shares.
+    assert r["shared_gpu_total"] == pytest.approx(2.0)
+    assert r["shared_gpu_free_while_both"] == pytest.approx(2.0 - 6 * 0.01)
+    # Nothing of the pipelines' is left reserved: no group of their own was ever made, the
+    # shared groups are whole again and stay the coordinator's until it stops.
+    assert r["own_pgs_made"] == 0
+    assert r["shared_gpu_free_after"] == pytest.approx(2.0)
+    assert r["shared_pg_states_before_stop"] == ["CREATED"]
+    assert r["stopped"] is True
+    assert r["gpu_free_after_stop"] == pytest.approx(2.0)
+    assert r["shared_pg_states_after_stop"] == ["REMOVED"]

@@ -268,7 +268,131 @@ def scenario_gpu_taken() -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"overlap": scenario_overlap, "tp2": scenario_tp2, "gpu_taken": scenario_gpu_taken}
+def _pipeline_on_shared_groups(rlix: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """One pipeline's two clusters and worker groups (tp=1), as in :func:`_build`; returns
+    (things to shut down in order, what its workers report)."""
+    import nemo_rl.models.generation.vllm.vllm_generation as vgen
+    from nemo_rl.distributed.worker_groups import RayWorkerBuilder
+
+    from rlix_plugins.adapters.nemo_rl_placement import RLixRayWorkerGroup, bind_cluster
+    from rlix_plugins.adapters.nemo_rl_placement_generation import RLixPlacedVllmGeneration
+
+    train, infer = _grpo_clusters(1, 1)
+    cfg = _generation_config(rlix, tp=1)
+    vgen.resolve_generation_worker_cls = lambda default_cls, config: INFER_FQN
+    owned: list[Any] = []
+    try:
+        generation = RLixPlacedVllmGeneration(cluster=infer, config=cfg)
+        owned.append(generation.worker_group)
+        plan = bind_cluster(train, cfg)
+        assert plan is not None and train._sorted_bundle_indices is not None
+        # Policy.__init__'s own call (tied groups from _sorted_bundle_indices).
+        tied = [(i // train.num_gpus_per_node, [b])
+                for i, b in enumerate(train._sorted_bundle_indices)]
+        policy_group = RLixRayWorkerGroup(
+            train, RayWorkerBuilder(TRAIN_FQN, {}), name_prefix="lm_policy",
+            bundle_indices_list=tied, env_vars={},
+        )
+        owned.append(policy_group)
+    except BaseException:
+        for thing in [*owned, train, infer]:
+            thing.shutdown()
+        raise
+    owned += [train, infer]
+    return owned, {
+        "pinned": plan.pinned,
+        "device_mappings": plan.device_mappings(),
+        "max_colocated": [train.max_colocated_worker_groups,
+                          infer.max_colocated_worker_groups],
+        "infer_workers": ray.get([w.where.remote() for w in generation.worker_group.workers]),
+        "train_workers": ray.get([w.where.remote() for w in policy_group.workers]),
+        "reported": [json.loads(d) for d in generation.device_uuids or []],
+    }
+
+
+def _shared_gpu_free(pgs: list[Any], total: bool = False) -> float:
+    # Ray's per-group resource: GPU_group_<pg id hex> (what is left of the groups' GPUs).
+    res = ray.cluster_resources() if total else ray.available_resources()
+    return sum(float(res.get(f"GPU_group_{pg.id.hex()}", 0.0)) for pg in pgs)
+
+
+def _own_pgs() -> list[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return [k for k, v in placement_group_table().items()
+            if v["name"].startswith("rlix_nemo_rl_shared")]
+
+
+def scenario_two_pipelines_shared() -> dict[str, Any]:
+    """Gate 2 layout on the real coordinator's shared per-node groups: pipelines A and B
+    both infer on GPUs 0,1; A trains on GPU 0, B on GPU 1; both placed at the same time."""
+    from ray.util.placement_group import placement_group_table
+
+    from rlix_plugins.coordinator.service.client import connect, stop_coordinator
+    from rlix_plugins.protocol.names import ROLL_RESOURCE_MANAGER_ACTOR
+
+    namespace = "rlix_placement_test"
+    saved = {k: os.environ.get(k)
+             for k in ("RLIX_CONTROL_PLANE", "RLIX_NAMESPACE", "PIPELINE_ID")}
+    os.environ.update(RLIX_CONTROL_PLANE="rlix", RLIX_NAMESPACE=namespace)
+    out: dict[str, Any] = {}
+    try:
+        own_before = len(_own_pgs())
+        plane = connect(namespace=namespace, create_if_missing=True)
+        state = ray.get(plane.roll_resource_manager.get_state.remote())
+        pgs = list(state["placement_groups"])
+        out["shared_pgs"] = [pg.id.hex() for pg in pgs]
+        owned: list[Any] = []
+        try:
+            # Each pipeline's process exports its PIPELINE_ID (the adapter does).
+            os.environ["PIPELINE_ID"] = "gate2_a"
+            a_owned, out["a"] = _pipeline_on_shared_groups(
+                {"infer_gpus": [0, 1], "train_gpus": [0]})
+            owned += a_owned
+            os.environ["PIPELINE_ID"] = "gate2_b"
+            b_owned, out["b"] = _pipeline_on_shared_groups(
+                {"infer_gpus": [0, 1], "train_gpus": [1]})
+            owned += b_owned
+            out["shared_gpu_free_while_both"] = _shared_gpu_free(pgs)
+            # Read here: Ray publishes a new group's resources a moment after it is ready.
+            out["shared_gpu_total"] = _shared_gpu_free(pgs, total=True)
+        finally:
+            for thing in owned:
+                if hasattr(thing, "workers"):
+                    thing.shutdown(force=True)
+                else:
+                    thing.shutdown()
+        # Groups of a pipeline's own (the fallback) made during this scenario: none expected.
+        out["own_pgs_made"] = len(_own_pgs()) - own_before
+        # Worker teardown is asynchronous in Ray: wait until the shares are given back.
+        import time
+
+        deadline = time.monotonic() + 30
+        while _shared_gpu_free(pgs) < out["shared_gpu_total"] and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        out["shared_gpu_free_after"] = _shared_gpu_free(pgs)
+        out["shared_pg_states_before_stop"] = [
+            placement_group_table(pg)["state"] for pg in pgs]
+        out["stopped"] = ROLL_RESOURCE_MANAGER_ACTOR in stop_coordinator(namespace)
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("GPU", 0.0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out["gpu_free_after_stop"] = ray.available_resources().get("GPU", 0.0)
+        out["shared_pg_states_after_stop"] = [
+            placement_group_table(pg)["state"] for pg in pgs]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return out
+
+
+SCENARIOS = {"overlap": scenario_overlap, "tp2": scenario_tp2, "gpu_taken": scenario_gpu_taken,
+             "shared_two": scenario_two_pipelines_shared}
 
 
 def main(argv: list[str]) -> int:
