@@ -122,6 +122,11 @@ PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
         _p("worker group", f"{_WGROUP}:RayWorkerGroup.__init__", PlugKind.SUBCLASS,
            ("cluster", "remote_worker_builder", "workers_per_node", "name_prefix",
             "bundle_indices_list", "sharding_annotations", "env_vars")),
+        _p("worker creation", f"{_WGROUP}:RayWorkerGroup._create_workers_from_bundle_indices",
+           PlugKind.READ, ("remote_worker_builder", "bundle_indices_list", "env_vars"),
+           why="it fills self._initializer_pool and calls pool[pg_idx].create_worker.remote "
+           "once per worker in rank order; on the coordinator's shared groups our pool adds "
+           "each worker's pinning env (CUDA_VISIBLE_DEVICES, Ray's setting off) there"),
         _p("vLLM placement groups", f"{_VCLUSTER}:RayVirtualCluster._init_placement_groups",
            PlugKind.SUBCLASS, ("strategy", "use_unified_pg"),
            why="VllmGeneration.__init__ calls it; a bound view already holds the shared group"),

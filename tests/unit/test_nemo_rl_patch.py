@@ -187,5 +187,38 @@ def test_placement_plug_points_are_declared() -> None:
         ("nemo_rl.distributed.virtual_cluster:RayVirtualCluster.__init__", PlugKind.SUBCLASS),
         ("nemo_rl.distributed.worker_groups:RayWorkerGroup.__init__", PlugKind.SUBCLASS),
         ("nemo_rl.distributed.virtual_cluster:get_reordered_bundle", PlugKind.READ),
+        ("nemo_rl.distributed.worker_groups:RayWorkerGroup._create_workers_from_bundle_indices",
+         PlugKind.READ),
     ):
         assert targets[target].kind is kind
+
+
+def test_pinned_plan_on_the_coordinators_per_node_groups() -> None:
+    from rlix_plugins.adapters.nemo_rl_placement_plan import (
+        PlacementError,
+        WorkerGpu,
+        check_worker_gpus,
+        pinned_worker_env,
+        plan_pinned,
+    )
+
+    plan = plan_pinned([3, 0, 2], [2], ["n0", "n1"], 2)
+    assert plan.pinned and plan.infer.gpus == (0, 2, 3)
+    # Every worker takes bundle 0 of its node's group; node rank = GPU // gpus_per_node.
+    assert plan.infer.bundles == (0, 0, 0) and plan.infer.node_indices == (0, 1, 1)
+    assert [plan.local_gpu("actor_infer", r) for r in range(3)] == [0, 0, 1]
+    assert plan.infer.bundle_groups(1) == [(0, [0]), (1, [0]), (1, [0])]
+    assert pinned_worker_env(1) == {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                                    "CUDA_VISIBLE_DEVICES": "1"}
+    # The check is what the worker sees: its CUDA_VISIBLE_DEVICES and node.
+    check_worker_gpus(plan, "actor_train", [WorkerGpu(0, (0,), "0", "n1")])
+    with pytest.raises(PlacementError, match="sees CUDA_VISIBLE_DEVICES=1 on node n1"):
+        check_worker_gpus(plan, "actor_train", [WorkerGpu(0, (0,), "1", "n1")])
+    with pytest.raises(PlacementError, match="on node n0"):
+        check_worker_gpus(plan, "actor_train", [WorkerGpu(0, (0,), "0", "n0")])
+    with pytest.raises(PlacementError, match=r"GPUs \[4\] do not exist"):
+        plan_pinned([0, 4], [0], ["n0", "n1"], 2)
+    with pytest.raises(PlacementError, match="subset"):
+        plan_pinned([0], [1], ["n0"], 2)
+    with pytest.raises(PlacementError, match="one bundle per node"):
+        plan.global_gpu_of_bundle(0)
