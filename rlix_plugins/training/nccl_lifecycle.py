@@ -25,6 +25,15 @@ is destroyed whatever its backend (on CPU they are all gloo); Megatron's extra `
 groups are re-created by :meth:`initialize` iff the saved configuration's
 ``create_gloo_process_groups`` is true (Megatron's default).
 
+Held references: megatron-core's ``DistributedDataParallel`` (``self.dp_group`` ...), its
+param/grad buffers and bucket groups, the distributed optimizer and ``ProcessGroupCollection``
+objects keep the group objects they were built with, so after a destroy/re-init they hold
+destroyed groups. :meth:`destroy` remembers which group each ``parallel_state`` global held (by
+name and position), :meth:`reinitialize` pairs every old group with the new group at the same
+place, and :func:`rebind_process_groups` (or ``reinitialize(roots=...)``) replaces every old
+group reachable from the given roots (model chunks, optimizer) and raises
+:class:`StaleProcessGroupError` if a destroyed group is still reachable afterwards.
+
 This must run in the training worker process: that is where ``parallel_state`` lives (calling it
 in a driver finds nothing). Verified with megatron-core 0.16.1 (the release installable on
 Python 3.11); discovery does not depend on global names, but ``initialize_model_parallel``'s
@@ -35,17 +44,22 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 from rlix_plugins.errors import ParallelStateError
 
 logger = logging.getLogger(__name__)
+
+
+class StaleProcessGroupError(ParallelStateError):
+    """A destroyed process group is still reachable from the objects a train step uses."""
 
 #: megatron-core releases this module was run against.
 VERIFIED_MEGATRON_CORE = ("0.16.1",)
@@ -132,6 +146,285 @@ def _walk(value: Any, depth: int = 0) -> Iterator[Any]:
             yield from _walk(v, depth + 1)
 
 
+#: where a group sat in ``parallel_state``: (global name, index or key, ...)
+SlotPath = tuple[str | int, ...]
+
+
+def _walk_paths(value: Any, path: SlotPath, depth: int = 0) -> Iterator[tuple[SlotPath, Any]]:
+    import torch.distributed as dist
+
+    if isinstance(value, dist.ProcessGroup):
+        yield path, value
+        return
+    if depth >= _MAX_DEPTH:
+        return
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if isinstance(k, (str, int)):  # only stable keys give a stable position
+                yield from _walk_paths(v, (*path, k), depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _walk_paths(v, (*path, i), depth + 1)
+
+
+def group_slots(module: ModuleType) -> dict[SlotPath, Any]:
+    """Every ProcessGroup in ``module``'s globals keyed by where it sits (name, index/key...),
+    the default group excluded."""
+    import torch.distributed as dist
+
+    world = dist.GroupMember.WORLD
+    slots: dict[SlotPath, Any] = {}
+    for name, value in vars(module).items():
+        if name.startswith("__") or isinstance(value, ModuleType) or callable(value):
+            continue
+        for path, pg in _walk_paths(value, (name,)):
+            if pg is not world:
+                slots[path] = pg
+    return slots
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMapping:
+    """Old (destroyed) group -> new group, paired by their place in ``parallel_state``.
+
+    ``pairs`` is keyed by ``id(old)``; the old objects are kept inside so the ids stay valid.
+    """
+
+    pairs: Mapping[int, tuple[Any, Any]]
+    #: old groups that had no counterpart after re-init (a layout change): never rebindable
+    unmatched: tuple[SlotPath, ...] = ()
+
+    @staticmethod
+    def between(old: Mapping[SlotPath, Any], new: Mapping[SlotPath, Any]) -> GroupMapping:
+        """Pair groups found at the same place; raises if one old group would map to two."""
+        pairs: dict[int, tuple[Any, Any]] = {}
+        unmatched: list[SlotPath] = []
+        for path, old_pg in old.items():
+            new_pg = new.get(path)
+            if new_pg is None:
+                unmatched.append(path)
+                continue
+            known = pairs.get(id(old_pg))
+            if known is not None and known[1] is not new_pg:
+                raise ParallelStateError(
+                    f"the group at {_fmt(path)} was shared with another slot before re-init but "
+                    "not after; the re-initialised layout differs from the destroyed one"
+                )
+            pairs[id(old_pg)] = (old_pg, new_pg)
+        return GroupMapping(pairs=pairs, unmatched=tuple(unmatched))
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def get(self, group: Any) -> Any | None:
+        pair = self.pairs.get(id(group))
+        return pair[1] if pair is not None and pair[0] is group else None
+
+
+@dataclass(frozen=True, slots=True)
+class RebindReport:
+    """What one :func:`rebind_process_groups` walk did."""
+
+    #: references to an old group that now point to its new group
+    replaced: int
+    #: objects visited (containers and instances)
+    objects_visited: int
+    #: where an old group sat that could not be replaced (e.g. ``functools.partial`` args)
+    unreplaceable: tuple[str, ...]
+    #: where a group that is no longer alive is still referenced (after replacing)
+    dead_reachable: tuple[str, ...]
+    seconds: float
+
+
+def _fmt(path: Iterable[Any]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p!r}]" if not isinstance(p, str) or not p.isidentifier() else f".{p}"
+    return out.lstrip(".")
+
+
+class _Rebinder:
+    """Walks an object graph replacing old groups by new ones (:func:`rebind_process_groups`)."""
+
+    # leaves: nothing reachable from them can hold a group worth walking
+    _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), type, ModuleType,
+              range, slice, memoryview)
+
+    def __init__(self, mapping: GroupMapping) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.mapping = mapping
+        self.pg_type = dist.ProcessGroup
+        self.skip_types: tuple[type, ...] = (
+            *self._ATOMS, torch.Tensor, torch.dtype, torch.device, torch.Size
+        )
+        self.module_type = torch.nn.Module
+        self.world_map = _world().pg_map
+        self.seen: set[int] = set()
+        self.replaced = 0
+        self.unreplaceable: list[str] = []
+        self.dead: list[str] = []
+
+    def swap(self, value: Any, path: list[Any]) -> tuple[Any, bool]:
+        """(value to store, whether it differs) for one reference found at ``path``."""
+        if isinstance(value, self.pg_type):
+            new = self.mapping.get(value)
+            if new is not None:
+                self.replaced += 1
+                return new, True
+            if value not in self.world_map and value is not None:
+                self.dead.append(_fmt(path))
+            return value, False
+        if isinstance(value, (tuple, frozenset)):
+            return self.rebuild(value, path)
+        self.visit(value, path)
+        return value, False
+
+    def rebuild(self, value: tuple[Any, ...] | frozenset[Any],
+                path: list[Any]) -> tuple[Any, bool]:
+        # immutable: walk the members, rebuild the container only if one of them changed
+        if id(value) in self.seen:
+            return value, False
+        items = list(value)
+        changed = False
+        for i, item in enumerate(items):
+            new, differs = self.swap(item, [*path, i])
+            if differs:
+                items[i], changed = new, True
+        if not changed:
+            self.seen.add(id(value))
+            return value, False
+        if isinstance(value, frozenset):
+            return frozenset(items), True
+        if hasattr(value, "_make"):  # namedtuple
+            return type(value)._make(items), True
+        return type(value)(items), True
+
+    def refuse(self, value: Any, path: list[Any]) -> None:
+        """Record a reference that changed but has nowhere to be written back."""
+        self.unreplaceable.append(_fmt(path))
+        # the old groups stay where they are: they were counted as replaced, take them back
+        self.replaced -= 1 if isinstance(value, self.pg_type) else len(list(_walk(value)))
+
+    def visit(self, obj: Any, path: list[Any]) -> None:
+        if isinstance(obj, self.skip_types) or id(obj) in self.seen:
+            return
+        self.seen.add(id(obj))
+        if isinstance(obj, list):
+            for i, v in enumerate(obj):
+                new, differs = self.swap(v, [*path, i])
+                if differs:
+                    obj[i] = new
+        elif isinstance(obj, dict):
+            for k in list(obj.keys()):
+                new_k, k_differs = self.swap(k, [*path, f"<key {k!r}>"])
+                v = obj[k]
+                new_v, v_differs = self.swap(v, [*path, k if isinstance(k, (str, int)) else "?"])
+                if k_differs:
+                    del obj[k]
+                    obj[new_k] = new_v
+                elif v_differs:
+                    obj[k] = new_v
+        elif isinstance(obj, set):
+            for m in list(obj):
+                new, differs = self.swap(m, [*path, "<member>"])
+                if differs:
+                    obj.discard(m)
+                    obj.add(new)
+        elif isinstance(obj, functools.partial):
+            for i, a in enumerate(obj.args):
+                new, differs = self.swap(a, [*path, "args", i])
+                if differs:
+                    self.refuse(new, [*path, "args", i])
+            self.visit(obj.keywords, [*path, "keywords"])
+            self.visit(obj.func, [*path, "func"])
+        elif isinstance(obj, FunctionType):
+            # closures capture groups (megatron builds hooks that way); cells are writable
+            for cell, name in zip(obj.__closure__ or (), obj.__code__.co_freevars, strict=True):
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # empty cell
+                    continue
+                new, differs = self.swap(content, [*path, f"<closure {name}>"])
+                if differs:
+                    cell.cell_contents = new
+        elif inspect.ismethod(obj):
+            self.visit(obj.__self__, [*path, "__self__"])
+        else:
+            self.visit_instance(obj, path)
+
+    def visit_instance(self, obj: Any, path: list[Any]) -> None:
+        attrs: dict[str, Any] = {}
+        d = getattr(obj, "__dict__", None)
+        if isinstance(d, dict):
+            attrs.update(d)
+        for klass in type(obj).__mro__:
+            for name in getattr(klass, "__slots__", ()):
+                if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                    attrs[name] = getattr(obj, name)
+        is_module = isinstance(obj, self.module_type)
+        for name, value in attrs.items():
+            if is_module and name in ("_parameters", "_buffers"):
+                continue  # tensors only; the model's size would dominate the walk
+            new, differs = self.swap(value, [*path, name])
+            if not differs:
+                continue
+            try:
+                # object.__setattr__: frozen dataclasses and __setattr__ overrides included
+                object.__setattr__(obj, name, new)
+            except (AttributeError, TypeError):
+                self.refuse(new, [*path, name])
+
+
+def rebind_process_groups(
+    roots: Mapping[str, Any] | Iterable[Any], mapping: GroupMapping, *, strict: bool = True
+) -> RebindReport:
+    """Replace every reference to an old group reachable from ``roots`` by its new group.
+
+    ``roots`` are the objects a train step uses (model chunks, optimizer, process-group
+    collections), by name or as a sequence. The walk follows instance ``__dict__`` and
+    ``__slots__`` (frozen dataclasses too), lists, dicts (keys and values), sets, closures and
+    ``functools.partial`` keywords; tuples and frozensets are rebuilt and written back where
+    they sit; tensors and modules' parameters/buffers are skipped. Each object is visited once.
+
+    A reference that cannot be written back (``partial`` args, a tuple root, a read-only
+    attribute) is listed in ``unreplaceable``; a group that is not alive any more and still
+    reachable is listed in ``dead_reachable``. With ``strict`` (the default) either raises
+    :class:`StaleProcessGroupError`, so a train step never runs on a destroyed group. Objects
+    held only by C++ (or outside the roots) are not seen: pass every root the step uses.
+    """
+    started = time.perf_counter()
+    named = dict(roots) if isinstance(roots, Mapping) else {
+        f"root{i}": r for i, r in enumerate(roots)
+    }
+    walker = _Rebinder(mapping)
+    for name, root in named.items():
+        new, differs = walker.swap(root, [name])
+        if differs:
+            walker.refuse(new, [name])
+    report = RebindReport(
+        replaced=walker.replaced,
+        objects_visited=len(walker.seen),
+        unreplaceable=tuple(walker.unreplaceable),
+        dead_reachable=tuple(walker.dead),
+        seconds=time.perf_counter() - started,
+    )
+    logger.info(
+        "rebound %d process-group references over %d objects in %.3f s",
+        report.replaced, report.objects_visited, report.seconds,
+    )
+    if strict and (report.unreplaceable or report.dead_reachable):
+        raise StaleProcessGroupError(
+            f"destroyed process groups are still reachable: {len(report.unreplaceable)} "
+            f"reference(s) could not be replaced {list(report.unreplaceable)[:10]} and "
+            f"{len(report.dead_reachable)} reference(s) point to dead groups "
+            f"{list(report.dead_reachable)[:10]}; pass mutable holders as roots (or rebuild "
+            "the holder after re-init)"
+        )
+    return report
+
+
 def groups_in_module(module: ModuleType) -> list[Any]:
     """Every ProcessGroup reachable from ``module``'s globals, the default group excluded."""
     import torch.distributed as dist
@@ -193,6 +486,9 @@ class MegatronParallelLifecycle:
         self.barrier = barrier
         self._defaults = pristine_state(self.ps)
         self._created: list[Any] = []
+        # where each group sat before the last destroy, and old -> new after re-init
+        self._destroyed_slots: dict[SlotPath, Any] = {}
+        self._mapping: GroupMapping | None = None
         self._check_release()
 
     @classmethod
@@ -245,6 +541,8 @@ class MegatronParallelLifecycle:
         if self.barrier and dist.is_initialized():
             dist.barrier()
         from_globals = groups_in_module(self.ps)
+        self._destroyed_slots = group_slots(self.ps)
+        self._mapping = None
         world_default = dist.GroupMember.WORLD
         targets: dict[int, Any] = {id(pg): pg for pg in from_globals}
         diff_only = 0
@@ -290,12 +588,39 @@ class MegatronParallelLifecycle:
         logger.info("destroyed %d Megatron process groups %s", destroyed, by_backend)
         return report
 
-    def reinitialize(self) -> None:
-        """Re-create the parallel state from the saved configuration (after :meth:`destroy`)."""
+    def reinitialize(
+        self, roots: Mapping[str, Any] | Iterable[Any] | None = None
+    ) -> RebindReport | None:
+        """Re-create the parallel state from the saved configuration (after :meth:`destroy`),
+        pair every destroyed group with its successor and, given ``roots``, rebind the
+        references held under them (:meth:`rebind`)."""
         self.initialize()
+        self._mapping = GroupMapping.between(self._destroyed_slots, group_slots(self.ps))
+        self._destroyed_slots = {}
+        if self._mapping.unmatched:
+            logger.warning(
+                "%d destroyed group slot(s) have no successor after re-init: %s",
+                len(self._mapping.unmatched), [_fmt(p) for p in self._mapping.unmatched][:10],
+            )
+        return self.rebind(roots) if roots is not None else None
 
-    def cycle(self) -> DestroyReport:
-        """destroy() then reinitialize(); returns the destroy report."""
+    @property
+    def group_mapping(self) -> GroupMapping:
+        """Old -> new groups of the last destroy/re-init (empty before the first one)."""
+        return self._mapping or GroupMapping(pairs={})
+
+    def rebind(self, roots: Mapping[str, Any] | Iterable[Any], *,
+               strict: bool = True) -> RebindReport:
+        """:func:`rebind_process_groups` over ``roots`` with the last destroy/re-init's
+        mapping; raises :class:`StaleProcessGroupError` (``strict``) if a destroyed group is
+        still reachable from them."""
+        if not self.initialized:
+            raise ParallelStateError("rebind() needs the re-initialised parallel state; "
+                                     "call reinitialize() first")
+        return rebind_process_groups(roots, self.group_mapping, strict=strict)
+
+    def cycle(self, roots: Mapping[str, Any] | Iterable[Any] | None = None) -> DestroyReport:
+        """destroy() then reinitialize(roots); returns the destroy report."""
         report = self.destroy()
-        self.reinitialize()
+        self.reinitialize(roots)
         return report
