@@ -13,7 +13,11 @@ Injected through NeMo RL's own seam ``Policy(worker_extension_cls_fqn=...)`` (th
   one host): peak extra memory per receiver = 1 bucket, no tensor passes through Ray.
 * ``rlix_destroy_parallel_state`` / ``rlix_reinit_parallel_state``: the training module's
   :class:`~rlix_plugins.training.nccl_lifecycle.MegatronParallelLifecycle`, HERE, in the worker
-  process where ``parallel_state`` lives (never in the driver, where it is empty).
+  process where ``parallel_state`` lives (never in the driver, where it is empty). The re-init
+  also rebinds the groups held by the worker's model, optimizer and scheduler (megatron's DDP,
+  buffers, distributed optimizer keep the group objects they were built with) and raises
+  :class:`~rlix_plugins.training.nccl_lifecycle.StaleProcessGroupError` if a destroyed group is
+  still reachable from them.
 
 The mixin (:class:`RLixMegatronWorkerMixin`) needs from its host only
 ``_iter_params_with_optional_kv_scales``; the NeMo RL class is built lazily
@@ -32,6 +36,7 @@ from rlix_plugins.training.nccl_lifecycle import (
     DestroyReport,
     MegatronParallelLifecycle,
     ParallelConfig,
+    RebindReport,
 )
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
 
@@ -60,6 +65,13 @@ class RLixMegatronWorkerMixin:
     rlix_owner_rank = 0
     #: bucket size of the cache (one bucket = peak extra receiver memory)
     rlix_bucket_bytes = 256 << 20
+
+    #: attributes of NeMo RL's MegatronPolicyWorkerImpl that hold (through megatron objects)
+    #: process groups a train step uses; missing or None ones are skipped
+    rlix_rebind_roots: tuple[str, ...] = (
+        "model", "optimizer", "scheduler", "draft_model", "inference_model", "mcore_state",
+        "_first_train_step_param_sync_func",
+    )
 
     #: provided by the host worker class (annotation only: a stub here would shadow the host's
     #: method, since the mixin comes first in the MRO)
@@ -136,11 +148,22 @@ class RLixMegatronWorkerMixin:
         """Destroy every Megatron process group in this worker (frees NCCL buffers)."""
         return self._rlix_lifecycle().destroy()
 
-    def rlix_reinit_parallel_state(self) -> None:
-        """Re-create the groups from the saved configuration (before the next step)."""
+    def rlix_reinit_parallel_state(self) -> RebindReport | None:
+        """Re-create the groups from the saved configuration (before the next step) and rebind
+        every old group held under :attr:`rlix_rebind_roots` to its successor; None when the
+        state was already initialised (nothing destroyed, nothing to rebind)."""
         lifecycle = self._rlix_lifecycle()
-        if not lifecycle.initialized:
-            lifecycle.reinitialize()
+        if lifecycle.initialized:
+            return None
+        roots = {name: value for name in self.rlix_rebind_roots
+                 if (value := getattr(self, name, None)) is not None}
+        report = lifecycle.reinitialize(roots)
+        if report is not None:
+            logger.info(
+                "re-init rebound %d group references under %s (%d objects, %.3f s)",
+                report.replaced, sorted(roots), report.objects_visited, report.seconds,
+            )
+        return report
 
 
 class RayWorkerReceiver:

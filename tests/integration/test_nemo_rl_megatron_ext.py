@@ -1,14 +1,17 @@
 """The Megatron worker extension's cache build and NCCL lifecycle, in 2 real gloo ranks.
 
 NeMo RL's ``MegatronPolicyWorkerImpl`` needs megatron-bridge (not installable here), so the
-host is a Fake worker that provides only what the extension calls: a collective
+host is a Fake worker that provides only what the extension uses: a collective
 ``_iter_params_with_optional_kv_scales`` (it all-reduces each tensor, as the real HF export
-all-gathers). Everything else is real: torch.distributed on gloo, megatron-core's
-parallel_state, the training module's BucketCache and MegatronParallelLifecycle.
+all-gathers) and ``model`` / ``optimizer`` attributes holding process groups the way megatron's
+DDP and distributed optimizer do (those need CUDA to build). Everything else is real:
+torch.distributed on gloo, megatron-core's parallel_state, the training module's BucketCache
+and MegatronParallelLifecycle.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,8 +46,15 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
     class Worker(RLixMegatronWorkerMixin, FakeMegatronHostWorker):  # type: ignore[misc]
         rlix_bucket_bytes = 1 << 16
 
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
     ps.initialize_model_parallel(tensor_model_parallel_size=2)  # what the host did at init
     w = Worker()
+    # what MegatronPolicyWorkerImpl keeps: model (DDP holds its groups) and optimizer
+    w.model = torch.nn.Module()
+    w.model.tp_group = ps.get_tensor_model_parallel_group()
+    w.optimizer = types.SimpleNamespace(data_parallel_group=[ps.get_data_parallel_group()])
     info = w.rlix_build_cache(1)
     out: dict[str, Any] = {"info": info, "latest": w.rlix_latest_version()}
     if info is not None:
@@ -54,8 +64,17 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
     report = w.rlix_destroy_parallel_state()
     out["destroyed"] = report.destroyed
     out["initialized_after_destroy"] = bool(ps.model_parallel_is_initialized())
-    w.rlix_reinit_parallel_state()
+    rebind = w.rlix_reinit_parallel_state()
     out["tp_after_reinit"] = ps.get_tensor_model_parallel_world_size()
+    out["rebound"] = rebind.replaced if rebind is not None else None
+    out["again"] = w.rlix_reinit_parallel_state()  # already initialised: nothing to do
+    held = [w.model.tp_group, w.optimizer.data_parallel_group[0]]
+    out["held_live"] = [g in distributed_c10d._world.pg_map for g in held]
+    out["held_current"] = [held[0] is ps.get_tensor_model_parallel_group(),
+                           held[1] is ps.get_data_parallel_group()]
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=held[0])
+    out["tp_sum"] = t.item()
     w.rlix_destroy_parallel_state()
     del torch
     return out
@@ -72,3 +91,7 @@ def test_cache_on_owner_rank_and_nccl_destroy_reinit_in_the_worker() -> None:
     for r in (r0, r1):
         assert r["destroyed"] > 10 and r["initialized_after_destroy"] is False
         assert r["tp_after_reinit"] == 2
+        # the worker's model/optimizer references were rebound to the live new groups
+        assert r["rebound"] == 2 and r["again"] is None
+        assert r["held_live"] == [True, True] and r["held_current"] == [True, True]
+        assert r["tp_sum"] == 3.0
