@@ -262,6 +262,7 @@ class _Rebinder:
         self.module_type = torch.nn.Module
         self.world_map = _world().pg_map
         self.seen: set[int] = set()
+        self.pending: list[tuple[Any, list[Any]]] = []
         self.replaced = 0
         self.unreplaceable: list[str] = []
         self.dead: list[str] = []
@@ -278,7 +279,10 @@ class _Rebinder:
             return value, False
         if isinstance(value, (tuple, frozenset)):
             return self.rebuild(value, path)
-        self.visit(value, path)
+        # mutable holders are changed in place: queue them (a work stack, not recursion, so a
+        # deep object graph cannot hit the interpreter's recursion limit)
+        if not isinstance(value, self.skip_types) and id(value) not in self.seen:
+            self.pending.append((value, path))
         return value, False
 
     def rebuild(self, value: tuple[Any, ...] | frozenset[Any],
@@ -306,6 +310,11 @@ class _Rebinder:
         self.unreplaceable.append(_fmt(path))
         # the old groups stay where they are: they were counted as replaced, take them back
         self.replaced -= 1 if isinstance(value, self.pg_type) else len(list(_walk(value)))
+
+    def drain(self) -> None:
+        """Visit everything queued, depth first."""
+        while self.pending:
+            self.visit(*self.pending.pop())
 
     def visit(self, obj: Any, path: list[Any]) -> None:
         if isinstance(obj, self.skip_types) or id(obj) in self.seen:
@@ -337,8 +346,8 @@ class _Rebinder:
                 new, differs = self.swap(a, [*path, "args", i])
                 if differs:
                     self.refuse(new, [*path, "args", i])
-            self.visit(obj.keywords, [*path, "keywords"])
-            self.visit(obj.func, [*path, "func"])
+            self.pending.append((obj.keywords, [*path, "keywords"]))
+            self.pending.append((obj.func, [*path, "func"]))
         elif isinstance(obj, FunctionType):
             # closures capture groups (megatron builds hooks that way); cells are writable
             for cell, name in zip(obj.__closure__ or (), obj.__code__.co_freevars, strict=True):
@@ -350,7 +359,7 @@ class _Rebinder:
                 if differs:
                     cell.cell_contents = new
         elif inspect.ismethod(obj):
-            self.visit(obj.__self__, [*path, "__self__"])
+            self.pending.append((obj.__self__, [*path, "__self__"]))
         else:
             self.visit_instance(obj, path)
 
@@ -403,6 +412,7 @@ def rebind_process_groups(
         new, differs = walker.swap(root, [name])
         if differs:
             walker.refuse(new, [name])
+        walker.drain()
     report = RebindReport(
         replaced=walker.replaced,
         objects_visited=len(walker.seen),

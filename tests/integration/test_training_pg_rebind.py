@@ -12,6 +12,7 @@ the live group now in ``parallel_state`` and collectives through it must give th
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,12 @@ def _build_holders(ps: Any) -> tuple[dict[str, Any], dict[str, tuple[Any, str]]]
 
     model = HolderDDP()
     optimizer = HolderOptimizer(model)
+    # a chain deeper than the interpreter's recursion limit: the walk must not recurse per level
+    head = tail = types.SimpleNamespace(next=None, group=None)
+    for _ in range(5000):
+        tail.next = types.SimpleNamespace(next=None, group=None)
+        tail = tail.next
+    tail.group = g["mp"]
     accessors: dict[str, tuple[Any, str]] = {
         "model.dp_group": (lambda: model.dp_group, "dp"),
         "model.pp_group[0]": (lambda: model.pp_group[0], "pp"),
@@ -114,8 +121,9 @@ def _build_holders(ps: Any) -> tuple[dict[str, Any], dict[str, tuple[Any, str]]]
         "hook closure": (lambda: model.hook.__closure__[0].cell_contents, "dp"),
         "optimizer.dp_gloo": (lambda: optimizer.data_parallel_group_gloo, "dp_gloo"),
         "optimizer.reduce group": (lambda: optimizer.reduce.keywords["group"], "dp_cp"),
+        "deep chain end": (lambda: tail.group, "mp"),
     }
-    return {"model": model, "optimizer": optimizer}, accessors
+    return {"model": model, "optimizer": optimizer, "deep": head}, accessors
 
 
 def _check_held(ps: Any, rank: int, accessors: dict[str, tuple[Any, str]]) -> None:
@@ -210,8 +218,8 @@ def test_held_groups_rebound_over_cycles_and_unreplaceable_reported() -> None:
     for r in results:
         for name in LAYOUTS:
             data = r[name]
-            # 15 probed references plus the rest of ProcessGroupCollection's fields
-            assert data["first"] >= 15, data
+            # 16 probed references plus the rest of ProcessGroupCollection's fields
+            assert data["first"] >= 16, data
             assert data["replaced"] == [data["first"]] * (CYCLES + 1), data
             assert data["second"] == [0] * CYCLES, data
             assert r[f"{name}_unreplaceable"] == ["optimizer.positional.args[0]"], r
