@@ -98,19 +98,19 @@ def test_gate_on_patches_an_imported_nemo_rl(
 def test_replay_buffer_valid_count_on_the_real_buffer(nemo_rl_src: Path) -> None:
     pytest.importorskip("datasets", reason="NeMo RL's replay buffer imports HF datasets "
                         "(via nemo_rl.experience.payload); install it to run this contract test")
-    import_without_package_init("nemo_rl.algorithms.async_utils.replay_buffer")
-    from rlix_plugins.adapters.nemo_rl_replay import RLixReplayBufferImpl
+    with import_without_package_init("nemo_rl.algorithms.async_utils.replay_buffer"):
+        from rlix_plugins.adapters.nemo_rl_replay import RLixReplayBufferImpl
 
-    # The pinned NeMo RL requires the restore policy (grpo.py passes False).
-    buf = RLixReplayBufferImpl(max_size=16, drop_incomplete_targets_on_restore=False)
-    # (generated with, intended for): NeMo RL's real add() keeps both lists under its lock.
-    for gen_v, target_v in [(0, 1), (1, 1), (1, 2), (2, 2), (2, 3)]:
-        buf.add({"batch": None, "rollout_metrics": {}, "timestamp": 0.0}, gen_v, target_v)
-    assert buf.size() == 5
-    assert buf.valid_count(2, 0) == 2  # generated with version 2
-    assert buf.valid_count(2, 1) == 4  # versions 1..2
-    assert buf.valid_count(2, 1, intended_only=True) == 2  # targets == 2: what sample() takes
-    assert buf.valid_count(0, 5) == 1
+        # The pinned NeMo RL requires the restore policy (grpo.py passes False).
+        buf = RLixReplayBufferImpl(max_size=16, drop_incomplete_targets_on_restore=False)
+        # (generated with, intended for): NeMo RL's real add() keeps both lists under its lock.
+        for gen_v, target_v in [(0, 1), (1, 1), (1, 2), (2, 2), (2, 3)]:
+            buf.add({"batch": None, "rollout_metrics": {}, "timestamp": 0.0}, gen_v, target_v)
+        assert buf.size() == 5
+        assert buf.valid_count(2, 0) == 2  # generated with version 2
+        assert buf.valid_count(2, 1) == 4  # versions 1..2
+        assert buf.valid_count(2, 1, intended_only=True) == 2  # targets == 2: what sample() takes
+        assert buf.valid_count(0, 5) == 1
 
 
 def test_preemption_is_recognised_through_nemo_rl_wrapping(nemo_rl_src: Path) -> None:

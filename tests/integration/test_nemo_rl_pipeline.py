@@ -191,8 +191,9 @@ def test_collector_progress_reaches_the_coordinator_py312(nemo_rl_src: Path) -> 
         pytest.skip(PY312_SKIP)
     if not Path(python).is_file():
         pytest.fail(f"{PY312_ENV}={python!r} is not a file; point it at the venv's python")
-    paths = [str(REPO_ROOT), str(nemo_rl_src), os.environ.get("NEMO_RL_DEPS")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+    # Not NEMO_RL_DEPS: it holds cp311 wheels (pandas, pyarrow) that would shadow the venv's own.
+    paths = [str(REPO_ROOT), str(nemo_rl_src)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths),
            "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)  # its own local Ray: one Python version per cluster
     proc = subprocess.run([python, "-m", "tests.support.nemo_rl_py312_collector"], cwd=REPO_ROOT,
