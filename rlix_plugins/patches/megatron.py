@@ -29,7 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
 from rlix_plugins.training.nccl_lifecycle import (
@@ -38,10 +38,8 @@ from rlix_plugins.training.nccl_lifecycle import (
     ParallelConfig,
     RebindReport,
 )
+from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
-
-if TYPE_CHECKING:
-    from rlix_plugins.training.transports.selection import ReceiverLocation
 
 logger = logging.getLogger(__name__)
 
@@ -166,26 +164,15 @@ class RLixMegatronWorkerMixin:
         return report
 
 
-class RayWorkerReceiver:
+class RayWorkerReceiver(AddressedReceiver):
     """:class:`~rlix_plugins.training.sync.ReceiverHandle` for a vLLM worker actor whose
     ``rlix_receive_weights(offer)`` runs the receiver extension in its engine (NeMo RL:
     ``RLixVllmWorkerMixin``). Only the offer (plain data) crosses Ray; buckets go through the
     transport the sync picked."""
 
     def __init__(self, shard_id: str, actor: Any, host: str) -> None:
-        from rlix_plugins.training.transports.selection import ReceiverLocation
-
-        self._shard_id = shard_id
+        super().__init__(shard_id, ReceiverLocation(host=host))
         self._actor = actor
-        self._location = ReceiverLocation(host=host)
-
-    @property
-    def shard_id(self) -> str:
-        return self._shard_id
-
-    @property
-    def location(self) -> ReceiverLocation:
-        return self._location
 
     def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
         done: concurrent.futures.Future[ReceiveResult] = concurrent.futures.Future()

@@ -35,7 +35,7 @@ from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngin
 
 from rlix_plugins.errors import WeightSyncError
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
-from rlix_plugins.training.transports.selection import ReceiverLocation
+from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import SyncOffer
 
 logger = logging.getLogger(__name__)
@@ -223,21 +223,12 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
             yield pair
 
 
-class RayRolloutReceiver:
+class RayRolloutReceiver(AddressedReceiver):
     """A veRL rollout worker (``CheckpointEngineWorker`` actor) as a sync receiver."""
 
     def __init__(self, shard_id: str, worker: Any, location: ReceiverLocation | None = None):
-        self._shard_id = shard_id
+        super().__init__(shard_id, location)
         self._worker = worker
-        self._location = location or ReceiverLocation()
-
-    @property
-    def shard_id(self) -> str:
-        return self._shard_id
-
-    @property
-    def location(self) -> ReceiverLocation:
-        return self._location
 
     def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[Any]:
         self._worker.execute_checkpoint_engine.remote("rlix_accept_offer", offer.to_dict())

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlix_plugins.errors import ReceiverGoneError, WeightSyncError
-from rlix_plugins.training.transports.selection import ReceiverLocation
+from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
 
 #: name -> (dtype name, shape) of the tensors the child preallocates
@@ -121,7 +121,7 @@ def _child(conn: multiprocessing.connection.Connection, layout: dict[str, Any]) 
         conn.send(("ok", result.to_dict(), before, after))
 
 
-class SpawnedReceiver:
+class SpawnedReceiver(AddressedReceiver):
     """Sender-side handle of a receiver child process (see module docstring)."""
 
     def __init__(
@@ -131,8 +131,7 @@ class SpawnedReceiver:
         location: ReceiverLocation | None = None,
         start_timeout_s: float = 120.0,
     ) -> None:
-        self._shard_id = shard_id
-        self._location = location or ReceiverLocation()
+        super().__init__(shard_id, location)
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
@@ -150,14 +149,6 @@ class SpawnedReceiver:
         self._lock = threading.Lock()
         self.last_stats: ChildSyncStats | None = None
         self.syncs = 0
-
-    @property
-    def shard_id(self) -> str:
-        return self._shard_id
-
-    @property
-    def location(self) -> ReceiverLocation:
-        return self._location
 
     def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
         fut: concurrent.futures.Future[ReceiveResult] = concurrent.futures.Future()

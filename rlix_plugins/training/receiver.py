@@ -38,7 +38,7 @@ from rlix_plugins.errors import ChecksumMismatchError, ReceiverGoneError, Weight
 from rlix_plugins.training.bucket_cache import TensorEntry, torch_dtype, unpack_bucket
 from rlix_plugins.training.checksum import checksum_bytes, checksum_tensor
 from rlix_plugins.training.transports.base import ReceiverTransport, open_receiver_transport
-from rlix_plugins.training.transports.selection import ReceiverLocation
+from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer, decode, encode
 
 if TYPE_CHECKING:
@@ -403,7 +403,7 @@ class StateDictTarget:
             self.loaded.append(name)
 
 
-class ThreadReceiver:
+class ThreadReceiver(AddressedReceiver):
     """A receiver in this process, on its own thread (benchmarks, tests, co-located engines)."""
 
     def __init__(
@@ -414,22 +414,13 @@ class ThreadReceiver:
         *,
         destination: DestinationFn | None = None,
     ) -> None:
-        self._shard_id = shard_id
+        super().__init__(shard_id, location)
         self._load = load_weights
         self._destination = destination
-        self._location = location or ReceiverLocation()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"rlix-recv-{shard_id}"
         )
         self.versions: list[int] = []
-
-    @property
-    def shard_id(self) -> str:
-        return self._shard_id
-
-    @property
-    def location(self) -> ReceiverLocation:
-        return self._location
 
     def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
         def run() -> ReceiveResult:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from rlix_plugins.errors import WeightSyncError
 from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
 from rlix_plugins.training.receiver import receive_weights, receive_weights_streaming
-from rlix_plugins.training.transports.selection import ReceiverLocation
+from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def _uint8() -> torch.dtype:
     return torch.uint8
 
 
-class VllmEngineReceiver:
+class VllmEngineReceiver(AddressedReceiver):
     """Sender-side handle for one vLLM engine (``vllm.LLM`` or anything with a synchronous
     ``collective_rpc``), usable with :func:`~rlix_plugins.training.sync.sync_version`.
 
@@ -137,20 +137,11 @@ class VllmEngineReceiver:
     def __init__(
         self, shard_id: str, engine: Any, location: ReceiverLocation | None = None
     ) -> None:
-        self._shard_id = shard_id
+        super().__init__(shard_id, location)
         self._engine = engine
-        self._location = location or ReceiverLocation()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"rlix-vllm-{shard_id}"
         )
-
-    @property
-    def shard_id(self) -> str:
-        return self._shard_id
-
-    @property
-    def location(self) -> ReceiverLocation:
-        return self._location
 
     def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
         def run() -> ReceiveResult:

@@ -39,6 +39,26 @@ class ReceiverLocation:
     accepts: frozenset[TransportKind] = _ALL
 
 
+
+class AddressedReceiver:
+    """Base of the sender-side receiver handles: the shard id and where it runs.
+
+    Gives the ``shard_id`` / ``location`` half of
+    :class:`~rlix_plugins.training.sync.ReceiverHandle`; subclasses add ``begin_receive``.
+    """
+
+    def __init__(self, shard_id: str, location: ReceiverLocation | None = None) -> None:
+        self._shard_id = shard_id
+        self._location = location or ReceiverLocation()
+
+    @property
+    def shard_id(self) -> str:
+        return self._shard_id
+
+    @property
+    def location(self) -> ReceiverLocation:
+        return self._location
+
 def select_transport(
     sender: SenderLocation, receiver: ReceiverLocation, *, cache_in_shm: bool
 ) -> TransportKind:
