@@ -472,12 +472,18 @@ class NemoRlDriverHarness:
         return names
 
 
-def _alive(handle: Any) -> bool:
-    try:
-        ray.get(handle.__ray_ready__.remote(), timeout=10)
-        return True
-    except Exception:
-        return False
+def _alive(handle: Any, within_s: float = 15.0) -> bool:
+    """Whether the actor still answers ``within_s`` after a kill (``ray.kill`` is asynchronous:
+    an actor may answer once more right after it)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=5)
+        except Exception:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.2)
 
 
 def start_harness(gen_workers: list[Any], model_dir: str, namespace: str, *,
