@@ -405,6 +405,7 @@ class RLixRayWorkerGroup(RayWorkerGroup):  # type: ignore[misc]
             bundle_indices_list = plan.role(role).bundle_groups(1)
             self._rlix_pins = iter([plan.local_gpu(role, r)
                                     for r in range(plan.role(role).world_size)])
+            self._rlix_gpus_per_node = plan.gpus_per_node
         elif placed and bundle_indices_list is None:
             assert plan is not None and role is not None
             if workers_per_node is not None:
@@ -439,46 +440,50 @@ class RLixRayWorkerGroup(RayWorkerGroup):  # type: ignore[misc]
     def _initializer_pool(self, pool: dict[int, Any]) -> None:
         pins = self.__dict__.get("_rlix_pins")
         self.__dict__["_rlix_initializer_pool"] = (
-            _PinningPool(pool, pins) if pins is not None else pool
+            _PinningPool(pool, pins, self.__dict__["_rlix_gpus_per_node"])
+            if pins is not None else pool
         )
 
 
 class _PinningPool(dict[int, Any]):
     """NeMo RL's initializer pool; items read back by index pin the next worker."""
 
-    def __init__(self, pool: dict[int, Any], pins: Iterator[int]) -> None:
+    def __init__(self, pool: dict[int, Any], pins: Iterator[int], gpus_per_node: int) -> None:
         super().__init__(pool)
         self._pins = pins
+        self._gpus_per_node = gpus_per_node
 
     def __getitem__(self, key: int) -> Any:
-        return _PinningInitializer(super().__getitem__(key), self._pins)
+        return _PinningInitializer(super().__getitem__(key), self._pins, self._gpus_per_node)
 
 
 class _PinningInitializer:
     """An ``IsolatedWorkerInitializer`` handle whose ``create_worker.remote`` pins the worker."""
 
-    def __init__(self, handle: Any, pins: Iterator[int]) -> None:
+    def __init__(self, handle: Any, pins: Iterator[int], gpus_per_node: int) -> None:
         self._handle = handle
         self._pins = pins
+        self._gpus_per_node = gpus_per_node
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handle, name)
 
     @property
     def create_worker(self) -> _PinnedCreate:
-        return _PinnedCreate(self._handle.create_worker, self._pins)
+        return _PinnedCreate(self._handle.create_worker, self._pins, self._gpus_per_node)
 
 
 class _PinnedCreate:
-    def __init__(self, method: Any, pins: Iterator[int]) -> None:
+    def __init__(self, method: Any, pins: Iterator[int], gpus_per_node: int) -> None:
         self._method = method
         self._pins = pins
+        self._gpus_per_node = gpus_per_node
 
     def remote(self, placement_group: Any, bundle_index: int, num_gpus: float,
                bundle_indices: tuple[int, list[int]] | None = None, **options: Any) -> Any:
         local = next(self._pins)
         env = options.setdefault("runtime_env", {}).setdefault("env_vars", {})
-        env.update(pinned_worker_env(local))
+        env.update(pinned_worker_env(local, self._gpus_per_node))
         # The shared bundles hold GPUs only ({GPU: gpus_per_node}, as ROLL's): a worker that
         # asked Ray's default one CPU would never fit, so it asks for none (as ROLL's).
         options["num_cpus"] = 0

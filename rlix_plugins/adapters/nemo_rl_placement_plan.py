@@ -247,13 +247,56 @@ def plan_pinned(
     )
 
 
-def pinned_worker_env(local_gpu: int) -> dict[str, str]:
+#: Set on pinned workers: the node's GPUs, for workers that address GPUs by physical index
+#: (:func:`widen_to_node_gpus`).
+NODE_GPUS_ENV = "RLIX_NODE_GPUS"
+
+
+def pinned_worker_env(local_gpu: int, gpus_per_node: int | None = None) -> dict[str, str]:
     """Environment that pins a worker to ``local_gpu`` of its node, as ROLL does: Ray's own
-    CUDA_VISIBLE_DEVICES (from its fractional-GPU accounting) is switched off for the actor."""
-    return {
+    CUDA_VISIBLE_DEVICES (from its fractional-GPU accounting) is switched off for the actor.
+    With ``gpus_per_node`` the node's GPU list is passed too (:data:`NODE_GPUS_ENV`), for
+    workers that must widen their visibility (:func:`widen_to_node_gpus`)."""
+    env = {
         "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
         "CUDA_VISIBLE_DEVICES": str(local_gpu),
     }
+    if gpus_per_node is not None:
+        env[NODE_GPUS_ENV] = ",".join(str(g) for g in range(gpus_per_node))
+    return env
+
+
+def widen_to_node_gpus(environ: dict[str, str] | Any) -> str | None:
+    """Make a pinned worker see every GPU of its node; returns the pinned GPU (None when the
+    worker is not pinned, or already widened).
+
+    NeMo RL's Megatron policy worker runs ``torch.cuda.set_device(ray.get_gpu_ids()[0])``:
+    it expects CUDA_VISIBLE_DEVICES to list the node's GPUs, so that Ray's GPU id is also the
+    CUDA ordinal (its ``configure_worker`` sets RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES).
+    Pinned with CUDA_VISIBLE_DEVICES=g, Ray reports ``[g]`` (its ids are mapped through the
+    variable the worker started with), so for g >= 1 that ordinal does not exist. With the
+    node's list visible, ordinal g is physical GPU g: the pinned one. Must run before the
+    process initialises CUDA (the worker's ``__init__`` is the first CUDA call).
+    """
+    node = environ.get(NODE_GPUS_ENV)
+    pinned = environ.get("CUDA_VISIBLE_DEVICES")
+    if not node or pinned is None or pinned == node:
+        return None
+    if pinned not in node.split(","):
+        raise PlacementError(
+            f"pinned worker: CUDA_VISIBLE_DEVICES={pinned} is not one of the node's GPUs "
+            f"{NODE_GPUS_ENV}={node}"
+        )
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise PlacementError(
+            f"pinned worker on GPU {pinned}: CUDA is already initialised, so the node's GPUs "
+            "can no longer be made visible; widen before the first CUDA call"
+        )
+    environ["CUDA_VISIBLE_DEVICES"] = node
+    return pinned
 
 
 def check_device_mappings(plan: PlacementPlan, registered: Mapping[str, Sequence[int]]) -> None:
@@ -287,7 +330,8 @@ def check_worker_gpus(
     """Raise unless each worker holding a GPU is on its rank's planned GPU.
 
     On a pinned plan the check is what the worker sees: CUDA_VISIBLE_DEVICES must be exactly
-    its rank's node-local GPU, on the node of that node rank's shared group.
+    its rank's node-local GPU (or, widened, the node's GPUs with Ray's id = that GPU), on the
+    node of that node rank's shared group.
 
     ``ranks``: the role ranks that hold a GPU in Ray's accounting (default: all). A vLLM
     tensor-parallel follower asks Ray for no GPU (vLLM places it itself) and reports none.
@@ -305,7 +349,12 @@ def check_worker_gpus(
         local = want % plan.gpus_per_node
         if plan.pinned:
             want_node = plan.node_ids[placement.node_indices[r]]
-            if w.cuda_visible_devices != str(local) or w.node_id != want_node:
+            # A widened worker (widen_to_node_gpus) sees the node's GPUs and addresses its
+            # own by Ray's id, which Ray mapped through the pinned variable.
+            widened = w.gpu_ids == (local,) and w.cuda_visible_devices == ",".join(
+                str(g) for g in range(plan.gpus_per_node)
+            )
+            if (w.cuda_visible_devices != str(local) and not widened) or w.node_id != want_node:
                 problems.append(
                     f"rank {r}: sees CUDA_VISIBLE_DEVICES={w.cuda_visible_devices} on node "
                     f"{w.node_id[:12]}, planned GPU {want} = CUDA_VISIBLE_DEVICES={local} on "
@@ -360,6 +409,7 @@ def report_worker_gpu(actor_self: Any) -> tuple[list[int], str | None, str]:
 __all__ = [
     "GRPO_CLUSTER_ROLES",
     "GRPO_COLOCATED_CLUSTER",
+    "NODE_GPUS_ENV",
     "PINNED_WORKER_GROUPS",
     "SHARED_NODE_BUNDLE",
     "SHARED_WORKER_GROUPS",
@@ -376,4 +426,5 @@ __all__ = [
     "plan_pinned",
     "plan_placement",
     "report_worker_gpu",
+    "widen_to_node_gpus",
 ]

@@ -11,6 +11,10 @@ Injected through NeMo RL's own seam ``Policy(worker_extension_cls_fqn=...)`` (th
   whose engines receive through the
   :class:`~rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension` (shared memory on
   one host): peak extra memory per receiver = 1 bucket, no tensor passes through Ray.
+* pinned placement (the coordinator's shared groups): before NeMo RL's ``__init__`` makes its
+  first CUDA call, the node's GPUs are made visible
+  (:func:`~rlix_plugins.adapters.nemo_rl_placement_plan.widen_to_node_gpus`), because NeMo RL
+  takes Ray's GPU id as the CUDA ordinal.
 * ``rlix_destroy_parallel_state`` / ``rlix_reinit_parallel_state``: the training module's
   :class:`~rlix_plugins.training.nccl_lifecycle.MegatronParallelLifecycle`, HERE, in the worker
   process where ``parallel_state`` lives (never in the driver, where it is empty). The re-init
@@ -74,6 +78,20 @@ class RLixMegatronWorkerMixin:
     #: provided by the host worker class (annotation only: a stub here would shadow the host's
     #: method, since the mixin comes first in the MRO)
     _iter_params_with_optional_kv_scales: Callable[..., Iterator[tuple[str, Any]]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # On the coordinator's shared groups the worker is pinned by CUDA_VISIBLE_DEVICES=g,
+        # while NeMo RL's __init__ does set_device(ray.get_gpu_ids()[0]) = set_device(g):
+        # the node's GPUs are made visible first so that ordinal g is physical GPU g.
+        import os
+
+        from rlix_plugins.adapters.nemo_rl_placement_plan import widen_to_node_gpus
+
+        pinned = widen_to_node_gpus(os.environ)
+        if pinned is not None:
+            logger.info("rlix: pinned Megatron worker on GPU %s sees the node's GPUs %s",
+                        pinned, os.environ["CUDA_VISIBLE_DEVICES"])
+        super().__init__(*args, **kwargs)
 
     def _rlix_rank(self) -> int:
         import torch.distributed as dist
