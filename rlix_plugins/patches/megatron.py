@@ -160,9 +160,32 @@ class RLixMegatronWorkerMixin:
                 "bytes": report.total_bytes, "buckets": report.num_buckets,
                 "seconds": report.seconds}
 
+    #: attributes where NeMo RL caches a group it built itself with ``new_group`` (not in
+    #: parallel_state, so the lifecycle does not know it) and rebuilds, collectively, on the
+    #: next use when the attribute is absent (``_get_replica_group``)
+    rlix_lazy_groups: tuple[str, ...] = ("_replica_group_cache",)
+
     def rlix_destroy_parallel_state(self) -> DestroyReport:
-        """Destroy every Megatron process group in this worker (frees NCCL buffers)."""
+        """Destroy every Megatron process group in this worker (frees NCCL buffers), and the
+        groups NeMo RL built lazily (:attr:`rlix_lazy_groups`): those are dropped so that NeMo
+        RL rebuilds them on first use after the re-init, as on its first step."""
+        self._rlix_drop_lazy_groups()
         return self._rlix_lifecycle().destroy()
+
+    def _rlix_drop_lazy_groups(self) -> int:
+        import torch.distributed as dist
+
+        dropped = 0
+        for name in self.rlix_lazy_groups:
+            group = self.__dict__.pop(name, None)
+            if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+                continue  # never built, or this rank is in none of them: nothing to free
+            dist.destroy_process_group(group)
+            dropped += 1
+        if dropped:
+            logger.info("destroyed %d lazily built NeMo RL group(s) %s", dropped,
+                        self.rlix_lazy_groups)
+        return dropped
 
     def rlix_reinit_parallel_state(self) -> RebindReport | None:
         """Re-create the groups from the saved configuration (before the next step) and rebind

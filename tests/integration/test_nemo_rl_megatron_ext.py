@@ -55,6 +55,9 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
     w.model = torch.nn.Module()
     w.model.tp_group = ps.get_tensor_model_parallel_group()
     w.optimizer = types.SimpleNamespace(data_parallel_group=[ps.get_data_parallel_group()])
+    # NeMo RL's _get_replica_group: a group of its own, built lazily with new_group
+    w._replica_group_cache = dist.new_group(ranks=[0, 1])
+    lazy = w._replica_group_cache
     info = w.rlix_build_cache(1)
     out: dict[str, Any] = {"info": info, "latest": w.rlix_latest_version()}
     if info is not None:
@@ -64,6 +67,9 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
     report = w.rlix_destroy_parallel_state()
     out["destroyed"] = report.destroyed
     out["initialized_after_destroy"] = bool(ps.model_parallel_is_initialized())
+    # dropped (NeMo RL rebuilds it when absent) and destroyed (its NCCL buffers freed)
+    out["lazy_dropped"] = "_replica_group_cache" not in vars(w)
+    out["lazy_destroyed"] = lazy not in distributed_c10d._world.pg_map
     rebind = w.rlix_reinit_parallel_state()
     out["tp_after_reinit"] = ps.get_tensor_model_parallel_world_size()
     out["rebound"] = rebind.replaced if rebind is not None else None
@@ -90,6 +96,7 @@ def test_cache_on_owner_rank_and_nccl_destroy_reinit_in_the_worker() -> None:
     assert r0["dtype"] == "torch.bfloat16"
     for r in (r0, r1):
         assert r["destroyed"] > 10 and r["initialized_after_destroy"] is False
+        assert r["lazy_dropped"] is True and r["lazy_destroyed"] is True
         assert r["tp_after_reinit"] == 2
         # the worker's model/optimizer references were rebound to the live new groups
         assert r["rebound"] == 2 and r["again"] is None
