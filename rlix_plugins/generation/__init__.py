@@ -9,7 +9,15 @@ from rlix_plugins.generation.engine import (
     EngineOutput,
     GenerationRequest,
     GenerationResult,
+    ProgressReporting,
+    RequestAbortable,
     ShardEngine,
+)
+from rlix_plugins.generation.migration import (
+    MigrationCandidate,
+    MigrationConfig,
+    MigrationMove,
+    plan_migration,
 )
 from rlix_plugins.generation.preemption import (
     PreemptionConfig,
@@ -21,6 +29,7 @@ from rlix_plugins.generation.ray_state import RayShardState
 from rlix_plugins.generation.router import (
     RedispatchMode,
     RouterConfig,
+    RouterCounters,
     RouterStats,
     RoutingPolicy,
     ShardRouter,
@@ -44,11 +53,17 @@ __all__ = [
     "GenerationResult",
     "LastActivePolicy",
     "LocalShardState",
+    "MigrationCandidate",
+    "MigrationConfig",
+    "MigrationMove",
     "PreemptionConfig",
     "PreemptionRecord",
+    "ProgressReporting",
     "RayShardState",
     "RedispatchMode",
+    "RequestAbortable",
     "RouterConfig",
+    "RouterCounters",
     "RouterStats",
     "RoutingPolicy",
     "ShardEngine",
@@ -63,4 +78,5 @@ __all__ = [
     "VllmAsyncShard",
     "apply_event",
     "check_event",
+    "plan_migration",
 ]

@@ -8,7 +8,7 @@ a veRL vLLM server handle; the host adapter supplies the implementation.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -104,3 +104,32 @@ class ShardEngine(Protocol):
     async def wake_up(self) -> None: ...
 
     async def resume(self) -> None: ...
+
+
+@runtime_checkable
+class RequestAbortable(Protocol):
+    """Optional engine capability: abort SOME requests, leaving the shard open.
+
+    The router uses it to migrate running requests to a newly activated shard. Engines
+    without it still work; their requests are simply never migrated.
+
+    Contract: ``abort_requests(ids)`` aborts those of ``ids`` that are running or queued on
+    the engine and returns exactly those ids (unknown, finished or not yet registered ids are
+    ignored and not returned). The dispatch gate stays open. Each aborted attempt's
+    ``generate`` call returns its partial output as an aborted :class:`EngineOutput` (as for
+    ``abort_all``), so the caller can continue it elsewhere from the partial tokens.
+    """
+
+    async def abort_requests(self, request_ids: Sequence[str]) -> tuple[str, ...]: ...
+
+
+@runtime_checkable
+class ProgressReporting(Protocol):
+    """Optional engine capability: tokens generated so far by running requests.
+
+    ``request_progress(ids)`` maps each id the engine knows to the number of tokens it has
+    generated so far; unknown ids are left out. Best effort (a snapshot, may lag by one
+    step). The migration policy uses it to skip requests that are nearly finished.
+    """
+
+    async def request_progress(self, request_ids: Sequence[str]) -> Mapping[str, int]: ...

@@ -11,7 +11,15 @@ Per request:
   3. run it; if the engine raised :class:`ShardPreemptedError`, or the stream ended with
      ``finish_reason == "abort"``, or raised anything while its shard was no longer active,
      it was preempted: re-dispatch (restart, or continue from the partial tokens), at most
-     ``max_attempts`` dispatches in all. An aborted output is never returned.
+     ``max_attempts`` preempted dispatches. An aborted output is never returned.
+
+Migration (:mod:`.migration`, on by default, ``RouterConfig.migration``): when a shard becomes
+active while this copy has requests running, or when the host calls :meth:`ShardRouter.
+rebalance`, running requests move from the most loaded shards to the new one: the router
+aborts those attempts on their engine (engines with the optional
+:class:`~.engine.RequestAbortable` capability only) and continues each on the target shard from
+its partial tokens. Migrations are counted apart from preemptions (``migrated``) and do not use
+up ``max_attempts``.
 
 Bookkeeping (:class:`RequestLedger`, one per router copy): every request id submitted, how it
 left (completed once, lost to an error, cancelled by its caller), duplicates (an id submitted
@@ -28,8 +36,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlix_plugins.errors import NoActiveShardError, ShardPreemptedError
@@ -37,7 +45,16 @@ from rlix_plugins.generation.engine import (
     EngineOutput,
     GenerationRequest,
     GenerationResult,
+    ProgressReporting,
+    RequestAbortable,
     ShardEngine,
+)
+from rlix_plugins.generation.migration import (
+    MigrationCandidate,
+    MigrationConfig,
+    MigrationMove,
+    plan_migration,
+    remaining_tokens,
 )
 from rlix_plugins.generation.shard_state import ShardSnapshot, ShardStatus
 from rlix_plugins.generation.state_store import ShardStateView
@@ -69,18 +86,22 @@ class RouterConfig:
     """Router settings.
 
     Attributes:
-        max_attempts: dispatches per request at most (first one included) before
-            :class:`ShardPreemptedError` is raised to the caller.
+        max_attempts: preempted dispatches per request at most (first one included) before
+            :class:`ShardPreemptedError` is raised to the caller (migrations not counted).
         wait_timeout_s: how long one request waits for an active shard before
             :class:`NoActiveShardError`.
         policy: shard choice among active shards.
         redispatch: restart or continue a preempted request.
+        migration: moving running requests to newly activated shards (a mapping of its
+            fields is accepted too). A migrated request always continues from its partial
+            tokens, whatever ``redispatch`` says.
     """
 
     max_attempts: int = 8
     wait_timeout_s: float = 600.0
     policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED
     redispatch: RedispatchMode = RedispatchMode.RESTART
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -90,6 +111,13 @@ class RouterConfig:
         # Accept the plain string values too (configs come from YAML); store the enums.
         object.__setattr__(self, "policy", RoutingPolicy(self.policy))
         object.__setattr__(self, "redispatch", RedispatchMode(self.redispatch))
+        if isinstance(self.migration, Mapping):
+            object.__setattr__(self, "migration", MigrationConfig(**self.migration))
+        elif not isinstance(self.migration, MigrationConfig):
+            raise ValueError(
+                f"migration must be a MigrationConfig or a mapping of its fields, got "
+                f"{self.migration!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +126,8 @@ class RouterStats:
 
     ``redispatched``: attempts cut by preemption and sent again; ``waits``: times a request
     found no active shard and waited; ``stale_refreshes``: times this copy's snapshot still
-    showed a preempted shard as active and was refreshed from the owner.
+    showed a preempted shard as active and was refreshed from the owner; ``migrated``:
+    attempts moved to another shard by migration (continued there).
     """
 
     requests: int
@@ -106,6 +135,7 @@ class RouterStats:
     redispatched: int
     waits: int
     stale_refreshes: int
+    migrated: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +146,9 @@ class RouterCounters:
     (no active shard in time, preempted on every attempt, an engine error) and so returned no
     sample; ``cancelled``: calls their caller cancelled; ``duplicated``: submissions of a
     request id already in flight or already completed by this copy; ``redispatched``:
-    attempts cut by preemption and sent again.
+    attempts cut by preemption and sent again; ``migrated``: attempts moved to another shard
+    by migration (aborted there, continued from their partial tokens; the request still
+    completes once).
     """
 
     copy_id: str
@@ -127,6 +159,7 @@ class RouterCounters:
     in_flight: int
     duplicated: int
     redispatched: int
+    migrated: int = 0
 
 
 CountersCallback = Callable[[RouterCounters], None]
@@ -160,6 +193,7 @@ class RequestLedger:
         self.cancelled = 0
         self.duplicated = 0
         self.redispatched = 0
+        self.migrated = 0
         self._last_emit = 0.0
 
     @property
@@ -169,7 +203,7 @@ class RequestLedger:
     def counters(self) -> RouterCounters:
         return RouterCounters(self.copy_id, self.submitted, self.completed, self.lost,
                               self.cancelled, self.in_flight, self.duplicated,
-                              self.redispatched)
+                              self.redispatched, self.migrated)
 
     def begin(self, request_id: str) -> None:
         self.submitted += 1
@@ -208,6 +242,9 @@ class RequestLedger:
     def redispatch(self) -> None:
         self.redispatched += 1
 
+    def migrate(self) -> None:
+        self.migrated += 1
+
     def emit(self) -> None:
         """Hand the current counters to ``on_counters`` now (no-op without a callback)."""
         if self._on_counters is None:
@@ -223,6 +260,19 @@ class RequestLedger:
         if self._on_counters is not None and (
                 force or time.monotonic() - self._last_emit >= self._interval):
             self.emit()
+
+
+class _Running:
+    """One attempt in flight on this router copy (mutable, loop-local bookkeeping)."""
+
+    __slots__ = ("budget", "migrate_to", "migrations", "rank", "request_id")
+
+    def __init__(self, request_id: str, rank: int, budget: int, migrations: int) -> None:
+        self.request_id = request_id
+        self.rank = rank
+        self.budget = budget  # the attempt's max_tokens
+        self.migrations = migrations  # earlier migrations of its request
+        self.migrate_to: int | None = None  # set while a migration abort is under way
 
 
 class ShardRouter:
@@ -259,6 +309,12 @@ class ShardRouter:
         self._ledger = RequestLedger(self._on_counters)
         self._waits = 0
         self._stale_refreshes = 0
+        self._running: dict[str, _Running] = {}
+        self._abortable = tuple(isinstance(e, RequestAbortable) for e in self._engines)
+        self._watcher: asyncio.Task[None] | None = None
+        self._watcher_loop: asyncio.AbstractEventLoop | None = None
+        self._rebalance_lock: asyncio.Lock | None = None
+        self._rebalance_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def config(self) -> RouterConfig:
@@ -282,6 +338,7 @@ class ShardRouter:
         led = self._ledger
         return RouterStats(
             led.submitted, led.completed, led.redispatched, self._waits, self._stale_refreshes,
+            led.migrated,
         )
 
     def counters(self) -> RouterCounters:
@@ -346,27 +403,42 @@ class ShardRouter:
         """
         ledger = self._ledger
         ledger.begin(request.request_id)
+        self._ensure_watcher()
         try:
             result = await self._generate(request)
         except asyncio.CancelledError:
             ledger.cancel(request.request_id)
+            self._stop_watcher_if_idle()
             raise
         except BaseException:
             ledger.lose(request.request_id)
+            self._stop_watcher_if_idle()
             raise
         ledger.complete(request.request_id)
+        self._stop_watcher_if_idle()
         return result
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         cont = self._config.redispatch is RedispatchMode.CONTINUE
         prefix: tuple[int, ...] = ()
         prefix_lp: tuple[float, ...] | None = None
-        for attempt in range(1, self._config.max_attempts + 1):
+        preempted = 0
+        migrations = 0
+        target: int | None = None  # where a migrated request continues
+        dispatches = 0
+        while True:
+            dispatches += 1
             snap = self._state.snapshot()
-            if not snap.active:
-                snap = await self._wait_for_active(snap, request.request_id)
-            rank = self._pick(snap.active)
-            out = await self._dispatch(rank, self._attempt(request, attempt, prefix))
+            if target is not None and snap.statuses[target] is ShardStatus.ACTIVE:
+                rank = target
+            else:
+                if not snap.active:
+                    snap = await self._wait_for_active(snap, request.request_id)
+                rank = self._pick(snap.active)
+            target = None
+            attempt = self._attempt(request, dispatches, prefix)
+            run = _Running(request.request_id, rank, attempt.max_tokens, migrations)
+            out = await self._dispatch(rank, attempt, run)
             if out is not None and not out.aborted:
                 token_ids, logprobs = out.token_ids, out.logprobs
                 if prefix:
@@ -374,31 +446,53 @@ class ShardRouter:
                     if logprobs is not None and prefix_lp is not None:
                         logprobs = prefix_lp + logprobs
                 return GenerationResult(
-                    request.request_id, token_ids, out.finish_reason, logprobs, rank, attempt
+                    request.request_id, token_ids, out.finish_reason, logprobs, rank, dispatches
                 )
-            self._ledger.redispatch()
-            if cont and out is not None and out.token_ids:
-                prefix += out.token_ids
-                if out.logprobs is not None:
-                    prefix_lp = (prefix_lp or ()) + out.logprobs
-                if len(prefix) >= request.max_tokens:
-                    # Every token arrived before the abort: the sample is complete.
-                    return GenerationResult(request.request_id, prefix, "length", prefix_lp,
-                                            rank, attempt)
-            logger.debug("request %s preempted on shard %d (attempt %d)",
-                         request.request_id, rank, attempt)
-        raise ShardPreemptedError(
-            f"request {request.request_id} was preempted on each of its "
-            f"{self._config.max_attempts} dispatches; raise RouterConfig.max_attempts or "
-            "preempt less often"
-        )
+            # An aborted output of an attempt we marked is a migration (even if a preemption
+            # of its shard raced it: the target is active, so that is where it belongs).
+            migrated = out is not None and run.migrate_to is not None
+            if migrated:
+                migrations += 1
+                target = run.migrate_to
+                self._ledger.migrate()
+            else:
+                preempted += 1
+                self._ledger.redispatch()
+            if out is not None and (migrated or cont):
+                # Migrations always continue from the partial tokens (nothing is lost).
+                if out.token_ids:
+                    prefix += out.token_ids
+                    if out.logprobs is not None:
+                        prefix_lp = (prefix_lp or ()) + out.logprobs
+            elif not cont:
+                # RESTART reruns from the prompt, also dropping tokens an earlier migration
+                # carried over (a restarted seeded sample is then exact again).
+                prefix, prefix_lp = (), None
+            if prefix and len(prefix) >= request.max_tokens:
+                # Every token arrived before the abort: the sample is complete.
+                return GenerationResult(request.request_id, prefix, "length", prefix_lp,
+                                        rank, dispatches)
+            logger.debug("request %s %s on shard %d (dispatch %d)", request.request_id,
+                         f"migrated to shard {target}" if migrated else "preempted", rank,
+                         dispatches)
+            if not migrated and preempted >= self._config.max_attempts:
+                raise ShardPreemptedError(
+                    f"request {request.request_id} was preempted on each of its "
+                    f"{self._config.max_attempts} dispatches; raise RouterConfig.max_attempts "
+                    "or preempt less often"
+                )
 
-    async def _dispatch(self, rank: int, attempt: GenerationRequest) -> EngineOutput | None:
-        """Run one attempt on ``rank``; ``None`` (or an aborted output) means preempted."""
+    async def _dispatch(
+        self, rank: int, attempt: GenerationRequest, run: _Running
+    ) -> EngineOutput | None:
+        """Run one attempt on ``rank``; ``None`` (or an aborted output) means preempted or,
+        if ``run.migrate_to`` is set and the output is aborted, migrated."""
+        key = attempt.request_id
         self._inflight[rank] += 1
+        self._running[key] = run
         try:
             out = await self._engines[rank].generate(attempt)
-            if out.aborted:
+            if out.aborted and run.migrate_to is None:
                 await self._refresh_if_stale(rank)
             return out
         except ShardPreemptedError:
@@ -415,6 +509,8 @@ class ShardRouter:
             return None
         finally:
             self._inflight[rank] -= 1
+            if self._running.get(key) is run:
+                del self._running[key]
 
     async def _refresh_if_stale(self, rank: int) -> None:
         # The engine rejected or aborted us; if our view still calls the shard active it is
@@ -422,6 +518,139 @@ class ShardRouter:
         if self._state.snapshot().statuses[rank] is ShardStatus.ACTIVE:
             self._stale_refreshes += 1
             await self._state.refresh()
+
+    # -- migration -------------------------------------------------------------------------
+
+    async def rebalance(self, new_ranks: Iterable[int] | None = None) -> tuple[MigrationMove, ...]:
+        """Move running requests of this copy to ``new_ranks`` (default: every active shard)
+        by the rule of :func:`~.migration.plan_migration`; returns the moves started.
+
+        A host calls it right after ``ShardLifecycle.activate(new_ranks)``; with
+        ``MigrationConfig.auto`` (default) the router also does it by itself when it sees a
+        shard become active. Each returned move's attempt was aborted on its source shard
+        and continues on its target from its partial tokens. No-op (``()``) when migration is
+        disabled, nothing runs, no engine can abort single requests, or nothing is worth it.
+        """
+        snap = await self._state.refresh()
+        return await self._rebalance(snap, snap.active if new_ranks is None else new_ranks)
+
+    def _lock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._rebalance_lock is None or self._rebalance_loop is not loop:
+            self._rebalance_lock = asyncio.Lock()
+            self._rebalance_loop = loop
+        return self._rebalance_lock
+
+    async def _rebalance(
+        self, snap: ShardSnapshot, new_ranks: Iterable[int]
+    ) -> tuple[MigrationMove, ...]:
+        mig = self._config.migration
+        targets = tuple(new_ranks)
+        if not mig.enabled or not any(self._abortable) or not self._running:
+            return ()
+        async with self._lock():
+            moves = await self._plan(snap, targets)
+            if not moves:
+                return ()
+            # Mark before aborting: the aborted output may reach _generate while abort runs.
+            by_source: dict[int, list[MigrationMove]] = {}
+            for m in moves:
+                self._running[m.key].migrate_to = m.target
+                by_source.setdefault(m.source, []).append(m)
+            started: list[MigrationMove] = []
+            for source, ms in by_source.items():
+                engine = self._engines[source]
+                assert isinstance(engine, RequestAbortable)  # only such ranks have candidates
+                try:
+                    done = set(await engine.abort_requests([m.key for m in ms]))
+                except Exception:
+                    logger.warning("migration abort failed on shard %d; those requests stay",
+                                   source, exc_info=True)
+                    done = set()
+                for m in ms:
+                    if m.key in done:
+                        started.append(m)
+                        continue
+                    # Not aborted (finished meanwhile or not yet registered): it stays.
+                    run = self._running.get(m.key)
+                    if run is not None and run.migrate_to == m.target:
+                        run.migrate_to = None
+            if started:
+                logger.info("migrating %d request(s) to shard(s) %s (loads %s)", len(started),
+                            sorted({m.target for m in started}), list(self._inflight))
+            return tuple(started)
+
+    async def _plan(
+        self, snap: ShardSnapshot, targets: tuple[int, ...]
+    ) -> tuple[MigrationMove, ...]:
+        mig = self._config.migration
+        # Loads as they will be once migrations already under way have landed.
+        loads = list(self._inflight)
+        runs: dict[int, list[tuple[str, _Running]]] = {}
+        for key, run in self._running.items():
+            if run.migrate_to is not None:
+                loads[run.rank] -= 1
+                loads[run.migrate_to] += 1
+            elif self._abortable[run.rank] and snap.statuses[run.rank] is ShardStatus.ACTIVE:
+                runs.setdefault(run.rank, []).append((key, run))
+        progress: dict[str, int] = {}
+        for rank, items in runs.items():
+            engine = self._engines[rank]
+            if isinstance(engine, ProgressReporting):
+                try:
+                    progress.update(await engine.request_progress([k for k, _ in items]))
+                except Exception:
+                    logger.debug("progress query failed on shard %d", rank, exc_info=True)
+        # The awaits above may have let attempts finish or get marked: use the live ones.
+        candidates = [
+            MigrationCandidate(key, run.rank, remaining_tokens(run.budget, progress, key),
+                               run.migrations)
+            for items in runs.values() for key, run in items
+            if self._running.get(key) is run and run.migrate_to is None
+        ]
+        return plan_migration(
+            loads, snap.active, targets, candidates, min_gap=mig.min_gap,
+            min_remaining_tokens=mig.min_remaining_tokens,
+            max_per_request=mig.max_per_request,
+        )
+
+    def _ensure_watcher(self) -> None:
+        mig = self._config.migration
+        if not (mig.enabled and mig.auto and any(self._abortable)):
+            return
+        loop = asyncio.get_running_loop()
+        if self._watcher is not None and not self._watcher.done() and self._watcher_loop is loop:
+            return
+        self._watcher_loop = loop
+        self._watcher = loop.create_task(self._watch(self._state.snapshot()))
+
+    def _stop_watcher_if_idle(self) -> None:
+        if self._ledger.in_flight > 0 or self._watcher is None:
+            return
+        try:
+            same_loop = asyncio.get_running_loop() is self._watcher_loop
+        except RuntimeError:
+            same_loop = False
+        if same_loop:
+            self._watcher.cancel()
+            self._watcher = None
+
+    async def _watch(self, seen: ShardSnapshot) -> None:
+        """While requests are in flight: rebalance onto every shard that becomes active."""
+        interval = self._config.migration.watch_interval_s
+        while self._ledger.in_flight > 0:
+            snap = await self._state.wait_for_update(seen.version, interval)
+            if snap.version <= seen.version:
+                continue
+            new = [r for r in snap.active if r not in seen.active]
+            seen = snap
+            if not new:
+                continue
+            try:
+                await self._rebalance(snap, new)
+            except Exception:
+                # Migration is an optimization: it must never fail a request.
+                logger.warning("rebalance onto shard(s) %s failed", new, exc_info=True)
 
     def __getstate__(self) -> dict[str, Any]:
         # Counters and in-flight counts belong to this copy; only wiring travels.

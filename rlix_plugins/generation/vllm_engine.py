@@ -15,6 +15,7 @@ until wake-up, i.e. hangs).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from rlix_plugins.errors import ShardPreemptedError
@@ -55,6 +56,7 @@ class VllmAsyncShard:
         self._submitted_total = 0
         self._completed_total = 0
         self._rejected_total = 0
+        self._request_aborts_total = 0
         self._sampling_cls: Any = None
         self._prompt_cls: Any = None
         self._final_only: Any = None
@@ -87,6 +89,11 @@ class VllmAsyncShard:
     def completed_total(self) -> int:
         """Requests that finished normally (not aborted) on this engine."""
         return self._completed_total
+
+    @property
+    def request_aborts_total(self) -> int:
+        """Requests aborted one by one by :meth:`abort_requests` (migrations), gate open."""
+        return self._request_aborts_total
 
     @property
     def rejected_total(self) -> int:
@@ -184,6 +191,44 @@ class VllmAsyncShard:
             logger.debug("shard %s: gate closed, aborted %d request(s), %d still submitting",
                          self._name, len(registered), len(ids) - len(registered))
         return len(registered)
+
+    async def abort_requests(self, request_ids: Sequence[str]) -> tuple[str, ...]:
+        """Abort those of ``request_ids`` submitted through this wrapper and registered in the
+        engine; returns them. The gate stays open (the shard keeps serving).
+
+        Each aborted request's :meth:`generate` returns its partial tokens with
+        ``finish_reason="abort"``. An id still being submitted (not registered yet) or already
+        finished is skipped: it completes normally here, which the caller sees.
+        """
+        known = self._engine_request_ids()
+        ids = tuple(i for i in dict.fromkeys(request_ids) if i in self._tracked and i in known)
+        if ids:
+            await self._engine.abort(list(ids))
+            self._request_aborts_total += len(ids)
+            logger.debug("shard %s: aborted %d request(s) for migration", self._name, len(ids))
+        return ids
+
+    async def request_progress(self, request_ids: Sequence[str]) -> Mapping[str, int]:
+        """Tokens generated so far per id (ids the engine does not know are left out).
+
+        Reads vLLM's output processor (internal): if its layout changed this returns ``{}``
+        and the migration policy falls back to each attempt's token budget.
+        """
+        processor = getattr(self._engine, "output_processor", None)
+        try:
+            mapping = processor.external_req_ids  # type: ignore[union-attr]
+            states = processor.request_states  # type: ignore[union-attr]
+            progress: dict[str, int] = {}
+            for rid in request_ids:
+                # .get: never insert into vLLM's defaultdict.
+                counts = [int(states[i].detokenizer.num_output_tokens())
+                          for i in mapping.get(rid, ()) if i in states]
+                if counts:
+                    progress[rid] = max(counts)
+            return progress
+        except Exception:
+            logger.debug("shard %s: request progress unavailable", self._name, exc_info=True)
+            return {}
 
     async def num_running(self) -> int:
         """Unfinished requests: the engine's count plus requests of ours still being
