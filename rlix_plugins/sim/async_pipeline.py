@@ -21,18 +21,68 @@ sequence of :mod:`rlix_plugins.sim.pipeline_model`:
   ``sync_weight_s``, as in the ROLL kind).
 * async GRPO: generation for step N+1 runs while step N trains, within
   ``max_trajectory_age_steps`` (the staleness bound; 0 = synchronous).
+* migration (``EngineConfig.migrate_on_activate``, our router's feature): when a shard becomes
+  ACTIVE after wake + selective sync, queued requests go to it first, then running requests
+  move to it from shards above the mean load (:func:`plan_migration`); a moved request keeps
+  its partial tokens and pays ``redispatch_prefill_s`` on the new shard, like a re-dispatch.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlix_plugins.protocol.types import Priority
 from rlix_plugins.sim.pipeline_model import SimPipeline, _Rank, _Traj
 
 log = logging.getLogger(__name__)
+
+#: the router's minimum benefit: no request moves when the most loaded shard runs fewer than
+#: this many requests more than the new shard (a move of one would only swap the imbalance)
+MIN_MIGRATION_GAP = 2
+#: migrations per request at most (the router's ``max_per_request``: no ping-pong)
+MAX_MIGRATIONS = 1
+
+
+def plan_migration(
+    loads: Mapping[int, int],
+    new: int,
+    movable: Mapping[int, int],
+    capacity: int,
+    *,
+    min_gap: int = MIN_MIGRATION_GAP,
+) -> list[int]:
+    """Donor shard of each request moved onto the newly active shard ``new``, in order.
+
+    The router's rule (``rlix_plugins.generation.migration``) on one target: ``loads`` are the
+    requests running per ACTIVE shard (``new`` included), ``movable`` how many of them may
+    still move (migrated fewer than ``MAX_MIGRATIONS`` times), ``capacity`` how many more
+    ``new`` may take (``max_seqs`` minus what it runs). One request at a time moves from the
+    most loaded shard that still has a movable request (lowest id on ties) while that shard
+    runs at least ``min_gap`` more than ``new``; so the maximum load never grows and the
+    total is conserved. Pure.
+    """
+    if new not in loads:
+        raise ValueError(f"shard {new} is not among the active shards {sorted(loads)}")
+    if min_gap < 2 or capacity < 0:
+        raise ValueError(f"min_gap must be >= 2 and capacity >= 0 (got {min_gap}, {capacity})")
+    load = dict(loads)
+    left = {d: min(movable.get(d, 0), n) for d, n in loads.items() if d != new}
+    moves: list[int] = []
+    while len(moves) < capacity:
+        sources = [d for d, k in left.items() if k > 0]
+        if not sources:
+            break
+        d = max(sources, key=lambda x: (load[x], -x))
+        if load[d] - load[new] < min_gap:
+            break
+        load[d] -= 1
+        load[new] += 1
+        left[d] -= 1
+        moves.append(d)
+    return moves
 
 
 class AsyncOverlapPipeline(SimPipeline):
@@ -84,6 +134,61 @@ class AsyncOverlapPipeline(SimPipeline):
         r.state = "waking"
         wake = load + self.job.phases.sync_weight_s
         r.wake_timer = self.cluster.clock.at(start + wake, lambda: self._activate(r))
+
+    def _activate(self, r: _Rank) -> None:
+        """The shard serves: queued requests first, then (with migration on) running requests
+        move to it from the more loaded shards."""
+        super()._activate(r)
+        if self.cluster.config.migrate_on_activate and r.state == "active":
+            self._migrate_to(r)
+
+    def _migrate_to(self, new: _Rank) -> None:
+        """Move running requests onto ``new`` by :func:`plan_migration`. Each keeps its
+        partial tokens (and weight version) and re-prefills prompt + partial output there;
+        nothing is lost or generated twice. As the router does, a donor gives up the requests
+        with the most token budget left, i.e. (one budget per job here) the fewest generated
+        so far; the router cannot see how long a request will really run."""
+        active = {x.dp_rank: x for x in self.ranks if x.state == "active"}
+        loads = {d: len(x.running) for d, x in active.items()}
+        movable = {
+            d: sum(1 for t in x.running.values() if t.migrations < MAX_MIGRATIONS)
+            for d, x in active.items()
+        }
+        donors = plan_migration(loads, new.dp_rank, movable, self.job.max_seqs - loads[new.dp_rank])
+        if not donors:
+            return
+        counts: dict[int, int] = {}
+        for d in donors:
+            counts[d] = counts.get(d, 0) + 1
+        self._advance(new)
+        prefill = self.job.redispatch_prefill_s
+        counter = self.cluster.counter
+        for d, k in counts.items():
+            src = active[d]
+            self._advance(src)
+            progress = {
+                t.tid: t.kept + (src.service - t.service_at_start) for t in src.running.values()
+            }
+            eligible = [t for t in src.running.values() if t.migrations < MAX_MIGRATIONS]
+            moved = sorted(eligible, key=lambda t: (progress[t.tid], t.tid))[:k]
+            for t in moved:
+                del src.running[t.tid]
+                # Tokens served so far survive (re-prefill service included, capped by what
+                # the request still needed); the new shard re-prefills once more.
+                t.kept = min(progress[t.tid], t.work + t.extra)
+                t.extra += prefill
+                t.migrations += 1
+                t.service_at_start = new.service
+                new.running[t.tid] = t
+                heapq.heappush(new.finish_heap, (new.service + t.work + t.extra - t.kept, t.tid))
+                counter.migrated += 1
+                counter.migration_s += prefill
+            gone = {t.tid for t in moved}
+            # A stale finish entry would complete the request early if it ever came back here.
+            src.finish_heap = [e for e in src.finish_heap if e[1] not in gone]
+            heapq.heapify(src.finish_heap)
+            self._reschedule(src)
+        self._reschedule(new)
 
     # ------------------------------------------------------------------ step loop
     def _train_done(self, gpus: tuple[int, ...]) -> None:

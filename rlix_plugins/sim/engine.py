@@ -64,6 +64,10 @@ class EngineConfig:
     #: pipeline model for every job ("roll" / "async"); None = each job's ``JobSpec.kind``.
     #: Resident (exclusive) deployments always use the ROLL model with in-place broadcast.
     pipeline_kind: str | None = None
+    #: async kind: when a shard becomes ACTIVE (after wake + selective sync), the router moves
+    #: running requests from shards above the mean load onto it (each pays a re-prefill,
+    #: ``JobSpec.redispatch_prefill_s``); our router's feature, RLix's router has none
+    migrate_on_activate: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,10 @@ class RunResult:
     events: int
     #: generation work lost to aborts, solo-seconds (regenerated tokens + re-prefills)
     lost_work_s: float = 0.0
+    #: running requests moved to a newly active shard (not aborts: nothing is lost)
+    migrated: int = 0
+    #: solo-seconds of re-prefill the migrations cost on their new shards
+    migration_prefill_s: float = 0.0
 
 
 class _Series:
@@ -445,4 +453,6 @@ class SimCluster:
             aborted=self.counter.aborted,
             events=self.clock.processed,
             lost_work_s=self.counter.lost_s,
+            migrated=self.counter.migrated,
+            migration_prefill_s=self.counter.migration_s,
         )

@@ -35,6 +35,9 @@ class Summary:
     aborted_trajectories: int
     #: generation work lost to aborts (regenerated tokens + re-prefills), solo-seconds
     lost_work_s: float
+    #: running requests moved to a newly active shard, and their re-prefill solo-seconds
+    migrated_requests: int
+    migration_prefill_s: float
     cycles: int
     plan_ms_mean: float
     plan_ms_max: float
@@ -93,6 +96,8 @@ def summarize(policy: str, result: RunResult, isolated: dict[str, float]) -> Sum
         idle_preemptions=c.idle_preemptions,
         aborted_trajectories=result.aborted,
         lost_work_s=result.lost_work_s,
+        migrated_requests=result.migrated,
+        migration_prefill_s=result.migration_prefill_s,
         cycles=c.cycles,
         plan_ms_mean=1000.0 * c.plan_wall_s_total / max(1, c.cycles),
         plan_ms_max=1000.0 * c.plan_wall_s_max,

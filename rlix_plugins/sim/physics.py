@@ -105,6 +105,9 @@ class TrajectoryCounter:
         self.aborted = 0
         #: generation work (solo-seconds) lost to aborts: regenerated tokens + re-prefills
         self.lost_s = 0.0
+        #: running requests moved to a newly active shard, and their re-prefill solo-seconds
+        self.migrated = 0
+        self.migration_s = 0.0
 
     def create(self, n: int) -> range:
         ids = range(self.created, self.created + n)

@@ -40,7 +40,16 @@ _EPS = 1e-9
 
 
 class _Traj:
-    __slots__ = ("extra", "kept", "service_at_start", "step", "tid", "version", "work")
+    __slots__ = (
+        "extra",
+        "kept",
+        "migrations",
+        "service_at_start",
+        "step",
+        "tid",
+        "version",
+        "work",
+    )
 
     def __init__(self, tid: int, step: int, work: float) -> None:
         self.tid = tid
@@ -52,6 +61,8 @@ class _Traj:
         self.extra = 0.0
         self.service_at_start = 0.0
         self.version = 0
+        #: times the router moved it to a newly active shard (async kind, migration on)
+        self.migrations = 0
 
 
 class _Rank:

@@ -140,6 +140,8 @@ def format_table(comparison: Comparison) -> str:
         ("idle-preempt", "idle_preemptions", "{:d}"),
         ("aborted", "aborted_trajectories", "{:d}"),
         ("lost s", "lost_work_s", "{:.0f}"),
+        ("migrated", "migrated_requests", "{:d}"),
+        ("migr s", "migration_prefill_s", "{:.0f}"),
         ("plan ms", "plan_ms_mean", "{:.2f}"),
     )
     lines = [f"== {comparison.workload}: {comparison.description}"]

@@ -29,7 +29,16 @@ DEPLOYMENTS: dict[str, tuple[str, str | None]] = {
     # PlexRL as published: the jobs time-slice one training pool (FIFO, offload/onload per
     # turn), each keeps its dedicated rollout pool; needs ``Workload.pool_placements``
     "plexrl": ("exclusive", None),
+    # RLix's policy on our pipelines WITH our router's migration (not in the default set):
+    # separates the policy's share of ours-vs-rlix_async from the router's
+    "rlix_async_migr": ("rlix", None),
+    # ours without migration (not in the default set): the router feature's own effect
+    "ours_nomigr": ("ours", None),
 }
+#: deployments whose router migrates running requests onto a newly active shard
+#: (``EngineConfig.migrate_on_activate``). Ours only: RLix's router has no migration (RLix's
+#: scheduler re-queues the requests of a shrunk shard; an added shard takes new requests only).
+MIGRATING = frozenset({"ours", "rlix_async_migr"})
 POLICIES = ("exclusive", "rlix", "rlix_async", "ours")
 
 
@@ -92,6 +101,7 @@ def run_policy(
             resident=False,
             allows_idle_preemption=scheduler == "rlix",
             pipeline_kind=kind if kind is not None else base.pipeline_kind,
+            migrate_on_activate=policy in MIGRATING,
         )
     sim = SimCluster(
         topo, planner or make_planner(policy), placer, workload.jobs, seed=seed, config=cfg
