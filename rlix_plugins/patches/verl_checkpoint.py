@@ -28,7 +28,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWithCache
@@ -127,13 +127,14 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
             return {}
         return {"rlix/cache_version": version, "rlix/cache_bytes": int(info.total_bytes)}
 
-    def rlix_serve(self, version: int, receivers: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-        """Stream cached ``version`` to exactly ``receivers`` ((shard id, rollout worker))."""
+    def rlix_serve(self, version: int, receivers: Sequence[Sequence[Any]]) -> dict[str, Any]:
+        """Stream cached ``version`` to exactly ``receivers``: (shard id, rollout worker) or
+        (shard id, training worker, its receive method) for a hybrid replica's worker."""
         from rlix_plugins.training.sync import sync_version
 
         if self._cache is None:
             raise WeightSyncError(f"this process holds no weight cache (asked for v{version})")
-        handles = [RayRolloutReceiver(shard_id, worker) for shard_id, worker in receivers]
+        handles = [_receiver(entry) for entry in receivers]
         report = sync_version(self._cache, int(version), handles)
         logger.info(
             "synced v%d to %s in %.3fs", version, list(report.succeeded), report.seconds
@@ -145,14 +146,6 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
             "bytes": report.total_bytes,
             "seconds": report.seconds,
         }
-
-    def rlix_release_parallel_state(self) -> dict[str, Any]:
-        """Destroy this training worker's Megatron process groups (frees NCCL buffers)."""
-        return release_parallel_state()
-
-    def rlix_restore_parallel_state(self) -> bool:
-        """Re-create them from the saved parallel config before the next train step."""
-        return restore_parallel_state()
 
     def rlix_cached_versions(self) -> list[int]:
         return list(self._cache.versions()) if self._cache is not None else []
@@ -238,6 +231,12 @@ class RayRolloutReceiver(AddressedReceiver):
         return fut
 
 
+def _receiver(entry: Sequence[Any]) -> RayRolloutReceiver | HybridWorkerReceiver:
+    if len(entry) == 3 and entry[2]:
+        return HybridWorkerReceiver(str(entry[0]), entry[1], str(entry[2]))
+    return RayRolloutReceiver(str(entry[0]), entry[1])
+
+
 async def _collect(weights: Any) -> list[tuple[str, Any]]:
     """An async weight generator, collected (the cache consumes a plain iterable)."""
     return [pair async for pair in weights]
@@ -275,63 +274,155 @@ def release_parallel_state() -> dict[str, Any]:
     if not _lifecycle.initialized:
         return {"destroyed": 0}
     report = _lifecycle.destroy()
-    return {"destroyed": len(getattr(report, "destroyed", ()) or ())}
+    return {"destroyed": int(report.destroyed)}
 
 
-def restore_parallel_state() -> bool:
-    """Re-create the groups destroyed by :func:`release_parallel_state` (no-op if alive)."""
+def restore_parallel_state(roots: Mapping[str, Any]) -> dict[str, Any]:
+    """Re-create the groups destroyed by :func:`release_parallel_state` and rebind every old
+    group held under ``roots`` (the engines' model chunks, optimizer, ...) to its successor.
+
+    Raises :class:`~rlix_plugins.training.nccl_lifecycle.StaleProcessGroupError` when a
+    destroyed group is still reachable from ``roots`` afterwards. ``{"restored": False}`` when
+    nothing was destroyed (the state is alive).
+    """
     if _lifecycle is None or _lifecycle.initialized:
-        return False
-    _lifecycle.reinitialize()
-    return True
-
+        return {"restored": False}
+    report = _lifecycle.reinitialize(dict(roots))
+    replaced = 0 if report is None else int(report.replaced)
+    logger.info("re-init rebound %d group references under %s", replaced, sorted(roots))
+    return {"restored": True, "rebound": replaced, "roots": sorted(roots)}
 
 
 # ---------------------------------------------------------------- trainer-side manager
-def engine_call_name(worker_group: Any) -> str:
-    """The Ray actor method behind ``worker_group.execute_checkpoint_engine``.
+def worker_call_name(worker_group: Any, method: str) -> str | None:
+    """The Ray actor method behind ``worker_group.<method>`` (None: not bound).
 
     veRL's trainer builds its workers as colocated ``WorkerDict`` actors whose methods carry
     the role as prefix (``actor_rollout_execute_checkpoint_engine``); the worker group rebinds
     them without it, and names each bound callable's type after the real actor method.
     """
-    bound = getattr(worker_group, "execute_checkpoint_engine", None)
+    bound = getattr(worker_group, method, None)
     if bound is None:
+        return None
+    name = type(bound).__name__
+    return name if name.endswith(method) else method
+
+
+def engine_call_name(worker_group: Any) -> str:
+    """The Ray actor method behind ``worker_group.execute_checkpoint_engine``."""
+    name = worker_call_name(worker_group, "execute_checkpoint_engine")
+    if name is None:
         raise WeightSyncError(
             f"{type(worker_group).__name__} has no execute_checkpoint_engine; the rlix_cache "
             "backend needs veRL's training worker group"
         )
-    name = type(bound).__name__
-    return name if name.endswith("execute_checkpoint_engine") else "execute_checkpoint_engine"
+    return name
+
+
+class HybridWorkerReceiver(AddressedReceiver):
+    """A training worker hosting a hybrid replica (RLix worker subclass) as a sync receiver:
+    its ``rlix_receive_weights(offer)`` pulls the version and loads it into its rollout."""
+
+    def __init__(self, shard_id: str, worker: Any, method: str,
+                 location: ReceiverLocation | None = None) -> None:
+        super().__init__(shard_id, location)
+        self._worker = worker
+        self._method = method
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[Any]:
+        ref = getattr(self._worker, self._method).remote(offer.to_dict())
+        fut: concurrent.futures.Future[Any] = ref.future()
+        return fut
+
+
+def _is_hybrid(replica: Any) -> bool:
+    mode = getattr(replica, "rollout_mode", None)
+    return str(getattr(mode, "value", mode)).lower() == "hybrid"
 
 
 class VerlCacheSync:
     """``sync(indices, version)``: the cache owner (training rank 0) streams ``version`` to the
-    rollout workers of exactly those replicas (picklable: Ray handles and names only)."""
+    rollout workers of exactly those replicas (picklable: Ray handles and names only).
 
-    def __init__(self, owner_worker: Any, owner_method: str, replica_workers: list[list[Any]]):
+    ``receive_methods[d]``: None for a replica whose workers are veRL rollout
+    ``CheckpointEngineWorker`` actors (standalone: veRL's own ``update_weights`` receives), or
+    the training workers' receive method for a hybrid replica (:mod:`.verl_workers`).
+    ``owner_serve``: the owner's ``rlix_serve`` actor method when the training workers are the
+    RLix subclass (serves on a thread), else None (through ``execute_checkpoint_engine``).
+    """
+
+    def __init__(
+        self,
+        owner_worker: Any,
+        owner_method: str,
+        replica_workers: list[list[Any]],
+        receive_methods: Sequence[str | None] | None = None,
+        owner_serve: str | None = None,
+    ) -> None:
         self.owner = owner_worker
         self.owner_method = owner_method
         self.replica_workers = replica_workers
+        self.receive_methods = list(receive_methods or [None] * len(replica_workers))
+        if len(self.receive_methods) != len(replica_workers):
+            raise ValueError(f"{len(self.receive_methods)} receive methods for "
+                             f"{len(replica_workers)} replicas")
+        self.owner_serve = owner_serve
 
     @classmethod
     def of(cls, actor_wg: Any, replicas: Sequence[Any]) -> VerlCacheSync:
-        """Sync from ``actor_wg``'s rank 0 to ``replicas`` (veRL ``RolloutReplica`` objects)."""
+        """Sync from ``actor_wg``'s rank 0 to ``replicas`` (veRL ``RolloutReplica`` objects).
+
+        A hybrid replica's workers are ``actor_wg``'s training workers: they need the RLix
+        worker subclass (its receive method), which the RLix trainer installs.
+        """
+        receive = worker_call_name(actor_wg, "rlix_receive_weights")
+        methods: list[str | None] = []
+        for d, r in enumerate(replicas):
+            if not _is_hybrid(r):
+                methods.append(None)
+                continue
+            if receive is None:
+                raise WeightSyncError(
+                    f"replica {d} is a hybrid replica, but the training workers "
+                    f"({type(actor_wg).__name__}) have no rlix_receive_weights: their "
+                    "update_weights sends instead of receiving. Use RLix's worker subclass "
+                    "(rlix_plugins.patches.verl_workers; the RLix trainer installs it in the "
+                    "role-to-worker mapping)"
+                )
+            methods.append(receive)
         return cls(actor_wg.workers[0], engine_call_name(actor_wg),
-                   [list(r.workers) for r in replicas])
+                   [list(r.workers) for r in replicas], methods,
+                   worker_call_name(actor_wg, "rlix_serve"))
 
     def _call(self, *args: Any) -> Any:
         import ray
 
         return ray.get(getattr(self.owner, self.owner_method).remote(*args))
 
-    def __call__(self, indices: Sequence[int], version: int) -> dict[str, Any]:
-        receivers = [
+    def receivers(self, indices: Sequence[int]) -> list[tuple[str, Any]]:
+        """(shard id, worker) of every rollout worker of replicas ``indices``."""
+        return [
             (f"replica{d}-w{i}", w)
             for d in indices
             for i, w in enumerate(self.replica_workers[d])
         ]
-        report: dict[str, Any] = self._call("rlix_serve", int(version), receivers)
+
+    def __call__(self, indices: Sequence[int], version: int) -> dict[str, Any]:
+        import ray
+
+        pairs = self.receivers(indices)
+        methods = {f"replica{d}-w{i}": self.receive_methods[d]
+                   for d in indices for i in range(len(self.replica_workers[d]))}
+        if any(methods.values()) and self.owner_serve is None:
+            raise WeightSyncError("hybrid replicas need the cache owner's rlix_serve "
+                                  "(RLix's training-worker subclass)")
+        if self.owner_serve is not None:
+            # (shard id, worker, receive method or None): the owner builds the handles
+            triples = [(sid, w, methods[sid]) for sid, w in pairs]
+            report: dict[str, Any] = ray.get(
+                getattr(self.owner, self.owner_serve).remote(int(version), triples))
+        else:
+            report = self._call("rlix_serve", int(version), pairs)
         if report.get("failed"):
             raise WeightSyncError(f"weight sync v{version} failed for {report['failed']}")
         return report
@@ -383,17 +474,26 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
         self._observe = observe
 
     def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
+        version = int(global_steps or 0)
+        metrics = self._cache_version(version)
+        return self._refresh(version, metrics)
+
+    def _cache_version(self, version: int) -> dict[str, Any]:
+        """Every training rank's veRL ``update_weights(mode="rlix_cache")``: rank 0 caches."""
         import ray
 
         if self.backend != BACKEND:
-            raise WeightSyncError(f"RLixCheckpointEngineManager needs backend {BACKEND!r}, "
+            raise WeightSyncError(f"{type(self).__name__} needs backend {BACKEND!r}, "
                                   f"got {self.backend!r}")
-        version = int(global_steps or 0)
         metrics: dict[str, Any] = {}
         for result in ray.get(self.actor_wg.update_weights(global_steps=version,
                                                            mode=self.backend)):
             if isinstance(result, dict):
                 metrics.update(result)
+        return metrics
+
+    def _refresh(self, version: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Sync ``version`` in place to the replicas ACTIVE now (all of them until bound)."""
         if self._active is None:
             chosen = list(range(len(self.replicas)))
         else:
@@ -414,6 +514,59 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
         if self._observe is not None:
             self._observe([self._ranks[i] for i in chosen], version)
         return metrics
+
+
+class RLixHybridCheckpointManager(RLixCheckpointEngineManager):
+    """veRL's manager of the HYBRID replicas (``trainer.checkpoint_manager``) under RLix.
+
+    veRL drives hybrid replicas with its colocated "naive" manager: it sleeps them before
+    training and, in ``update_weights``, wakes them and loads the weights from the training
+    engine (all ranks, collective). Under RLix the coordinator owns sleep/wake of every replica
+    (shrink before it grants the trainer GPUs, expand after they are released), so once
+    :meth:`bind` ran:
+
+    * ``sleep_replicas`` / ``wake_up_replicas`` / ``abort_replicas`` /
+      ``resume_generation_replicas`` do nothing (veRL's hooks still call them);
+    * ``update_weights(step)`` caches the version (unless the standalone manager already did
+      in this step) and refreshes in place only the hybrid replicas ACTIVE now - normally none,
+      as they sleep while training holds their GPUs; the coordinator's expand syncs the newest
+      cached version to each one it wakes (through the training workers'
+      ``rlix_receive_weights``, :mod:`.verl_workers`).
+
+    Before :meth:`bind` (veRL's first sync in ``on_init_end``, after ``_setup`` put them to
+    sleep) it does what veRL's naive update does for them: wake, then load (from the cache).
+    ``update_weights()`` without a step (veRL's validation) re-syncs the latest cached version.
+    """
+
+    def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
+        latest = self.rlix_sync.latest_version()
+        if global_steps is None:
+            if latest is None:
+                raise WeightSyncError("update_weights() without a step before any version "
+                                      "was cached")
+            version, metrics = latest, {}
+        else:
+            version = int(global_steps)
+            # separate_async: its standalone manager cached this step's version already
+            metrics = {} if latest == version else self._cache_version(version)
+        if self._active is None:
+            _run(_gather(r.wake_up() for r in self.replicas))
+        return self._refresh(version, metrics)
+
+    def _bound(self) -> bool:
+        return self._active is not None
+
+    def sleep_replicas(self) -> Any:
+        return None if self._bound() else super().sleep_replicas()
+
+    def wake_up_replicas(self) -> Any:
+        return None if self._bound() else super().wake_up_replicas()
+
+    def abort_replicas(self, reject_request: bool = False) -> Any:
+        return None if self._bound() else super().abort_replicas(reject_request=reject_request)
+
+    def resume_generation_replicas(self) -> Any:
+        return None if self._bound() else super().resume_generation_replicas()
 
 
 async def _gather(coros: Iterable[Any]) -> list[Any]:

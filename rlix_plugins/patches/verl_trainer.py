@@ -14,8 +14,14 @@ The job keeps its ``trainer.v1.trainer_mode``; the registry entry of that mode i
   refresh only ACTIVE replicas; the coordinator's expand syncs the ones it wakes;
 * ``on_train_begin``: start the progress thread (trajectories counted per trajectory by the
   agent loops, :mod:`.verl_agent_loop`);
+* ``on_init_end`` also replaces the hybrid replicas' manager by
+  :class:`~.verl_checkpoint.RLixHybridCheckpointManager` (``rlix_cache``): sleep/wake are the
+  coordinator's, the coordinator's expand loads them from the CPU cache;
+* ``_init_resource_pool_mgr``: the actor role's worker class becomes RLix's subclass
+  (:mod:`.verl_workers`: the hybrid replicas' receive method, Megatron group rebinding);
 * ``on_sample_end`` (batch collected, training about to start): mark the sampled trajectories
-  consumed, block until the trainer GPUs are granted, then re-create Megatron's NCCL groups;
+  consumed, block until the trainer GPUs are granted, then re-create Megatron's NCCL groups
+  and rebind the groups veRL's engine holds;
 * ``on_step_end`` (after veRL's weight update, which with the ``rlix_cache`` backend fills the
   CPU cache): destroy Megatron's NCCL groups, then release the trainer GPUs.
 
@@ -61,8 +67,8 @@ def install_cache_manager(trainer: Any) -> bool:
     """Replace the standalone replicas' checkpoint manager by the coordinator-aware one.
 
     veRL's own manager syncs every replica on every update; with ``rlix_cache`` that would
-    make sleeping replicas wait for weights nobody sends. Hybrid replicas keep veRL's
-    (colocated, "naive") manager: see docs/verl.md.
+    make sleeping replicas wait for weights nobody sends. Hybrid replicas: see
+    :func:`install_hybrid_manager`.
     """
     from rlix_plugins.patches.verl_checkpoint import RLixCheckpointEngineManager
 
@@ -73,6 +79,37 @@ def install_cache_manager(trainer: Any) -> bool:
         return False
     trainer.standalone_checkpoint_manager = RLixCheckpointEngineManager(
         config=stock.config, actor_wg=stock.actor_wg, replicas=list(stock.replicas)
+    )
+    return True
+
+
+def install_hybrid_manager(trainer: Any) -> bool:
+    """Replace veRL's manager of the hybrid replicas (colocated, "naive": veRL sleeps, wakes
+    and loads them itself) by :class:`~.verl_checkpoint.RLixHybridCheckpointManager`, which
+    leaves sleep/wake to the coordinator and loads them from the CPU cache.
+
+    Only with the ``rlix_cache`` backend, hybrid replicas present and training workers that
+    can receive (RLix's worker subclass, :mod:`.verl_workers`)."""
+    from dataclasses import replace
+
+    from rlix_plugins.patches.verl_checkpoint import (
+        BACKEND,
+        RLixHybridCheckpointManager,
+        worker_call_name,
+    )
+
+    stock = getattr(trainer, "checkpoint_manager", None)
+    if stock is None or isinstance(stock, RLixHybridCheckpointManager):
+        return False
+    if not _uses_cache_backend(trainer.config) or not list(stock.replicas):
+        return False
+    if worker_call_name(stock.actor_wg, "rlix_receive_weights") is None:
+        logger.warning("training workers are not RLix's subclass: hybrid replicas keep "
+                       "veRL's own colocated weight update")
+        return False
+    trainer.checkpoint_manager = RLixHybridCheckpointManager(
+        config=replace(stock.config, backend=BACKEND), actor_wg=stock.actor_wg,
+        replicas=list(stock.replicas),
     )
     return True
 
@@ -101,13 +138,16 @@ def build_adapter(trainer: Any) -> Any:
         lb, [list(r.servers) for r in replicas], sync, sync.latest_version,
         observer=ObservationWriter.from_env(pipeline_id),
     )
-    manager: Any = getattr(trainer, "standalone_checkpoint_manager", None)
-    if manager is not None and hasattr(manager, "bind"):
-        # Standalone replicas are dp ranks len(hybrid).. of the pipeline; each in-place
-        # refresh is recorded like the controller's own (what every active engine holds).
-        manager.bind(lambda: set(ray.get(lb.shard_snapshot.remote()).active),
-                     [len(hybrid) + i for i in range(len(standalone))],
-                     observe=lambda ranks, v: controller.observe("refresh", ranks, v))
+    # Hybrid replicas are dp ranks 0..len(hybrid)-1 of the pipeline, standalone ones after;
+    # each in-place refresh is recorded like the controller's own (what every active engine
+    # holds).
+    for attr, ranks in (("checkpoint_manager", range(len(hybrid))),
+                        ("standalone_checkpoint_manager",
+                         range(len(hybrid), len(hybrid) + len(standalone)))):
+        manager: Any = getattr(trainer, attr, None)
+        if manager is not None and hasattr(manager, "bind"):
+            manager.bind(lambda: set(ray.get(lb.shard_snapshot.remote()).active), list(ranks),
+                         observe=lambda ranks, v: controller.observe("refresh", ranks, v))
     cfg = trainer.config
     rollout = cfg.actor_rollout_ref.rollout
     layout = VerlLayout(
@@ -140,8 +180,18 @@ class RLixTrainerMixin:
     config: Any
     global_steps: int
 
+    def _init_resource_pool_mgr(self) -> None:
+        # veRL's (and separate_async's) role -> worker mapping, with RLix's training-worker
+        # subclass: hybrid replicas receive from the CPU cache, Megatron groups are rebound.
+        super()._init_resource_pool_mgr()  # type: ignore[misc]
+        from rlix_plugins.patches.verl_workers import install_worker_classes
+
+        changed = install_worker_classes(self.role_worker_mapping)  # type: ignore[attr-defined]
+        logger.info("RLix training-worker subclass installed for roles %s", changed)
+
     def on_init_end(self) -> None:
         install_cache_manager(self)
+        install_hybrid_manager(self)
         super().on_init_end()  # type: ignore[misc]
         self._rlix_adapter = build_adapter(self)
 
@@ -207,13 +257,23 @@ class RLixTrainerMixin:
 
     # ---------------------------------------------------------------- helpers
     def _worker_call(self, method: str) -> None:
-        """Run a cache-engine method in every training worker (Megatron + rlix_cache only)."""
+        """Run an NCCL-lifecycle method of RLix's worker subclass in every training worker
+        (Megatron + rlix_cache only: other backends may sync through the training groups)."""
         if not (_uses_megatron(self.config) and _uses_cache_backend(self.config)):
             return
-        import ray
+        from rlix_plugins.errors import ParallelStateError
+        from rlix_plugins.patches.verl_checkpoint import worker_call_name
 
         wg = self.actor_rollout_wg  # type: ignore[attr-defined]
-        ray.get(wg.execute_checkpoint_engine([method] * wg.world_size))
+        if worker_call_name(wg, method) is None:
+            # Destroying without the rebind would leave DDP/optimizer on dead groups.
+            raise ParallelStateError(
+                f"the training workers ({type(wg).__name__}) have no {method}: Megatron NCCL "
+                "teardown needs RLix's worker subclass (rlix_plugins.patches.verl_workers), "
+                "which rebinds the groups the engine holds"
+            )
+        results = getattr(wg, method)()
+        logger.info("%s on %d training workers: %s", method, wg.world_size, results[:1])
 
     def _sample_trajectories(self) -> int:
         """Trajectories one replay-buffer sample takes (veRL samples per parameter sync)."""

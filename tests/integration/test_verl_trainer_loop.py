@@ -66,18 +66,24 @@ def _fake_training_worker_cls() -> type:
         """Stands in for veRL's ActorRolloutRefWorker (its training engines need GPUs).
 
         veRL's checkpoint engine is real: built from veRL's registry with the job's backend
-        (``rlix_cache``, registered in this worker process by the plugin's activation)."""
+        (``rlix_cache``, registered in this worker process by the plugin's activation). The
+        co-located rollout (``self.rollout``, veRL's vLLM ServerAdapter: CUDA IPC) is a
+        ``FakeReportingServerAdapter`` over the hybrid replica's real server."""
 
-        def __init__(self) -> None:
+        def __init__(self, server: Any) -> None:
             super().__init__()
             self.params = weights(0)
             self.log: list[tuple[str, int]] = []
+            self._server = server
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def init_model(self) -> None:
+            from tests.integration.test_verl_checkpoint import _reporting_adapter_cls
+
             self.checkpoint_engine = CheckpointEngineRegistry.new(
                 "rlix_cache", is_master=True, bucket_size=1 << 20
             )
+            self.rollout = _reporting_adapter_cls()(self._server)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def train_step(self, step: int) -> int:
@@ -105,8 +111,9 @@ def _fake_training_worker_cls() -> type:
     return FakeTrainingWorker
 
 
-def training_worker_group(ray: Any) -> Any:
-    """veRL's way (``PPOTrainer._setup``): colocated WorkerDict actors, spawned by role."""
+def training_worker_group(ray: Any, hybrid_server: Any) -> Any:
+    """veRL's way (``PPOTrainer._setup``): colocated WorkerDict actors, spawned by role, of
+    RLix's training-worker subclass (what the RLix trainer installs in the role mapping)."""
     from verl.single_controller.ray import (
         RayClassWithInitArgs,
         RayResourcePool,
@@ -114,7 +121,10 @@ def training_worker_group(ray: Any) -> Any:
         create_colocated_worker_cls,
     )
 
-    cls = RayClassWithInitArgs(cls=ray.remote(_fake_training_worker_cls()))
+    from rlix_plugins.patches.verl_workers import rlix_worker_class
+
+    cls = RayClassWithInitArgs(cls=ray.remote(rlix_worker_class(_fake_training_worker_cls())),
+                               server=hybrid_server)
     pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
     wg_dict = RayWorkerGroup(
         resource_pool=pool,
@@ -386,11 +396,17 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
         trainer = trainer_cls(config)  # veRL's own __init__ (replay buffer, checks)
         trainer.events = []
 
-        # What PPOTrainer._setup builds with GPUs, built here on CPU.
-        wg = training_worker_group(verl_ray)
+        # veRL's role -> worker mapping (separate_async's DetachActorWorker) carries RLix's
+        # training-worker subclass.
+        trainer._init_resource_pool_mgr()
+        role_cls = [c.__ray_actor_class__ for c in trainer.role_worker_mapping.values()]
+        assert [c.__name__ for c in role_cls] == ["RLixDetachActorWorker"], role_cls
+
+        # What PPOTrainer._setup builds with GPUs, built here on CPU: the training workers
+        # host hybrid replica 0 (its rollout talks to server 0); replica 1 is standalone.
         servers = list(verl_servers.servers)
-        groups = [_rollout_worker_group(verl_ray, server=servers[d][1]) for d in range(2)]
-        receivers = [g.workers[0] for g in groups]
+        wg = training_worker_group(verl_ray, servers[0][1])
+        receivers = [wg.workers[0], _rollout_worker_group(verl_ray, servers[1][1]).workers[0]]
         replica_cls = RolloutReplicaRegistry.get("vllm")
         reps = [replica(replica_cls, d, config, servers[d], receivers[d]) for d in range(2)]
         lb = get_router_handle(dict([servers[1]]))  # veRL's factory: the standalone pool
@@ -411,6 +427,7 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
         trainer.total_training_steps = STEPS
         trainer._load_checkpoint()  # resume_mode=disable: global_steps = 0
         trainer.on_init_end()  # veRL's first sync, then the RLix adapter registers
+        assert type(trainer.checkpoint_manager).__name__ == "RLixHybridCheckpointManager"
 
         agent = FakeAgentLoopManager(trainer.get_llm_client(), loop)
         t_fit = time.time()
@@ -465,14 +482,25 @@ def _check(run: Run, trace: Any, t_fit: float, t_end: float, intervals_from_trac
     # v0: veRL's first sync, before the pipeline existed: every replica of the manager
     # (local index 0); then the pipeline's dp rank 1 only, after every step.
     assert refreshed == [(0, (0,))] + [(v, (1,)) for v in range(1, STEPS + 1)]
-    loaded = ray.get([w.__ray_call__.remote(lambda self: self.server_adapter.summary())
-                      for w in run.receivers])
-    assert sorted(loaded[1]) == list(range(STEPS + 1))
-    # replica 0 was woken after steps 1..STEPS-1 and got the version cached just before
-    assert sorted(loaded[0]) == list(range(1, STEPS)), sorted(loaded[0])
-    for version, tensors in loaded[0].items():
-        for name, tensor in weights(version):
-            assert torch.equal(tensors[name], tensor)
+    # the hybrid manager synced replica 0 once, at init (v0, cached already by the
+    # standalone manager: the log above shows no second caching); veRL never slept, woke or
+    # loaded it after that - the coordinator did
+    assert run.trainer.checkpoint_manager.refreshed == [(0, (0,))]
+    hybrid = ray.get(run.receivers[0].__ray_call__.remote(
+        lambda self: (self.worker_dict["actor_rollout"].rollout.summary(),
+                      self.worker_dict["actor_rollout"].rollout.load_order())))
+    standalone = ray.get(run.receivers[1].__ray_call__.remote(
+        lambda self: (self.server_adapter.summary(), self.server_adapter.load_order())))
+    # replica 1 (standalone, always active) was contacted once per version, never by an
+    # expand of replica 0
+    assert standalone[1] == list(range(STEPS + 1)), standalone[1]
+    # replica 0 (hybrid, in the training worker): v0 at init, then woken after steps
+    # 1..STEPS-1 and loaded from the cache with the version cached just before, once each
+    assert hybrid[1] == list(range(STEPS)), hybrid[1]
+    for loaded in (hybrid[0], standalone[0]):
+        for version, tensors in loaded.items():
+            for name, tensor in weights(version):
+                assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor)
 
     # 3b. What the engines report (``rlix_weight_version``, set when a load completed): the
     # always-active replica 1 holds the last version; the records written after every expand

@@ -128,6 +128,8 @@ class FakeServerAdapter:
 
     def __init__(self) -> None:
         self.loaded: dict[int, dict[str, Any]] = {}
+        #: versions in the order they were loaded (repeats included)
+        self.calls: list[int] = []
 
     async def update_weights(
         self, weights: Any, global_steps: int | None = None, **kwargs: Any
@@ -141,6 +143,12 @@ class FakeServerAdapter:
             for name, tensor in weights:
                 got[name] = tensor.clone()
         self.loaded[int(global_steps or 0)] = got
+        self.calls.append(int(global_steps or 0))
 
     def summary(self) -> dict[int, dict[str, Any]]:
         return self.loaded
+
+    def load_order(self) -> list[int]:
+        """Versions in load order, repeats included (a repeat = the replica was contacted
+        again)."""
+        return list(self.calls)
