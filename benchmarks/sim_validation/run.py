@@ -198,7 +198,14 @@ def write_scenario(cal: dict[str, float], steps: int, batch: int, path: Path) ->
 
 
 # --------------------------------------------------------------------------- simulator
-def simulate(path: Path, seed: int, sigma: float | None = None) -> tuple[RunResult, dict[str, str]]:
+#: the real gate-2 run's router had no request migration (it predates the feature), so the
+#: simulator compares with ``ours_nomigr``; ``ours`` (migration on) is reported beside it
+DEPLOYMENT = "ours_nomigr"
+
+
+def simulate(
+    path: Path, seed: int, sigma: float | None = None, deployment: str = DEPLOYMENT
+) -> tuple[RunResult, dict[str, str]]:
     """Run the scenario with our policy. ``load_scenario`` ignores a pipeline's ``kind`` and
     ``redispatch_prefill_s`` (JobSpec defaults: ROLL kind), so they are applied here.
     ``sigma``: replace the fixed request time by a lognormal of the same median (spread)."""
@@ -215,7 +222,7 @@ def simulate(path: Path, seed: int, sigma: float | None = None) -> tuple[RunResu
         for j, p in zip(workload.jobs, data["pipelines"], strict=True))
     workload = replace(workload, jobs=jobs)
     labels = {j.name: f"nemo-{j.name[-1]}" for j in jobs}
-    return run_policy(workload, "ours", seed=seed), labels
+    return run_policy(workload, deployment, seed=seed), labels
 
 
 def sim_step_durations(res: RunResult, labels: dict[str, str]) -> dict[str, list[float]]:
@@ -375,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         r["start"] for r in real["runs"].values())
     summary = {
         "real": str(args.real), "scenario": str(args.scenario.name), "seed": args.seed,
-        "policy": "ours (DemandSharePlanner), async kind",
+        "policy": f"{DEPLOYMENT} (DemandSharePlanner, async kind, no request migration: the "
+                  "real run's router had none)",
         "calibration_from_real": {k: round(v, 4) for k, v in cal.items()},
         "steps": steps_cmp,
         "step_ratio_median": round(statistics.median(ratios), 3) if ratios else None,
@@ -386,6 +394,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sim": {"aborted": res.aborted, "expands": res.cycles.expands,
                 "preempt_shrinks": res.cycles.preempt_shrinks,
                 "rebalance_shrinks": res.cycles.rebalance_shrinks},
+    }
+    # The same scenario with our router's migration (not what the real run had).
+    rm, labm = simulate(args.scenario, args.seed, deployment="ours")
+    sm = sim_step_durations(rm, labm)
+    rat_m = [b / a for lab in real_steps
+             for a, b in zip(real_steps[lab], sm.get(lab, []), strict=False) if a]
+    summary["with_migration"] = {
+        "deployment": "ours", "makespan_sim_s": round(rm.makespan, 2),
+        "steps_sim_s": {lab: [round(v, 2) for v in sm.get(lab, [])] for lab in sorted(sm)},
+        "step_ratio_median": round(statistics.median(rat_m), 3) if rat_m else None,
+        "ownership_order": compare(transitions(real["owner"]), transitions(sim_events(rm, labm))),
+        "migrated": rm.migrated,
     }
     # Sensitivity: the scenario's requests all take the same time, so the two pipelines run in
     # lockstep; the real engines' per-request times vary (CPU contention). Same medians with a

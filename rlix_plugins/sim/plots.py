@@ -169,5 +169,5 @@ def pool_sweep(
 
 
 def _order(deployment: str) -> int:
-    known = ("plexrl", "rlix", "rlix_async", "ours_roll", "ours")
+    known = ("plexrl", "rlix", "rlix_async", "rlix_async_migr", "ours_roll", "ours_nomigr", "ours")
     return known.index(deployment) if deployment in known else len(known)

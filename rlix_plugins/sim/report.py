@@ -35,7 +35,8 @@ class Comparison:
 
     def ratios(self) -> dict[str, float]:
         """Throughput gain and GPU-hour saving of each shared deployment vs exclusive, and ours
-        vs RLix as deployed (``rlix``), vs RLix's policy on our pipelines (``rlix_async``) and
+        vs RLix as deployed (``rlix``), vs RLix's policy on our pipelines (``rlix_async``: its
+        router has no migration; ``rlix_async_migr``: with ours, the policy alone differs) and
         vs PlexRL-style pool time-slicing (``plexrl``) where run, all from the same run."""
         out: dict[str, float] = {}
         names = {s.policy for s in self.summaries}
@@ -51,7 +52,7 @@ class Comparison:
                 out[f"{p}_gpu_hours_saving_vs_exclusive"] = 1.0 - (
                     s.gpu_hours_per_step / ex.gpu_hours_per_step
                 )
-        for base in ("rlix", "rlix_async", "plexrl"):
+        for base in ("rlix", "rlix_async", "rlix_async_migr", "plexrl"):
             if {base, "ours"} <= names:
                 ours, other = self.get("ours"), self.get(base)
                 out[f"ours_throughput_x_{base}"] = (
