@@ -638,19 +638,19 @@ class ShardRouter:
     async def _watch(self, seen: ShardSnapshot) -> None:
         """While requests are in flight: rebalance onto every shard that becomes active."""
         interval = self._config.migration.watch_interval_s
-        while self._ledger.in_flight > 0:
-            snap = await self._state.wait_for_update(seen.version, interval)
-            if snap.version <= seen.version:
-                continue
-            new = [r for r in snap.active if r not in seen.active]
-            seen = snap
-            if not new:
-                continue
-            try:
-                await self._rebalance(snap, new)
-            except Exception:
-                # Migration is an optimization: it must never fail a request.
-                logger.warning("rebalance onto shard(s) %s failed", new, exc_info=True)
+        try:
+            while self._ledger.in_flight > 0:
+                snap = await self._state.wait_for_update(seen.version, interval)
+                if snap.version <= seen.version:
+                    continue
+                new = [r for r in snap.active if r not in seen.active]
+                seen = snap
+                if new:
+                    await self._rebalance(snap, new)
+        except Exception:
+            # Migration is an optimization: it must never fail a request. The next request
+            # of this copy starts a new watcher.
+            logger.warning("migration watcher stopped", exc_info=True)
 
     def __getstate__(self) -> dict[str, Any]:
         # Counters and in-flight counts belong to this copy; only wiring travels.

@@ -9,13 +9,18 @@ request must come back exactly once, full length, with the uninterrupted tokens.
 from __future__ import annotations
 
 import asyncio
+import pickle
+from typing import Any
 
 import pytest
 
 from rlix_plugins.generation import (
     EngineOutput,
     GenerationRequest,
+    RayShardState,
     RouterConfig,
+    ShardLifecycle,
+    ShardRouter,
     ShardStatus,
     VllmAsyncShard,
 )
@@ -86,3 +91,45 @@ def test_activated_shard_takes_half_of_the_running_requests(vllm_pair_clean: Vll
             assert sent.prompt_token_ids == orig.prompt_token_ids + ref[rid][:k]
 
     pair.run(go(), timeout=240)
+
+
+def test_router_copies_on_ray_state_each_migrate_their_own(
+    ray_session: Any, vllm_pair_clean: VllmPair
+) -> None:
+    """Two router copies read the owner through unpickled RayShardState views (as NeMo RL's
+    collector and veRL's workers would): each copy's watcher learns of the activation by the
+    view's push and moves its own requests; nothing lost or duplicated."""
+    pair = vllm_pair_clean
+    owner = RayShardState.create(2)
+    loads = [requests(make_prompts(12, seed=41 + k), 192, f"raymig{k}") for k in range(2)]
+
+    async def go() -> None:
+        shards = [VllmAsyncShard(e, name=f"s{i}") for i, e in enumerate(pair.engines)]
+        views = [pickle.loads(pickle.dumps(owner)) for _ in range(3)]
+        routers = [ShardRouter(v, shards) for v in views[:2]]
+        life = ShardLifecycle(views[2], shards)
+        await life.preempt([1])
+        await asyncio.gather(*(v.wait_for_update(0, 10) for v in views[:2]))
+        tasks = [asyncio.ensure_future(run_load(r, ld, 12))
+                 for r, ld in zip(routers, loads, strict=True)]
+        await wait_until(lambda: pair.engines[0].get_num_unfinished_requests() == 24)
+        await asyncio.sleep(0.05)  # partial tokens
+        await life.wake([1])
+        await life.activate([1])
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        for router, ld, res in zip(routers, loads, results, strict=True):
+            c = router.counters()
+            assert (c.completed, c.lost, c.duplicated, c.redispatched) == (12, 0, 0, 0)
+            assert c.migrated == 6, c  # 12/0 on this copy's counts -> 6/6
+            assert sum(r.dp_rank == 1 for r in res) == 6
+            assert [r.request_id for r in res] == [q.request_id for q in ld]
+        await assert_exact(pair, loads[0] + loads[1], results[0] + results[1])
+        assert shards[0].request_aborts_total == 12
+        assert sum(s.completed_total for s in shards) == 24
+        for v in views:
+            v.close()
+
+    try:
+        pair.run(go(), timeout=240)
+    finally:
+        ray_session.kill(owner.handle)

@@ -119,6 +119,13 @@ class FakeAbortMissesEngine(FakeAbortableEngine):
         return ()
 
 
+class FakeAbortFailsEngine(FakeAbortableEngine):
+    """Fake whose per-request abort raises (a remote engine that cannot be reached)."""
+
+    async def abort_requests(self, request_ids: Sequence[str]) -> tuple[str, ...]:
+        raise ConnectionError("fake: engine process unreachable")
+
+
 class Setup:
     """Real owner + view + router + lifecycle over fake engines; shard 1 starts asleep."""
 
@@ -307,5 +314,23 @@ def test_a_migrated_request_is_not_moved_again_and_preemption_after_it_restarts(
         c = s.router.counters()
         assert c.migrated == 6 and c.redispatched == 4 and c.completed == 8
         assert s.router.inflight == (0, 0, 0)
+
+    run(go)
+
+
+def test_failing_abort_never_fails_a_request() -> None:
+    async def go() -> None:
+        engines = [FakeAbortFailsEngine(), FakeAbortFailsEngine()]
+        s = Setup(engines)
+        await s.put_to_sleep([1])
+        load = reqs(6, 60)
+        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        await wait_until(lambda: len(engines[0].running) == 6)
+        await s.expand([1])
+        assert await s.router.rebalance([1]) == ()
+        results = await task
+        check_exact(load, results)
+        c = s.router.counters()
+        assert (c.completed, c.lost, c.migrated) == (6, 0, 0)
 
     run(go)
