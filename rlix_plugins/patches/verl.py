@@ -144,6 +144,16 @@ CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
               "standalone replicas' manager replaced by the coordinator-aware one"),
     PlugPoint("worker update", f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.update_weights",
               PlugKind.READ, ("global_steps", "mode"), "fills the cache (mode=rlix_cache)"),
+    PlugPoint("worker mapping", f"{_TB}:PPOTrainer._init_resource_pool_mgr", PlugKind.SUBCLASS,
+              ("self",), "role_worker_mapping's training worker becomes RLix's subclass"),
+    PlugPoint("training worker", f"{_ENGINE_WORKERS}:ActorRolloutRefWorker", PlugKind.SUBCLASS,
+              ("__init__", "config", "role"),
+              "subclassed: hybrid replicas' receive method, Megatron group rebinding"),
+    PlugPoint("hybrid manager sleep", f"{_CKPT}:CheckpointEngineManager.sleep_replicas",
+              PlugKind.SUBCLASS, ("self",),
+              "hybrid replicas' manager: sleep/wake left to the coordinator"),
+    PlugPoint("hybrid manager abort", f"{_CKPT}:CheckpointEngineManager.abort_replicas",
+              PlugKind.SUBCLASS, ("reject_request",)),
     PlugPoint("runtime env", f"{_MAIN}:get_ppo_ray_runtime_env", PlugKind.WRAP, ("config",),
               "forward RLix variables to workers of an existing Ray cluster"),
 )
@@ -166,6 +176,9 @@ DEFERRED_PLUG_POINTS: tuple[PlugPoint, ...] = (
               ("device", "model", "optimizer", "grad")),
     PlugPoint("megatron engine offload", f"{_MEGATRON}:MegatronEngine.to", PlugKind.READ,
               ("device", "model", "optimizer", "grad")),
+    PlugPoint("megatron engine groups", f"{_MEGATRON}:MegatronEngine.initialize", PlugKind.READ,
+              ("self",), "sets module/optimizer/lr_scheduler/checkpoint_mananager, the roots "
+              "whose process groups are rebound after re-init"),
 )
 
 

@@ -159,3 +159,26 @@ def test_verl_external_modules_hook_activates_only_with_the_gate(
     else:
         assert "[] GlobalRequestLoadBalancer" in line
         assert "RLix" not in line
+
+
+def test_worker_subclass_installed_in_the_role_mapping(verl_env: VerlEnv) -> None:
+    """The training role of veRL's mapping becomes RLix's subclass, with its methods marked
+    for veRL's worker-group binding; the critic (no rollout) is left alone."""
+    import ray
+    from verl.single_controller.base.decorator import MAGIC_ATTR
+    from verl.trainer.ppo.utils import Role
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    from rlix_plugins.patches.verl_workers import install_worker_classes
+
+    critic = ray.remote(TrainingWorker)
+    mapping: dict[Any, Any] = {Role.ActorRollout: ray.remote(ActorRolloutRefWorker),
+                               Role.Critic: critic}
+    assert install_worker_classes(mapping) == ["ActorRollout"]
+    cls = mapping[Role.ActorRollout].__ray_actor_class__
+    assert issubclass(cls, ActorRolloutRefWorker) and cls.__name__ == "RLixActorRolloutRefWorker"
+    for name in ("rlix_receive_weights", "rlix_serve", "rlix_release_parallel_state",
+                 "rlix_restore_parallel_state", "init_model", "update_weights"):
+        assert hasattr(getattr(cls, name), MAGIC_ATTR), name
+    assert mapping[Role.Critic] is critic
+    assert install_worker_classes(mapping) == []  # already RLix's
