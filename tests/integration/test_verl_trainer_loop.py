@@ -19,7 +19,9 @@ real engines and stores trajectories in TransferQueue with veRL's tags), and the
 ``init_*`` (GPU launch; servers and workers are attached instead). Rollout workers load through
 ``FakeServerAdapter`` (CUDA IPC cannot run on CPU).
 
-Layout: trainer GPU 0 hosts hybrid replica 0; standalone replica 1 runs on GPU 1.
+Layout: trainer GPU 0 hosts hybrid replica 0, whose worker is the training worker itself (RLix's
+subclass of it, as the patched role mapping installs): its rollout is fed by
+``rlix_receive_weights`` from the CPU cache; standalone replica 1 runs on GPU 1.
 """
 
 from __future__ import annotations
