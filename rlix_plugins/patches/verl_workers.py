@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,23 @@ ENGINE_REBIND_ATTRS: tuple[str, ...] = (
 #: the worker's ``TrainingWorker`` holders whose ``engine`` is rebound (actor, reference)
 WORKER_ENGINE_HOLDERS: tuple[str, ...] = ("actor", "ref")
 
+# Every RLix training worker of this process: veRL's WorkerDict puts several roles (e.g. an
+# actor_rollout and a separate ref worker) in one process, which shares one parallel_state, so
+# a re-init must rebind the groups held by all of them.
+_LIVE: weakref.WeakSet[RLixTrainingWorkerMixin] = weakref.WeakSet()
+
+
+def process_rebind_roots() -> dict[str, Any]:
+    """:meth:`RLixTrainingWorkerMixin.rlix_rebind_roots` of every RLix worker of this process
+    (prefixed with the worker's veRL role when there are several)."""
+    workers = sorted(_LIVE, key=lambda w: str(getattr(w, "role", "")))
+    roots: dict[str, Any] = {}
+    for w in workers:
+        prefix = f"{getattr(w, 'role', 'worker')}_" if len(workers) > 1 else ""
+        for name, value in w.rlix_rebind_roots().items():
+            roots[prefix + name] = value
+    return roots
+
 
 class RLixTrainingWorkerMixin:
     """The RLix methods of a veRL training worker (see module docstring)."""
@@ -59,6 +77,10 @@ class RLixTrainingWorkerMixin:
     # veRL attributes this mixin relies on (set by ActorRolloutRefWorker.init_model)
     checkpoint_engine: Any
     rollout: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _LIVE.add(self)
 
     # ---------------------------------------------------------------- Megatron NCCL lifecycle
     def rlix_rebind_roots(self) -> dict[str, Any]:
@@ -85,10 +107,11 @@ class RLixTrainingWorkerMixin:
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[untyped-decorator]
     def rlix_restore_parallel_state(self) -> dict[str, Any]:
-        """Re-create them and rebind the groups held under :meth:`rlix_rebind_roots`."""
+        """Re-create them and rebind the groups held under :meth:`rlix_rebind_roots` of every
+        RLix worker in this process (:func:`process_rebind_roots`)."""
         from rlix_plugins.patches.verl_checkpoint import restore_parallel_state
 
-        return restore_parallel_state(self.rlix_rebind_roots())
+        return restore_parallel_state(process_rebind_roots())
 
     # ---------------------------------------------------------------- CPU-cache weight sync
     def _rlix_cache_engine(self) -> Any:

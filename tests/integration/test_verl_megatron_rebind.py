@@ -72,11 +72,13 @@ class FakeMegatronEngine:
 
 
 class FakeVerlTrainingWorkerBase:
-    """Shaped like veRL's ActorRolloutRefWorker after ``init_model`` (actor + ref engines)."""
+    """Shaped like veRL's ActorRolloutRefWorker after ``init_model`` (its role's engines)."""
 
-    def __init__(self, actor: FakeMegatronEngine, ref: FakeMegatronEngine) -> None:
-        self.actor = types.SimpleNamespace(engine=actor)
-        self.ref = types.SimpleNamespace(engine=ref)
+    def __init__(self, role: str, actor: FakeMegatronEngine | None,
+                 ref: FakeMegatronEngine | None) -> None:
+        self.role = role
+        self.actor = types.SimpleNamespace(engine=actor) if actor is not None else None
+        self.ref = types.SimpleNamespace(engine=ref) if ref is not None else None
 
 
 def _rank(rank: int, world_size: int, cycles: int) -> dict[str, Any]:
@@ -95,12 +97,16 @@ def _rank(rank: int, world_size: int, cycles: int) -> dict[str, Any]:
     actor = FakeMegatronEngine(actor_roots["model"], actor_roots["optimizer"])
     ref = FakeMegatronEngine(ref_roots["model"], ref_roots["optimizer"])
     ref.optimizer = ref.lr_scheduler = ref.checkpoint_mananager = None  # forward_only ref
-    worker = rlix_worker_class(FakeVerlTrainingWorkerBase)(actor, ref)
+    cls = rlix_worker_class(FakeVerlTrainingWorkerBase)
+    # like veRL's WorkerDict with a separate ref role: two workers, one process, one state
+    worker = cls("actor_rollout", actor, None)
+    ref_worker = cls("ref", None, ref)
     # what the engines reach: the actor's model and optimizer, the (forward-only) ref's model
     reached = ("model", "buffer", "bucket", "pg_collection", "record", "hook")
     held = {k: v for k, v in accessors.items() if k.startswith((*reached, "optimizer"))}
     held.update({f"ref {k}": v for k, v in ref_accessors.items() if k.startswith(reached)})
-    out: dict[str, Any] = {"roots": sorted(worker.rlix_rebind_roots())}
+    out: dict[str, Any] = {"roots": sorted(worker.rlix_rebind_roots()),
+                           "ref_roots": sorted(ref_worker.rlix_rebind_roots())}
     restored = []
     for _ in range(cycles):
         destroyed = worker.rlix_release_parallel_state()
@@ -117,7 +123,8 @@ def _rank(rank: int, world_size: int, cycles: int) -> dict[str, Any]:
     # the re-init refuses to hand the step a destroyed group
     actor.optimizer.positional = functools.partial(dist.barrier, _current(ps)["tp"])
     worker.rlix_release_parallel_state()
-    with pytest.raises(StaleProcessGroupError, match=r"actor_optimizer\.positional\.args\[0\]"):
+    with pytest.raises(StaleProcessGroupError,
+                       match=r"actor_rollout_actor_optimizer\.positional\.args\[0\]"):
         worker.rlix_restore_parallel_state()
     out["stale_raised"] = True
     return out
@@ -125,12 +132,14 @@ def _rank(rank: int, world_size: int, cycles: int) -> dict[str, Any]:
 
 def test_worker_reinit_rebinds_engine_groups_and_refuses_stale(verl_env: VerlEnv) -> None:
     results = run_world(_rank, 2, CYCLES)
-    expected_roots = sorted(
-        [f"actor_{a}" for a in ("module", "optimizer", "lr_scheduler",
-                                "checkpoint_mananager")] + ["ref_module"])
+    actor_roots = sorted(f"actor_{a}" for a in ("module", "optimizer", "lr_scheduler",
+                                                "checkpoint_mananager"))
     for r in results:
-        assert r["roots"] == expected_roots, r["roots"]
+        assert r["roots"] == actor_roots and r["ref_roots"] == ["ref_module"], r
         assert [x["restored"] for x in r["restored"]] == [True] * CYCLES
+        # the re-init walked both workers of the process
+        assert r["restored"][0]["roots"] == sorted(
+            [f"actor_rollout_{n}" for n in actor_roots] + ["ref_ref_module"])
         rebound = [x["rebound"] for x in r["restored"]]
         # every probed reference (and the rest of ProcessGroupCollection's fields) is
         # replaced, the same number on every cycle
