@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlix_plugins.generation.migration import MigrationCandidate
+from rlix_plugins.generation.migration import plan_migration as router_plan
 from rlix_plugins.sim.async_pipeline import MIN_MIGRATION_GAP, plan_migration
 from rlix_plugins.sim.engine import EngineConfig
 from rlix_plugins.sim.runner import MIGRATING, run_policy
@@ -165,3 +167,27 @@ def test_only_our_router_migrates() -> None:
     wl = _contended()
     assert run_policy(wl, "rlix_async", seed=1, config=CFG).migrated == 0
     assert run_policy(wl, "exclusive", seed=1, config=CFG).migrated == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 30), min_size=2, max_size=6),
+    data=st.data(),
+)
+def test_plan_matches_the_routers_rule(loads: list[int], data: st.DataObject) -> None:
+    """One newly active shard, no capacity limit: the simulator moves as many requests from
+    each donor, in the same order, as the router's policy (generation/migration.py)."""
+    new = data.draw(st.integers(0, len(loads) - 1))
+    movable = {d: data.draw(st.integers(0, n)) for d, n in enumerate(loads) if d != new}
+    # The router's candidates: the movable requests; the rest already migrated once.
+    candidates = [
+        MigrationCandidate(f"{d}-{i}", d, remaining_tokens=100, migrations=0 if i < k else 1)
+        for d, n in enumerate(loads)
+        if d != new
+        for i in range(n)
+        for k in (movable[d],)
+    ]
+    ours = plan_migration(dict(enumerate(loads)), new, movable, capacity=10**6)
+    theirs = router_plan(loads, range(len(loads)), [new], candidates, min_gap=MIN_MIGRATION_GAP)
+    assert ours == [m.source for m in theirs]
+    assert all(m.target == new for m in theirs)
