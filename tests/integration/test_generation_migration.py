@@ -44,6 +44,42 @@ class RecordingShard(VllmAsyncShard):
         return await super().generate(request)
 
 
+def test_vllm_shard_aborts_only_the_named_requests(vllm_pair_clean: VllmPair) -> None:
+    """abort_requests on the real wrapper: the named running requests end aborted with their
+    partial tokens; the others run to full length; unknown ids are ignored; gate stays open."""
+    pair = vllm_pair_clean
+    load = requests(make_prompts(6, seed=61), 200, "abt")
+
+    async def go() -> None:
+        shard = VllmAsyncShard(pair.engines[0], name="abt")
+        tasks = [asyncio.ensure_future(shard.generate(r)) for r in load]
+        ids = [r.request_id for r in load]
+
+        async def progress() -> dict[str, int]:
+            return dict(await shard.request_progress([*ids, "nope"]))
+
+        await wait_until(lambda: pair.engines[0].get_num_unfinished_requests() == 6)
+        while min((await progress()).values(), default=0) < 3:
+            await asyncio.sleep(0.01)
+        before = await progress()
+        assert set(before) == set(ids)  # unknown id left out
+        aborted = await shard.abort_requests([ids[0], ids[2], "nope", ids[0]])
+        assert aborted == (ids[0], ids[2])
+        assert shard.accepting and shard.request_aborts_total == 2
+        outs = await asyncio.gather(*tasks)
+        ref = await pair.reference([(r.prompt_token_ids, r.max_tokens) for r in load])
+        for i, (out, want) in enumerate(zip(outs, ref, strict=True)):
+            if i in (0, 2):
+                assert out.aborted and before[ids[i]] <= len(out.token_ids) < 200
+                assert out.token_ids == want[:len(out.token_ids)]  # a prefix, nothing lost
+            else:
+                assert out.finish_reason == "length" and out.token_ids == want
+        assert await shard.abort_requests(ids) == ()  # all finished: nothing to abort
+        assert shard.completed_total == 4
+
+    pair.run(go(), timeout=120)
+
+
 def test_activated_shard_takes_half_of_the_running_requests(vllm_pair_clean: VllmPair) -> None:
     pair = vllm_pair_clean
     n, budget = 24, 256
