@@ -92,3 +92,15 @@ def test_vllm_shard_refuses_pickling() -> None:
 
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(VllmAsyncShard(object()))
+
+
+def test_counters_keep_their_positional_form_and_migration_config_travels() -> None:
+    from rlix_plugins.generation import MigrationConfig, RouterCounters
+
+    # Eight positional fields as before (readers built before migration existed).
+    assert RouterCounters("c", 3, 3, 0, 0, 0, 0, 1).migrated == 0
+    cfg = RouterConfig(migration=MigrationConfig(min_gap=4, auto=False))
+    router = ShardRouter(_ray_view(), [FakePicklableEngine("a"), FakePicklableEngine("b")], cfg)
+    copy = pickle.loads(pickle.dumps(router))
+    assert copy.config.migration == MigrationConfig(min_gap=4, auto=False)
+    assert copy.counters().migrated == 0 and copy.stats().migrated == 0
