@@ -35,6 +35,7 @@ from nemo_rl.models.generation.vllm.vllm_generation import VllmGeneration
 from rlix_plugins.adapters.observability import router_counters_emitter
 from rlix_plugins.errors import ShardPreemptedError
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
+from rlix_plugins.generation.migration import MigrationConfig
 from rlix_plugins.generation.router import RedispatchMode, RouterConfig, ShardRouter
 from rlix_plugins.generation.state_store import ShardStateView
 
@@ -177,8 +178,11 @@ class NemoRlShard:
 
 def default_router_config() -> RouterConfig:
     """RESTART re-dispatch: NeMo RL keeps per-token logprobs, so a sample must come from one
-    engine run, never be stitched from two."""
-    return RouterConfig(redispatch=RedispatchMode.RESTART)
+    engine run, never be stitched from two. For the same reason no migration: a migrated
+    request continues from its partial tokens on another engine (a stitched sample)."""
+    return RouterConfig(
+        redispatch=RedispatchMode.RESTART, migration=MigrationConfig(enabled=False)
+    )
 
 
 class RLixVllmGeneration(VllmGeneration):  # type: ignore[misc]

@@ -113,6 +113,16 @@ def test_replay_buffer_valid_count_on_the_real_buffer(nemo_rl_src: Path) -> None
         assert buf.valid_count(0, 5) == 1
 
 
+def test_nemo_rl_router_never_stitches_a_sample(nemo_rl_src: Path) -> None:
+    """NeMo RL keeps one engine run's per-token logprobs: restart, never continue or migrate."""
+    from rlix_plugins.adapters.nemo_rl_generation import default_router_config
+    from rlix_plugins.generation.router import RedispatchMode
+
+    cfg = default_router_config()
+    assert cfg.redispatch is RedispatchMode.RESTART
+    assert cfg.migration.enabled is False
+
+
 def test_preemption_is_recognised_through_nemo_rl_wrapping(nemo_rl_src: Path) -> None:
     from nemo_rl.experience.failures import GenerationUnavailable
 
