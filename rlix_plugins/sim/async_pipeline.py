@@ -252,7 +252,12 @@ class AsyncOverlapPipeline(SimPipeline):
     # ------------------------------------------------------------------ aborts
     def _abort_trajectory(self, t: _Traj, progress: float) -> float:
         """Re-dispatch continues from the partial output: every generated token is kept and
-        the new shard re-prefills prompt + partial output (``redispatch_prefill_s``)."""
+        the new shard re-prefills prompt + partial output (``redispatch_prefill_s``). With
+        ``EngineConfig.restart_on_abort`` (NeMo RL's RESTART) it runs again from the prompt:
+        the ``progress`` solo-seconds generated so far are lost and generated again."""
+        if self.cluster.config.restart_on_abort:
+            t.kept = 0.0
+            return progress
         t.kept = min(progress, t.work)
         prefill = self.job.redispatch_prefill_s
         t.extra += prefill

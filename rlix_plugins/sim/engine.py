@@ -68,6 +68,10 @@ class EngineConfig:
     #: running requests from shards above the mean load onto it (each pays a re-prefill,
     #: ``JobSpec.redispatch_prefill_s``); our router's feature, RLix's router has none
     migrate_on_activate: bool = False
+    #: async kind: an aborted request is re-dispatched from its prompt (the router's RESTART,
+    #: as NeMo RL's adapter runs it): its generated work is lost and regenerated, no re-prefill
+    #: of partial tokens; False = CONTINUE from the partial tokens (veRL, the gate rehearsals)
+    restart_on_abort: bool = False
 
 
 @dataclass(frozen=True, slots=True)

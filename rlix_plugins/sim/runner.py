@@ -34,11 +34,18 @@ DEPLOYMENTS: dict[str, tuple[str, str | None]] = {
     "rlix_async_migr": ("rlix", None),
     # ours without migration (not in the default set): the router feature's own effect
     "ours_nomigr": ("ours", None),
+    # ours as the NeMo RL adapter is built: an aborted request runs again from the prompt
+    # (RESTART, partial tokens discarded) and nothing migrates (not in the default set)
+    "ours_nemo_rl": ("ours", None),
 }
 #: deployments whose router migrates running requests onto a newly active shard
 #: (``EngineConfig.migrate_on_activate``). Ours only: RLix's router has no migration (RLix's
 #: scheduler re-queues the requests of a shrunk shard; an added shard takes new requests only).
 MIGRATING = frozenset({"ours", "rlix_async_migr"})
+#: deployments whose router re-runs an aborted request from the prompt
+#: (``EngineConfig.restart_on_abort``): NeMo RL's adapter
+#: (``adapters/nemo_rl_generation.default_router_config``: RESTART, migration off)
+RESTARTING = frozenset({"ours_nemo_rl"})
 POLICIES = ("exclusive", "rlix", "rlix_async", "ours")
 
 
@@ -102,6 +109,7 @@ def run_policy(
             allows_idle_preemption=scheduler == "rlix",
             pipeline_kind=kind if kind is not None else base.pipeline_kind,
             migrate_on_activate=policy in MIGRATING,
+            restart_on_abort=policy in RESTARTING,
         )
     sim = SimCluster(
         topo, planner or make_planner(policy), placer, workload.jobs, seed=seed, config=cfg

@@ -191,3 +191,21 @@ def test_plan_matches_the_routers_rule(loads: list[int], data: st.DataObject) ->
     theirs = router_plan(loads, range(len(loads)), [new], candidates, min_gap=MIN_MIGRATION_GAP)
     assert ours == [m.source for m in theirs]
     assert all(m.target == new for m in theirs)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_nemo_rl_restart_loses_the_partial_work_and_never_migrates(seed: int) -> None:
+    """``ours_nemo_rl`` (RESTART, as NeMo RL's adapter runs): an aborted request is generated
+    again from the prompt. Every trajectory still completes exactly once, nothing migrates,
+    and the work lost is decode work, not the fixed re-prefill of a continuation."""
+    wl = _contended()
+    restart = run_policy(wl, "ours_nemo_rl", seed=seed, config=CFG)
+    cont = run_policy(wl, "ours_nomigr", seed=seed, config=CFG)
+    assert restart.trajectories == cont.trajectories == 3 * 3 * 24
+    assert restart.migrated == 0 and restart.aborted > 0
+    assert restart.useful_gpu_s <= restart.num_gpus * restart.makespan
+    # Continuation loses exactly one re-prefill (1 s) per abort; a restart loses what the
+    # aborted attempt had generated, which is not that constant.
+    assert cont.lost_work_s == pytest.approx(1.0 * cont.aborted)
+    assert restart.lost_work_s != pytest.approx(1.0 * restart.aborted)
+    assert restart.lost_work_s > 0
