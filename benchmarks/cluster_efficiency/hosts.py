@@ -1,0 +1,117 @@
+"""Our mechanism per host, as built: the default workloads with each host's re-dispatch.
+
+``ours`` in ``run.py`` models the generation module's router (continue from partial tokens +
+migration). The hosts differ (docs/simulator.md, "What is built vs what ours models"):
+``ours_nomigr`` = veRL as built (continue, no migration), ``ours_nemo_rl`` = NeMo RL as built
+(RESTART: an aborted request is generated again from the prompt; no migration). This runs them
+beside exclusive allocation and RLix's policy on the same workloads (``run.py``'s builders and
+engine settings) and seed (7), and writes results/hosts.json + hosts.png.
+
+    python benchmarks/cluster_efficiency/hosts.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.cluster_efficiency.run import RESULTS, SEED, _workloads  # noqa: E402
+from rlix_plugins.sim.runner import run_policy  # noqa: E402
+
+POLICIES = ("exclusive", "rlix_async", "ours", "ours_nomigr", "ours_nemo_rl")
+HOSTS = {
+    "ours": "router (gates)",
+    "ours_nomigr": "veRL as built",
+    "ours_nemo_rl": "NeMo RL as built",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--out", type=Path, default=RESULTS / "hosts.json")
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    rows: dict[str, dict[str, dict[str, float]]] = {}
+    for _, wl, config, _ in _workloads(argparse.Namespace(quick=False, full=False, scale=False)):
+        cfg = replace(config, record_tenures=False)
+        row: dict[str, dict[str, float]] = {}
+        for policy in POLICIES:
+            r = run_policy(wl, policy, seed=SEED, config=cfg)
+            row[policy] = {
+                "gpu_hours_per_step": r.num_gpus * r.makespan / 3600.0 / max(1, len(r.steps)),
+                "throughput_per_h": r.trajectories / r.makespan * 3600.0,
+                "aborted": r.aborted,
+                "migrated": r.migrated,
+                "lost_work_s": r.lost_work_s,
+            }
+        ex = row["exclusive"]
+        for policy in POLICIES[1:]:
+            v = row[policy]
+            v["gpu_hours_saving_vs_exclusive"] = (
+                1 - v["gpu_hours_per_step"] / ex["gpu_hours_per_step"]
+            )
+            v["throughput_x_exclusive"] = v["throughput_per_h"] / ex["throughput_per_h"]
+            v["gpu_hours_saving_vs_rlix_async"] = (
+                1 - v["gpu_hours_per_step"] / row["rlix_async"]["gpu_hours_per_step"]
+            )
+        rows[wl.name] = row
+        print(
+            f"{wl.name}: "
+            + ", ".join(
+                f"{p} {row[p]['gpu_hours_saving_vs_exclusive']:+.1%} "
+                f"(x{row[p]['throughput_x_exclusive']:.2f})"
+                for p in POLICIES[1:]
+            ),
+            flush=True,
+        )
+    out: dict[str, Any] = {
+        "seed": SEED,
+        "policies": list(POLICIES),
+        "hosts": HOSTS,
+        "note": "savings = 1 - policy / baseline GPU-h per step; throughput = trajectories per "
+        "hour of makespan; same workloads and engine settings as run.py",
+        "wall_s": round(time.perf_counter() - started, 1),
+        "workloads": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    _plot(rows, args.out.with_suffix(".png"))
+    return 0
+
+
+def _plot(rows: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    shown = POLICIES[1:]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(shown)
+    for i, p in enumerate(shown):
+        vals = [100 * rows[n][p]["gpu_hours_saving_vs_exclusive"] for n in names]
+        ax.bar([x + i * width for x in range(len(names))], vals, width,
+               label=f"{p} ({HOSTS.get(p, 'RLix policy')})")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))])
+    ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("GPU-h/step saving vs exclusive (%)")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.legend(fontsize=8)
+    ax.set_title(f"Our mechanism per host as built (seed {SEED})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
