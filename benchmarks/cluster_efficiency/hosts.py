@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster_efficiency.run import RESULTS, SEED, _workloads  # noqa: E402
-from rlix_plugins.sim.runner import run_policy  # noqa: E402
+from benchmarks.cluster_efficiency.seeds import run_figures  # noqa: E402
 
 POLICIES = ("exclusive", "rlix_async", "ours", "ours_nomigr", "ours_nemo_rl")
 HOSTS = {
@@ -45,14 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(config, record_tenures=False)
         row: dict[str, dict[str, float]] = {}
         for policy in POLICIES:
-            r = run_policy(wl, policy, seed=SEED, config=cfg)
-            row[policy] = {
-                "gpu_hours_per_step": r.num_gpus * r.makespan / 3600.0 / max(1, len(r.steps)),
-                "throughput_per_h": r.trajectories / r.makespan * 3600.0,
-                "aborted": r.aborted,
-                "migrated": r.migrated,
-                "lost_work_s": r.lost_work_s,
-            }
+            row[policy] = run_figures(wl, policy, SEED, cfg)
         ex = row["exclusive"]
         for policy in POLICIES[1:]:
             v = row[policy]

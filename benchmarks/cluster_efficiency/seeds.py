@@ -27,7 +27,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster_efficiency.run import RESULTS, _workloads  # noqa: E402
+from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.runner import run_policy  # noqa: E402
+from rlix_plugins.sim.workloads import Workload  # noqa: E402
 
 #: exclusive for the throughput ratio; the baselines and ours with/without migration
 POLICIES = ("exclusive", "rlix_async", "rlix_async_migr", "ours_nomigr", "ours")
@@ -41,6 +43,19 @@ def _spread(values: list[float], par: float = 0.0) -> dict[str, Any]:
         "min": round(min(values), 4),
         "max": round(max(values), 4),
         "above_par": f"{sum(1 for v in values if v > par)}/{len(values)}",
+    }
+
+
+def run_figures(wl: Workload, policy: str, seed: int, cfg: EngineConfig) -> dict[str, float]:
+    """One deployment's run on ``wl``: GPU-h per step, trajectories per hour of makespan, and
+    its abort / migration counts (shared by this script and ``hosts.py``)."""
+    r = run_policy(wl, policy, seed=seed, config=cfg)
+    return {
+        "gpu_hours_per_step": r.num_gpus * r.makespan / 3600.0 / max(1, len(r.steps)),
+        "throughput_per_h": r.trajectories / r.makespan * 3600.0,
+        "migrated": r.migrated,
+        "aborted": r.aborted,
+        "lost_work_s": r.lost_work_s,
     }
 
 
@@ -61,13 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(1, args.seeds + 1):
             row: dict[str, dict[str, float]] = {}
             for policy in POLICIES:
-                r = run_policy(wl, policy, seed=seed, config=cfg)
-                row[policy] = {
-                    "gpu_hours_per_step": r.num_gpus * r.makespan / 3600.0 / max(1, len(r.steps)),
-                    "throughput_per_h": r.trajectories / r.makespan * 3600.0,
-                    "migrated": r.migrated,
-                    "aborted": r.aborted,
-                }
+                row[policy] = run_figures(wl, policy, seed, cfg)
             per.setdefault(wl.name, {})[str(seed)] = row
             ours = row["ours"]["gpu_hours_per_step"]
             print(
