@@ -168,6 +168,50 @@ def pool_sweep(
     plt.close(fig)
 
 
+def size_sweep(
+    curves: dict[str, dict[str, list[tuple[float, float, float]]]],
+    target: float,
+    published: dict[str, float],
+    path: Path,
+) -> None:
+    """GPU-h/step saving vs exclusive (left axis) and makespan x exclusive (right axis, dashed)
+    against the time-shared cluster's size as a fraction of the exclusive GPUs, one panel per
+    model, one colour per deployment.
+
+    ``curves``: model -> deployment -> [(GPUs x exclusive, saving, makespan x exclusive)].
+    """
+    plt = _plt()
+    models = list(curves)
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        right = ax.twinx()
+        for deployment, points in sorted(curves[model].items(), key=lambda kv: _order(kv[0])):
+            pts = sorted(points)
+            xs = [x for x, _, _ in pts]
+            (line,) = ax.plot(xs, [y for _, y, _ in pts], marker="o", label=f"{deployment} saving")
+            right.plot(
+                xs,
+                [m for _, _, m in pts],
+                linestyle="--",
+                marker="x",
+                color=line.get_color(),
+                label=f"{deployment} makespan x",
+            )
+        ax.axhline(target, color="red", linestyle=":", label=f"target {target:.1%}")
+        if model in published:
+            ax.axhline(published[model], color="grey", linestyle="-.", label="PlexRL reported")
+        ax.set_xlabel("time-shared GPUs / exclusive GPUs")
+        ax.set_ylabel("GPU-h/step saving vs exclusive")
+        right.set_ylabel("makespan x exclusive (dashed)")
+        ax.set_ylim(0.0, 0.7)
+        ax.set_title(f"PlexRL {model}: shared cluster size")
+        ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle("PlexRL 2-job setups: saving and slowdown vs time-shared cluster size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _order(deployment: str) -> int:
     known = ("plexrl", "rlix", "rlix_async", "rlix_async_migr", "ours_roll", "ours_nomigr", "ours")
     return known.index(deployment) if deployment in known else len(known)

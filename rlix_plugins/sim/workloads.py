@@ -267,6 +267,7 @@ def plexrl_two_jobs(
     length_scale: float = 1.0,
     kind: str = "async",
     train_gpus: int | None = None,
+    shared_gpus: int | None = None,
 ) -> Workload:
     """PlexRL's setup: 2 identical RLVR jobs time-slice ONE training pool.
 
@@ -281,6 +282,13 @@ def plexrl_two_jobs(
     PlexRL publishes no pool sizes, so ``train_gpus`` is swept by the benchmark: Table 2's phase
     times and the reload time are kept as they are at every pool size (each size is a
     hypothesis about the deployment those times were measured on).
+
+    ``shared_gpus`` sizes the time-shared cluster (ours / RLix) differently from PlexRL's
+    ``T + 2R``: PlexRL keeps a dedicated rollout pool per job, so it cannot go below ``T + 2R``;
+    a deployment that lends every GPU to whichever stage needs it can. With it set (and not
+    ``T + 2R``) the workload has no ``pool_placements`` (PlexRL-style does not apply) and its
+    name says the size (``_S<n>``). It must be at least ``T`` (a training step needs its whole
+    pool) and fill whole nodes.
     """
     t_gpus = row.train_gpus if train_gpus is None else train_gpus
     if t_gpus < 1 or t_gpus % row.infer_tp:
@@ -322,20 +330,35 @@ def plexrl_two_jobs(
         for i in range(2)
     )
     r_gpus = row.infer_gpus
-    shared_total = t_gpus + 2 * r_gpus
+    pool_total = t_gpus + 2 * r_gpus
+    shared_total = pool_total if shared_gpus is None else shared_gpus
+    if shared_total < t_gpus or shared_total % gpn:
+        raise ValueError(
+            f"plexrl {row.model}: shared_gpus must be >= the training pool ({t_gpus}) and a "
+            f"multiple of the node size ({gpn}), got {shared_gpus}"
+        )
     pool = tuple(range(t_gpus))
     everything = tuple(range(shared_total))
     own = [tuple(range(t_gpus + i * r_gpus, t_gpus + (i + 1) * r_gpus)) for i in range(2)]
     suffix = "" if train_gpus is None else f"_T{t_gpus}R{r_gpus}"
+    if shared_total != pool_total:
+        suffix += f"_S{shared_total}"
     return Workload(
         name=f"plexrl_{row.model}{suffix}",
-        description=f"PlexRL {row.model}: 2 jobs, one shared training pool ({t_gpus}:{r_gpus})",
+        description=(
+            f"PlexRL {row.model}: 2 jobs, one shared training pool ({t_gpus}:{r_gpus}), "
+            f"{shared_total} time-shared GPUs"
+        ),
         jobs=jobs,
         gpus_per_node=gpn,
         exclusive_nodes=2 * (t_gpus + r_gpus) // gpn,
         shared_nodes=shared_total // gpn,
         shared_placements=(Placement(pool, everything), Placement(pool, everything)),
-        pool_placements=(Placement(pool, own[0]), Placement(pool, own[1])),
+        pool_placements=(
+            (Placement(pool, own[0]), Placement(pool, own[1]))
+            if shared_total == pool_total
+            else None
+        ),
         sources=(PLEXRL,),
         assumptions=(
             f"pools: {t_gpus} training + {r_gpus} rollout GPUs per job "

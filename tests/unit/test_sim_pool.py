@@ -85,3 +85,45 @@ def test_implied_ratio_and_interpolation() -> None:
     assert first_crossing(pts, 0.2) == pytest.approx(1.5)
     assert first_crossing(pts, 0.05) == 1.0
     assert first_crossing(pts, 0.4) is None
+
+
+def test_right_sized_shared_cluster_has_no_pool_deployment() -> None:
+    """``shared_gpus`` sizes the time-shared cluster (ours / RLix) below PlexRL's T + 2R; the
+    exclusive deployment is unchanged and PlexRL-style (a rollout pool per job) is refused."""
+    r, t = ROW_7B.infer_gpus, ROW_7B.train_gpus
+    wl = plexrl_two_jobs(ROW_7B, steps=2, shared_gpus=t + r)
+    assert wl.name.endswith(f"_S{t + r}")
+    assert wl.exclusive_nodes * wl.gpus_per_node == 2 * (t + r)
+    assert wl.shared_nodes * wl.gpus_per_node == t + r
+    assert wl.pool_placements is None and wl.shared_placements is not None
+    assert all(
+        p.train == tuple(range(t)) and p.infer == tuple(range(t + r)) for p in wl.shared_placements
+    )
+    with pytest.raises(ValueError, match="pool_placements"):
+        run_policy(wl, "plexrl", seed=1)
+    # T + 2R is PlexRL's own count: same workload as leaving shared_gpus out
+    assert plexrl_two_jobs(ROW_7B, steps=2, shared_gpus=t + 2 * r) == plexrl_two_jobs(
+        ROW_7B, steps=2
+    )
+
+
+@pytest.mark.parametrize("shared_gpus", [4, 12, 0])
+def test_bad_shared_cluster_sizes_are_typed_errors(shared_gpus: int) -> None:
+    # below the training pool (8) or not whole 8-GPU nodes
+    with pytest.raises(ValueError, match="shared_gpus must be >= the training pool"):
+        plexrl_two_jobs(ROW_7B, steps=2, shared_gpus=shared_gpus)
+
+
+def test_right_sized_cluster_runs_every_trajectory_once_on_its_gpus() -> None:
+    """Both jobs on one job's GPUs: every trajectory done, no GPU outside the cluster used,
+    training only on the pool, and fewer GPU-hours per step than exclusive."""
+    t, r = ROW_7B.train_gpus, ROW_7B.infer_gpus
+    wl = plexrl_two_jobs(ROW_7B, steps=3, length_scale=0.5, shared_gpus=t + r)
+    comp = compare(wl, seed=5, out_dir=None, policies=("exclusive", "ours"), config=CFG)
+    res = comp.get("ours")
+    assert res.num_gpus == t + r
+    assert comp.ratios()["ours_gpu_hours_saving_vs_exclusive"] > 0.0
+    ours = run_policy(wl, "ours", seed=5, config=CFG)
+    assert ours.trajectories == sum(j.steps * j.batch for j in wl.jobs)
+    assert {x.gpu for x in ours.tenures} <= set(range(t + r))
+    assert {x.gpu for x in ours.tenures if x.kind == "train"} <= set(range(t))
