@@ -77,7 +77,11 @@ def _rollout_worker_group(ray: Any, server: Any = None) -> Any:
     )
     # max_colocate_count=1: the default (10) reserves 10 CPUs per worker bundle.
     pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
-    return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
+    # Wait until every worker finished its __init__ (veRL imports): on a loaded 2-core box
+    # that alone can eat most of the sync's ack timeout (one CI run timed out that way).
+    ray.get([w.__ray_ready__.remote() for w in group.workers], timeout=600)
+    return group
 
 
 def test_cache_backend_syncs_exactly_the_selected_replicas(
