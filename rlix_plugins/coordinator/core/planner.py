@@ -94,23 +94,26 @@ class _RankOrders:
         self._claims: dict[int, int] = {}
         self._orders: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
-    def get(
-        self, state: SchedulerState, spec: ClusterSpec
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(ranks in preference order, claims per rank)`` of generation cluster ``spec``."""
+    def refresh(self, state: SchedulerState) -> None:
+        """Drop the cache if the registered clusters changed (once per cycle, O(clusters))."""
         specs = state.clusters
         # Specs are frozen records replaced on (re-)registration: identity says "unchanged".
-        if len(specs) != len(self._specs) or any(
-            self._specs.get(k) is not v for k, v in specs.items()
+        if len(specs) == len(self._specs) and all(
+            self._specs.get(k) is v for k, v in specs.items()
         ):
-            self._specs = dict(specs)
-            self._orders = {}
-            claims: dict[int, int] = {}
-            for c in state.clusters.values():
-                if not c.is_generation:
-                    for g in c.gpus:
-                        claims[g] = claims.get(g, 0) + 1
-            self._claims = claims
+            return
+        self._specs = dict(specs)
+        self._orders = {}
+        claims: dict[int, int] = {}
+        for c in specs.values():
+            if not c.is_generation:
+                for g in c.gpus:
+                    claims[g] = claims.get(g, 0) + 1
+        self._claims = claims
+
+    def get(self, spec: ClusterSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(ranks in preference order, claims per rank)`` of generation cluster ``spec``
+        (as of the last :meth:`refresh`)."""
         cached = self._orders.get(spec.cluster_id)
         if cached is None:
             per_rank = tuple(
@@ -216,7 +219,7 @@ class _Cycle:
                 cid, spec.gpus, spec.tp, spec.dp_size, weight, demand, pending_seq, active
             )
             if self.orders is not None:
-                g.order, g.claims = self.orders.get(state, spec)
+                g.order, g.claims = self.orders.get(spec)
             else:
                 g.order, g.claims = tuple(range(spec.dp_size)), (0,) * spec.dp_size
         return gens
@@ -317,8 +320,10 @@ class _Cycle:
                 list(donors.values()), gens, starving
             ):
                 best, best_key = (rank, list(donors.values())), key
-                if key[:3] == (1, 0, 0.0) and self.config.prefer_idle_donors:
-                    break  # one idle donor rank, on no training GPU: nothing is cheaper
+                if key[0] == 1 and key[2] == 0.0 and self.config.prefer_idle_donors:
+                    # One idle donor rank: later ranks in the order have as many training
+                    # claims or more, so nothing after this one is cheaper.
+                    break
         return best
 
     def _donor_cost(self, donors: Iterable[GpuOwner]) -> tuple[float, float]:
@@ -457,6 +462,8 @@ class DemandSharePlanner:
         self._orders = _RankOrders() if self.config.avoid_training_gpus else None
 
     def plan(self, state: SchedulerState, now: float) -> Plan:
+        if self._orders is not None:
+            self._orders.refresh(state)
         cycle = _Cycle(state, now, self.config, self._orders)
         cycle.planned_releases()
         cycle.non_generation()
