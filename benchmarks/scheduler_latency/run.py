@@ -59,8 +59,6 @@ class Row:
     active_share: float
     plan_ms_median: float
     plan_ms_p90: float
-    #: the first cycle after the registered clusters changed (rank orders rebuilt)
-    plan_cold_ms: float
     plan_wall_ms_median: float
     check_ms_median: float
     shrinks: int
@@ -123,9 +121,7 @@ def measure(pipelines: int, gpus: int, repeats: int, seed: int = 0) -> Row:
     plan_times: list[float] = []
     wall_times: list[float] = []
     check_times: list[float] = []
-    c0 = time.thread_time()
-    plan = planner.plan(state, 100.0)  # cold: the planner's per-cluster caches are built
-    cold_ms = (time.thread_time() - c0) * 1e3
+    plan = planner.plan(state, 100.0)  # warm-up
     for _ in range(repeats):
         w0, t0 = time.perf_counter(), time.thread_time()
         plan = planner.plan(state, 100.0)
@@ -142,7 +138,6 @@ def measure(pipelines: int, gpus: int, repeats: int, seed: int = 0) -> Row:
         active_share=round(active, 3),
         plan_ms_median=round(statistics.median(plan_times), 3),
         plan_ms_p90=round(plan_times[int(0.9 * (len(plan_times) - 1))], 3),
-        plan_cold_ms=round(cold_ms, 3),
         plan_wall_ms_median=round(statistics.median(wall_times), 3),
         check_ms_median=round(statistics.median(check_times), 3),
         shrinks=len(plan.shrinks),
@@ -165,7 +160,6 @@ def plot(rows: list[Row], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(x, [r.plan_ms_median for r in rows], "o-", label="rlix-plugins plan (median)")
     ax.plot(x, [r.plan_ms_median + r.check_ms_median for r in rows], "s--", label="plan + check")
-    ax.plot(x, [r.plan_cold_ms for r in rows], "x-.", label="plan, first after registration")
     ax.plot(x, [r.rollmux_ms or float("nan") for r in rows], "^:", label="RollMux (Table 5)")
     rlix = [r.rlix_ms if r.rlix_ms is not None else float("nan") for r in rows]
     ax.plot(x, rlix, "x:", label="RLix planner (gives up beyond 100x1024)")

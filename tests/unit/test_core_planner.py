@@ -279,39 +279,3 @@ def test_malformed_rank_load_is_ignored() -> None:
     progress(state, "ft_b", 10, 0)
     plan, _ = cycle(state, 100)
     assert len(plan.shrinks) == 1
-
-
-@pytest.mark.parametrize("avoid", [True, False])
-def test_generation_prefers_ranks_off_training_mappings(avoid: bool) -> None:
-    """Two pipelines split 4 GPUs 2:2. With ``avoid_training_gpus`` the first picker takes
-    the ranks on GPUs no training cluster maps (2, 3), and its own training step later
-    preempts nobody of its own; without it, it takes the lowest ranks (0, 1), which its
-    training step then preempts."""
-    planner = DemandSharePlanner(PolicyConfig(avoid_training_gpus=avoid))
-    state = new_state(1, 4)
-    register(state, "ft_a", train=[0, 1], infer=[0, 1, 2, 3])
-    register(state, "ft_b", train=[0], infer=[0, 1, 2, 3])
-    state.submit_request("ft_a_actor_infer", GEN, now=0, step_target_estimate=32)
-    state.submit_request("ft_b_actor_infer", GEN, now=0, step_target_estimate=32)
-    cycle(state, 0, planner)
-    assert active(state, "ft_a") == ({2, 3} if avoid else {0, 1})
-    assert active(state, "ft_b") == ({0, 1} if avoid else {2, 3})
-    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=1)
-    plan, res = cycle(state, 1, planner)
-    assert res.granted == {"ft_a_actor_train": (0, 1)}
-    preempted = {m.cluster_id for m in plan.shrinks if m.reason is ShrinkReason.PREEMPT}
-    assert preempted == ({"ft_b_actor_infer"} if avoid else {"ft_a_actor_infer"})
-
-
-def test_rank_order_is_rebuilt_when_registrations_change() -> None:
-    """The planner caches each cluster's rank order; the same planner on a state whose
-    clusters (same ids) map other training GPUs must not reuse the stale order."""
-    planner = DemandSharePlanner()
-    for train_a, train_b, expect_a in (([0, 1], [0], {2, 3}), ([2, 3], [2], {0, 1})):
-        state = new_state(1, 4)
-        register(state, "ft_a", train=train_a, infer=[0, 1, 2, 3])
-        register(state, "ft_b", train=train_b, infer=[0, 1, 2, 3])
-        state.submit_request("ft_a_actor_infer", GEN, now=0, step_target_estimate=32)
-        state.submit_request("ft_b_actor_infer", GEN, now=0, step_target_estimate=32)
-        cycle(state, 0, planner)
-        assert active(state, "ft_a") == expect_a

@@ -116,10 +116,6 @@ class PolicyConfig:
     #: Rebalancing takes the donor rank carrying the least work: lowest ``rank_load`` the
     #: pipeline reported (optional progress metric), then the most recently activated.
     prefer_idle_donors: bool = True
-    #: Generation takes ranks on GPUs that no non-generation cluster (training, log-probs) maps
-    #: before ranks on such GPUs (fewest such clusters first): a rank there is preempted as soon
-    #: as that cluster's next step is requested, costing a sleep, a wake and aborts.
-    avoid_training_gpus: bool = True
 
     def __post_init__(self) -> None:
         if self.aging_s <= 0 or self.min_hold_s < 0 or not 0 <= self.rebalance_threshold <= 1:

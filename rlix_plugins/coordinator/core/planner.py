@@ -14,9 +14,6 @@ One cycle:
      made free (no starvation). Ranks are moved from pipelines above target only outside a
      hysteresis band and never when activated less than ``min_hold_s`` ago, so shards do not
      flip-flop. Leftover idle GPUs go to pipelines with remaining demand (work conserving).
-     Among a pipeline's inactive ranks, those on GPUs no training (non-generation) cluster
-     maps are taken first, then those claimed by the fewest such clusters: a rank on a training
-     mapping is preempted by that cluster's next step (``avoid_training_gpus``).
 A pipeline that never reported progress is still visible: its demand is the estimate of its
 last GENERATION request, and its ranks can be given to others.
 """
@@ -29,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from rlix_plugins.coordinator.core.model import ClusterSpec, GpuOwner, PolicyConfig
+from rlix_plugins.coordinator.core.model import GpuOwner, PolicyConfig
 from rlix_plugins.coordinator.core.plan import Grant, Plan, RankMove, ShrinkReason
 from rlix_plugins.coordinator.core.state import SchedulerState
 from rlix_plugins.protocol.types import Priority
@@ -62,13 +59,8 @@ class _Gen:
     fresh: set[int] = field(default_factory=set)
     #: outside the hysteresis band at the start of the cycle: may take ranks from others
     may_rebalance: bool = False
-    #: inactive ranks are tried in this order (training-free GPUs first, see ``_rank_order``)
-    order: tuple[int, ...] = ()
-    #: per rank: how many non-generation clusters map its GPUs (0 = none)
-    claims: tuple[int, ...] = ()
-    #: positions in ``order`` below this one have no fully idle GPU set. Within the generation
-    #: step idle GPUs only ever get taken (a donor's GPUs go straight to a receiver), so this
-    #: only grows.
+    #: ranks below this one have no fully idle GPU set. Within the generation step idle GPUs
+    #: only ever get taken (a donor's GPUs go straight to a receiver), so this only grows.
     free_cursor: int = 0
 
     @property
@@ -84,56 +76,9 @@ def _collecting(state: SchedulerState, pipeline_id: str) -> bool:
     return any(r.remaining > 0 for r in streams.values())
 
 
-class _RankOrders:
-    """Per generation cluster: its ranks ordered by how many non-generation clusters map their
-    GPUs (then by rank), cached until the set of registered clusters changes (mappings are
-    fixed at registration)."""
-
-    def __init__(self) -> None:
-        self._specs: dict[str, ClusterSpec] = {}
-        self._claims: dict[int, int] = {}
-        self._orders: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-
-    def refresh(self, state: SchedulerState) -> None:
-        """Drop the cache if the registered clusters changed (once per cycle, O(clusters))."""
-        specs = state.clusters
-        # Specs are frozen records replaced on (re-)registration: identity says "unchanged".
-        if len(specs) == len(self._specs) and all(
-            self._specs.get(k) is v for k, v in specs.items()
-        ):
-            return
-        self._specs = dict(specs)
-        self._orders = {}
-        claims: dict[int, int] = {}
-        for c in specs.values():
-            if not c.is_generation:
-                for g in c.gpus:
-                    claims[g] = claims.get(g, 0) + 1
-        self._claims = claims
-
-    def get(self, spec: ClusterSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(ranks in preference order, claims per rank)`` of generation cluster ``spec``
-        (as of the last :meth:`refresh`)."""
-        cached = self._orders.get(spec.cluster_id)
-        if cached is None:
-            per_rank = tuple(
-                sum(self._claims.get(g, 0) for g in spec.rank_gpus(r)) for r in range(spec.dp_size)
-            )
-            order = tuple(sorted(range(spec.dp_size), key=lambda r: (per_rank[r], r)))
-            cached = self._orders[spec.cluster_id] = (order, per_rank)
-        return cached
-
-
 class _Cycle:
-    def __init__(
-        self,
-        state: SchedulerState,
-        now: float,
-        config: PolicyConfig,
-        orders: _RankOrders | None = None,
-    ) -> None:
+    def __init__(self, state: SchedulerState, now: float, config: PolicyConfig) -> None:
         self.state = state
-        self.orders = orders
         self.now = now
         self.config = config
         self.owner: list[GpuOwner | None] = list(state.owner)
@@ -215,13 +160,9 @@ class _Cycle:
                 continue
             demand = state.demand(spec.pipeline_id) or 0
             weight = state.pipelines[spec.pipeline_id].weight
-            g = gens[cid] = _Gen(
+            gens[cid] = _Gen(
                 cid, spec.gpus, spec.tp, spec.dp_size, weight, demand, pending_seq, active
             )
-            if self.orders is not None:
-                g.order, g.claims = self.orders.get(spec)
-            else:
-                g.order, g.claims = tuple(range(spec.dp_size)), (0,) * spec.dp_size
         return gens
 
     def _set_targets(self, gens: dict[str, _Gen]) -> None:
@@ -261,23 +202,21 @@ class _Cycle:
             g.may_rebalance = not g.active or g.gap >= self.config.rebalance_threshold
 
     def _next_free_rank(self, g: _Gen) -> int | None:
-        """First inactive rank of ``g`` in its order whose GPUs are all idle (amortised O(1)
-        per cycle)."""
+        """Lowest inactive rank of ``g`` whose GPUs are all idle (amortised O(1) per cycle)."""
         owner = self.owner
-        tp, gpus, active, order = g.tp, g.gpus, g.active, g.order
-        pos = g.free_cursor
-        while pos < len(order):
-            rank = order[pos]
+        tp, gpus, active = g.tp, g.gpus, g.active
+        rank = g.free_cursor
+        while rank < g.dp_size:
             if rank not in active:
                 if tp == 1:
                     if owner[gpus[rank]] is None:
-                        g.free_cursor = pos
+                        g.free_cursor = rank
                         return rank
                 elif all(owner[gpus[rank * tp + i]] is None for i in range(tp)):
-                    g.free_cursor = pos
+                    g.free_cursor = rank
                     return rank
-            pos += 1
-        g.free_cursor = pos
+            rank += 1
+        g.free_cursor = rank
         return None
 
     def _find_rank(self, g: _Gen, gens: dict[str, _Gen]) -> tuple[int, list[GpuOwner]] | None:
@@ -293,10 +232,10 @@ class _Cycle:
             return None
         starving = not g.active
         best: tuple[int, list[GpuOwner]] | None = None
-        best_key: tuple[int, int, float, float] | None = None
+        best_key: tuple[int, float, float] | None = None
         owner = self.owner
         tp, gpus, active = g.tp, g.gpus, g.active
-        for rank in g.order:
+        for rank in range(g.dp_size):
             if rank in active:
                 continue
             donors: dict[tuple[str, int], GpuOwner] = {}
@@ -315,15 +254,13 @@ class _Cycle:
                 donors[(o.cluster_id, r)] = o
             if blocked or not donors:
                 continue
-            key = (len(donors), g.claims[rank], *self._donor_cost(donors.values()))
+            key = (len(donors), *self._donor_cost(donors.values()))
             if (best_key is None or key < best_key) and self._donors_allowed(
                 list(donors.values()), gens, starving
             ):
                 best, best_key = (rank, list(donors.values())), key
-                if key[0] == 1 and key[2] == 0.0 and self.config.prefer_idle_donors:
-                    # One idle donor rank: later ranks in the order have as many training
-                    # claims or more, so nothing after this one is cheaper.
-                    break
+                if key[:2] == (1, 0.0) and self.config.prefer_idle_donors:
+                    break  # one donor rank reported idle: nothing is cheaper
         return best
 
     def _donor_cost(self, donors: Iterable[GpuOwner]) -> tuple[float, float]:
@@ -459,12 +396,9 @@ class DemandSharePlanner:
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
-        self._orders = _RankOrders() if self.config.avoid_training_gpus else None
 
     def plan(self, state: SchedulerState, now: float) -> Plan:
-        if self._orders is not None:
-            self._orders.refresh(state)
-        cycle = _Cycle(state, now, self.config, self._orders)
+        cycle = _Cycle(state, now, self.config)
         cycle.planned_releases()
         cycle.non_generation()
         cycle.generation()
