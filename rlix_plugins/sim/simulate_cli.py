@@ -30,16 +30,33 @@ WORKLOADS = (
 
 
 def build_workload(
-    name: str, *, jobs: int | None, steps: int | None, nodes: int | None, seed: int
+    name: str,
+    *,
+    jobs: int | None,
+    steps: int | None,
+    nodes: int | None,
+    seed: int,
+    shared_gpus: int | None = None,
 ) -> Workload:
-    """A named workload from :mod:`rlix_plugins.sim.workloads` (PlexRL ones calibrated)."""
+    """A named workload from :mod:`rlix_plugins.sim.workloads` (PlexRL ones calibrated).
+
+    ``shared_gpus`` (PlexRL workloads only) sizes the time-shared cluster, e.g. ``T + R`` to
+    run both jobs on one job's exclusive GPUs (the default is PlexRL's ``T + 2R``).
+    """
+    if shared_gpus is not None and not name.startswith("plexrl-"):
+        raise ValueError(
+            f"shared_gpus applies to the PlexRL workloads "
+            f"{tuple(w for w in WORKLOADS if w.startswith('plexrl-'))}, not {name!r}"
+        )
     if name == "long-tail":
         return long_tail_agentic(num_jobs=jobs or 16, nodes=nodes or 8, steps=steps or 4)
     if name.startswith("plexrl-"):
         row = next(r for r in PLEXRL_TABLE2 if r.model == name.removeprefix("plexrl-"))
         probe = plexrl_two_jobs(row, steps=steps or 8)
         scale = calibrate_lengths(probe, row.cycle_s, seed=seed)
-        return plexrl_two_jobs(row, steps=steps or 8, length_scale=scale)
+        return plexrl_two_jobs(
+            row, steps=steps or 8, length_scale=scale, shared_gpus=shared_gpus
+        )
     if name.startswith("rollmux-"):
         return rollmux_trace(
             name.removeprefix("rollmux-"),
@@ -66,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="training steps per job")
     parser.add_argument("--nodes", type=int, help="nodes of 8 GPUs (long-tail, rollmux)")
     parser.add_argument(
+        "--shared-gpus",
+        type=int,
+        help="PlexRL workloads: GPUs of the time-shared cluster (default T + 2R, PlexRL's; "
+        "T + R runs both jobs on one job's exclusive GPUs; the plexrl deployment needs T + 2R)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="directory for JSON + PNG results"
     )
     parser.add_argument("--no-plots", action="store_true")
@@ -81,9 +104,26 @@ def run(args: argparse.Namespace) -> int:
     if args.scenario is not None:
         workload = load_scenario(args.scenario)
     else:
-        workload = build_workload(
-            args.workload, jobs=args.jobs, steps=args.steps, nodes=args.nodes, seed=args.seed
-        )
+        try:
+            workload = build_workload(
+                args.workload,
+                jobs=args.jobs,
+                steps=args.steps,
+                nodes=args.nodes,
+                seed=args.seed,
+                shared_gpus=args.shared_gpus,
+            )
+        except ValueError as exc:
+            print(f"error: {exc}")
+            return 2
+        if args.shared_gpus is not None and workload.pool_placements is None and (
+            "plexrl" in policies
+        ):
+            print(
+                "error: the plexrl deployment keeps a rollout pool per job and needs PlexRL's "
+                "T + 2R GPUs; drop it from --policies or leave --shared-gpus out"
+            )
+            return 2
     config = EngineConfig(record_tenures=not args.no_plots)
     comparison = compare(
         workload,

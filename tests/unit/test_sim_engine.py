@@ -283,6 +283,29 @@ def test_simulate_command_prints_and_saves(
     assert {s["policy"] for s in saved["summaries"]} == {"exclusive", "rlix", "rlix_async", "ours"}
 
 
+def test_simulate_command_right_sizes_plexrl_and_rejects_bad_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    common = ["--steps", "2", "--out", str(tmp_path), "--no-plots"]
+    args = parser.parse_args(
+        ["--workload", "plexrl-7B", "--shared-gpus", "16", "--policies", "exclusive,ours", *common]
+    )
+    assert command.run(args) == 0
+    saved = json.loads((tmp_path / "plexrl_7B_S16.json").read_text())
+    assert {s["policy"]: s["num_gpus"] for s in saved["summaries"]} == {"exclusive": 32, "ours": 16}
+    # PlexRL-style needs its T + 2R GPUs; a size off the node grid or on another workload fails
+    for argv in (
+        ["--workload", "plexrl-7B", "--shared-gpus", "16", "--policies", "plexrl"],
+        ["--workload", "plexrl-7B", "--shared-gpus", "12"],
+        ["--workload", "long-tail", "--shared-gpus", "16"],
+    ):
+        capsys.readouterr()
+        assert command.run(parser.parse_args([*argv, *common])) == 2
+        assert "error:" in capsys.readouterr().out
+
+
 def test_workloads_are_deterministic_per_seed() -> None:
     wl = long_tail_agentic(num_jobs=2, steps=1, nodes=4)
     wl = replace(wl, jobs=tuple(replace(j, batch=16) for j in wl.jobs))
