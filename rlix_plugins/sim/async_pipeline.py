@@ -34,6 +34,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rlix_plugins.generation.migration import MigrationCandidate
+from rlix_plugins.generation.migration import plan_migration as router_plan_migration
 from rlix_plugins.protocol.types import Priority
 from rlix_plugins.sim.pipeline_model import SimPipeline, _Rank, _Traj
 
@@ -56,33 +58,37 @@ def plan_migration(
 ) -> list[int]:
     """Donor shard of each request moved onto the newly active shard ``new``, in order.
 
-    The router's rule (``rlix_plugins.generation.migration``) on one target: ``loads`` are the
-    requests running per ACTIVE shard (``new`` included), ``movable`` how many of them may
-    still move (migrated fewer than ``MAX_MIGRATIONS`` times), ``capacity`` how many more
-    ``new`` may take (``max_seqs`` minus what it runs). One request at a time moves from the
-    most loaded shard that still has a movable request (lowest id on ties) while that shard
-    runs at least ``min_gap`` more than ``new``; so the maximum load never grows and the
-    total is conserved. Pure.
+    Runs the router's own rule (:func:`rlix_plugins.generation.migration.plan_migration`) on
+    the simulator's counts: ``loads`` are the requests running per ACTIVE shard (``new``
+    included), ``movable`` how many of them may still move (migrated fewer than
+    ``MAX_MIGRATIONS`` times), ``capacity`` how many more ``new`` may take (``max_seqs`` minus
+    what it runs). The rule is greedy, one request at a time, so cutting its moves at
+    ``capacity`` is what it would do with that cap. The simulator does not know tokens left
+    per request, so every movable request is a candidate (the router's ``min_remaining_tokens``
+    filter is not modelled). Pure.
     """
     if new not in loads:
         raise ValueError(f"shard {new} is not among the active shards {sorted(loads)}")
-    if min_gap < 2 or capacity < 0:
-        raise ValueError(f"min_gap must be >= 2 and capacity >= 0 (got {min_gap}, {capacity})")
-    load = dict(loads)
-    left = {d: min(movable.get(d, 0), n) for d, n in loads.items() if d != new}
-    moves: list[int] = []
-    while len(moves) < capacity:
-        sources = [d for d, k in left.items() if k > 0]
-        if not sources:
-            break
-        d = max(sources, key=lambda x: (load[x], -x))
-        if load[d] - load[new] < min_gap:
-            break
-        load[d] -= 1
-        load[new] += 1
-        left[d] -= 1
-        moves.append(d)
-    return moves
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    size = max(loads) + 1
+    per_rank = [loads.get(r, 0) for r in range(size)]
+    candidates = [
+        MigrationCandidate(key=f"{d}:{i}", rank=d, remaining_tokens=1)
+        for d, k in movable.items()
+        if d != new and d in loads
+        for i in range(min(k, loads[d]))
+    ]
+    moves = router_plan_migration(
+        per_rank,
+        loads.keys(),
+        [new],
+        candidates,
+        min_gap=min_gap,
+        min_remaining_tokens=0,
+        max_per_request=MAX_MIGRATIONS,
+    )
+    return [m.source for m in moves[:capacity]]
 
 
 class AsyncOverlapPipeline(SimPipeline):
