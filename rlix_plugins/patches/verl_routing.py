@@ -21,13 +21,54 @@ Both are subclasses of veRL 0.9.1 classes and are imported only where veRL is im
   counters go to the pipeline's records as
   :class:`~rlix_plugins.adapters.observability.RouterCountersObserved` (veRL routes through this
   client, not through :class:`~rlix_plugins.generation.router.ShardRouter`).
+
+Request migration (on by default, :class:`~rlix_plugins.generation.migration.MigrationConfig`):
+when a replica becomes ACTIVE, the load balancer moves running requests onto it with the
+router's rule (:func:`~rlix_plugins.generation.migration.plan_migration`, same defaults). Design,
+and why it lives in the load balancer rather than in the clients:
+
+* The balancer is the one actor every client copy (every agent-loop worker) acquires and
+  releases through, and the one that applies shard events, so it alone sees the global load
+  and the activation at the same moment. Asking the clients would need a channel into every
+  worker process and a merge of their partial views; telling the balancer costs nothing
+  extra: the client already makes the acquire/release calls.
+* Per request the client sends, with the acquire it already makes (a declared acquire field,
+  ``rlix_attempt``), the id the attempt will carry on the server (veRL's own choice of vLLM
+  request id, fixed before the acquire) and its token budget; the release carries that id
+  back (a declared release field). Stock veRL clients send neither and are simply never
+  migrated.
+* On an activation (:meth:`RLixRequestLoadBalancer.apply_shard_event`, or
+  :meth:`RLixRequestLoadBalancer.rlix_rebalance`) the balancer asks the donor servers for
+  progress (``rlix_request_progress``, best effort; else the budget, an upper bound, as the
+  rule says), plans, and aborts the chosen attempts on their donor server one by one
+  (``rlix_abort_requests``: vLLM's public ``AsyncLLM.abort``; veRL's own ``abort_request``
+  does not find requests on the vLLM here, see :mod:`.verl_vllm`). It then points the
+  request's sticky session at the target, so the continuation lands there (if the target is
+  no longer routable, veRL's least-loaded pick applies).
+* The aborted attempt comes back to its client as ``stop_reason="aborted"`` with its partial
+  tokens; the client's existing continue path re-dispatches prompt + partial tokens. To tell
+  a migration from a preemption it asks the balancer once per aborted attempt
+  (``rlix_migration_outcome``): migrations are counted as ``migrated`` in the ledger and do
+  not use up ``max_attempts``. The balancer is a synchronous actor, so that question is
+  answered only after the planning call that aborted the attempt has finished.
+
+Config: :meth:`RLixRequestLoadBalancer.set_migration` (a ``MigrationConfig`` or a mapping of its
+fields), ``bind_shards(..., migration=...)``, or ``RLIX_VERL_MIGRATION=off`` in the job's
+environment (read when the balancer starts). ``auto=False``: only an explicit
+``rlix_rebalance`` migrates; ``watch_interval_s`` is unused here (the balancer sees the events
+themselves).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import os
 import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from verl.workers.rollout.llm_server import LLMServerClient
@@ -35,7 +76,18 @@ from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
 from rlix_plugins.adapters.observability import router_counters_emitter
-from rlix_plugins.errors import NoActiveShardError, ShardPreemptedError, ShardStateError
+from rlix_plugins.errors import (
+    NoActiveShardError,
+    SettingsError,
+    ShardPreemptedError,
+    ShardStateError,
+)
+from rlix_plugins.generation.migration import (
+    MigrationCandidate,
+    MigrationConfig,
+    MigrationMove,
+    plan_migration,
+)
 from rlix_plugins.generation.router import CountersCallback, RequestLedger, RouterCounters
 from rlix_plugins.generation.shard_state import ShardEvent, ShardSnapshot, ShardStatus
 from rlix_plugins.generation.state_store import ShardStateStore
@@ -47,6 +99,114 @@ logger = logging.getLogger(__name__)
 NO_SERVER_MESSAGE = "No available servers in load balancer"
 #: stop reasons veRL (and vLLM) use for an aborted request
 ABORT_REASONS = frozenset({"aborted", "abort"})
+#: ``on`` (default) / ``off``: request migration in the load balancer
+ENV_VERL_MIGRATION = "RLIX_VERL_MIGRATION"
+#: the acquire field carrying an attempt's id / budget / migrations, and the release field
+ATTEMPT_FIELD = "rlix_attempt"
+ATTEMPT_ID_FIELD = "rlix_attempt_id"
+#: remaining tokens assumed for an attempt whose budget nobody told the balancer
+UNKNOWN_BUDGET = 1 << 30
+#: bound on the balancer's blocking calls to a server while it migrates
+SERVER_CALL_TIMEOUT_S = 30.0
+#: migration outcomes / steered requests remembered (bounded like veRL's sticky cache)
+_REMEMBER = 10000
+
+
+def migration_config(value: MigrationConfig | Mapping[str, Any] | None) -> MigrationConfig:
+    """A :class:`MigrationConfig` from itself, a mapping of its fields, or None (defaults).
+
+    Raises:
+        SettingsError: another type, an unknown field, or a value ``MigrationConfig`` rejects.
+    """
+    if value is None:
+        return MigrationConfig()
+    if isinstance(value, MigrationConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise SettingsError(
+            f"migration must be a MigrationConfig, a mapping of its fields or None, got "
+            f"{type(value).__name__}"
+        )
+    valid = sorted(f.name for f in fields(MigrationConfig))
+    unknown = sorted(set(value) - set(valid))
+    if unknown:
+        raise SettingsError(f"unknown migration field(s) {unknown}; valid fields are {valid}")
+    try:
+        return MigrationConfig(**value)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"bad migration config {dict(value)!r}: {exc}") from None
+
+
+def migration_from_env(env: Mapping[str, str] | None = None) -> MigrationConfig:
+    """``RLIX_VERL_MIGRATION``: unset / ``on`` = defaults, ``off`` = disabled.
+
+    Raises:
+        SettingsError: any other value.
+    """
+    raw = (env if env is not None else os.environ).get(ENV_VERL_MIGRATION, "").strip().lower()
+    if raw in ("", "on"):
+        return MigrationConfig()
+    if raw == "off":
+        return MigrationConfig(enabled=False)
+    raise SettingsError(f"{ENV_VERL_MIGRATION}={raw!r} is not valid; use 'on' or 'off'")
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationStats:
+    """What the balancer's migrations did (one balancer, all clients).
+
+    Attributes:
+        planned: moves the rule chose.
+        aborted: of those, attempts the donor server aborted (the others had finished or were
+            not registered yet and stay where they are).
+        landed: continuations of aborted attempts acquired on their planned target.
+        rerouted: continuations acquired elsewhere (the target was no longer routable).
+    """
+
+    planned: int = 0
+    aborted: int = 0
+    landed: int = 0
+    rerouted: int = 0
+
+
+class _LbAttempt:
+    """One attempt in flight as the balancer knows it (mutable, actor-local)."""
+
+    __slots__ = ("budget", "migrations", "moving_to", "request_id", "server_id")
+
+    def __init__(self, request_id: str, server_id: str, budget: int | None,
+                 migrations: int) -> None:
+        self.request_id = request_id
+        self.server_id = server_id
+        self.budget = budget
+        self.migrations = migrations
+        self.moving_to: int | None = None  # set once its donor aborted it for migration
+
+
+@dataclass(frozen=True, slots=True)
+class _ClientAttempt:
+    """One dispatch of a client request: its id on the server, token budget, migrations."""
+
+    attempt_id: str
+    budget: int | None
+    migrations: int
+
+    def acquire_field(self) -> dict[str, Any]:
+        return {"id": self.attempt_id, "budget": self.budget, "migrations": self.migrations}
+
+
+#: the attempt the current task is dispatching (read by the acquire / id / release hooks that
+#: veRL's ``generate`` calls; each asyncio task has its own value)
+_ATTEMPT: contextvars.ContextVar[_ClientAttempt | None] = contextvars.ContextVar(
+    "rlix_verl_attempt", default=None
+)
+
+
+def _remember(cache: OrderedDict[str, Any], key: str, value: Any) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > _REMEMBER:
+        cache.popitem(last=False)
 
 
 class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
@@ -72,18 +232,28 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         # trajectories stored by the agent-loop workers / taken by the trainer (progress)
         self._finished = 0
         self._consumed = 0
+        # migration: attempts in flight by attempt id, outcomes for the clients, steering
+        self._migration = migration_from_env()
+        self._attempts: dict[str, _LbAttempt] = {}
+        self._outcomes: OrderedDict[str, int] = OrderedDict()  # attempt id -> target rank
+        self._steered: OrderedDict[str, str] = OrderedDict()  # request id -> target server
+        self._mig_stats = MigrationStats()
 
     # ---------------------------------------------------------------- shard state (owner)
     def bind_shards(
         self,
         servers: list[tuple[str, Any]],
         initial: str = ShardStatus.ACTIVE.value,
+        migration: MigrationConfig | Mapping[str, Any] | None = None,
     ) -> ShardSnapshot:
         """Declare the pipeline's shards: ``servers[d]`` is (address, handle) of dp rank ``d``.
 
         Called once by the adapter. Shards start ``initial`` (``active`` or ``sleeping``); only
-        ACTIVE shards are routed to from now on.
+        ACTIVE shards are routed to from now on. ``migration``: see :meth:`set_migration`
+        (None keeps the current config: defaults, or off by ``RLIX_VERL_MIGRATION=off``).
         """
+        if migration is not None:
+            self.set_migration(migration)
         if self._store is not None:
             raise ShardStateError("shards are already bound to this load balancer")
         if not servers:
@@ -99,9 +269,22 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         return self._require_store().snapshot()
 
     def apply_shard_event(self, dp_ranks: list[int], event: str) -> ShardSnapshot:
-        """Apply a shard transition (all ranks or none) and re-derive the routing pool."""
-        new = self._require_store().apply(dp_ranks, ShardEvent(event))
+        """Apply a shard transition (all ranks or none) and re-derive the routing pool.
+
+        A replica that became ACTIVE gets running requests migrated onto it (when migration is
+        enabled and ``auto``) before this returns.
+        """
+        store = self._require_store()
+        before = set(store.snapshot().active)
+        new = store.apply(dp_ranks, ShardEvent(event))
         self._sync_pool(new)
+        fresh = [r for r in new.active if r not in before]
+        if fresh and self._migration.auto:
+            try:
+                self._migrate(fresh)
+            except Exception:
+                # Migration is an optimization: it must never fail the activation.
+                logger.warning("migration onto replica(s) %s failed", fresh, exc_info=True)
         return new
 
     def shard_inflight(self) -> dict[int, int]:
@@ -166,24 +349,212 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
             if self._store is not None:
                 self._sync_pool(self._store.snapshot())
 
-    def acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
-        """Sticky + least-loaded among routable servers (never a non-active shard)."""
+    def require_acquire_fields(self) -> list[str]:
+        """The attempt record RLix clients send (id on the server, budget, migrations)."""
+        return [ATTEMPT_FIELD]
+
+    def require_release_fields(self) -> list[str]:
+        """The request id and the attempt id (ends the attempt record)."""
+        return ["request_id", ATTEMPT_ID_FIELD]
+
+    def acquire_server(
+        self, request_id: str, rlix_attempt: Mapping[str, Any] | None = None, **extra: Any
+    ) -> tuple[str, Any]:
+        """Sticky + least-loaded among routable servers (never a non-active shard); a request
+        whose attempt was migrated goes to its planned target while that is routable."""
         del extra
-        return super().acquire_server(request_id)  # type: ignore[no-any-return]
+        target = self._steered.pop(request_id, None)
+        if target is not None and target in self._inflight_requests:
+            self._request_id_to_server[request_id] = target
+        server_id, handle = super().acquire_server(request_id)
+        if target is not None:
+            landed = server_id == target
+            self._mig_stats = MigrationStats(
+                self._mig_stats.planned, self._mig_stats.aborted,
+                self._mig_stats.landed + int(landed), self._mig_stats.rerouted + int(not landed),
+            )
+        if rlix_attempt is not None:
+            budget = rlix_attempt.get("budget")
+            self._attempts[str(rlix_attempt["id"])] = _LbAttempt(
+                request_id, server_id, None if budget is None else int(budget),
+                int(rlix_attempt.get("migrations", 0)),
+            )
+        return server_id, handle
+
+    def release_server(
+        self, server_id: str, request_id: str | None = None,
+        rlix_attempt_id: str | None = None,
+    ) -> None:
+        """veRL's release; also ends the attempt's record."""
+        del request_id
+        super().release_server(server_id)
+        if rlix_attempt_id is not None:
+            self._attempts.pop(rlix_attempt_id, None)
 
     def get_status(self) -> dict[str, Any]:
         status: dict[str, Any] = super().get_status()
         if self._store is not None:
             status["shards"] = self._store.snapshot().describe()
+        status["migration"] = self._mig_stats
         return status
+
+    # ---------------------------------------------------------------- migration
+    def set_migration(
+        self, config: MigrationConfig | Mapping[str, Any] | None
+    ) -> MigrationConfig:
+        """Set the migration config (None: defaults); returns it.
+
+        Raises:
+            SettingsError: not a ``MigrationConfig`` / mapping of its fields, or bad values.
+        """
+        self._migration = migration_config(config)
+        return self._migration
+
+    def migration(self) -> MigrationConfig:
+        """The migration config in force."""
+        return self._migration
+
+    def migration_stats(self) -> MigrationStats:
+        """Counts of this balancer's migrations so far."""
+        return self._mig_stats
+
+    def rlix_running(self) -> dict[str, int]:
+        """Attempts known to be running on bound replicas: attempt id -> dp rank."""
+        rank_of = {sid: r for r, sid in enumerate(self._shard_ids)}
+        return {k: rank_of[a.server_id] for k, a in self._attempts.items()
+                if a.server_id in rank_of}
+
+    def rlix_migration_outcome(self, attempt_id: str) -> int | None:
+        """The dp rank an aborted attempt was migrated to, or None (it was preempted).
+
+        Asked once by the attempt's client when the attempt came back aborted.
+        """
+        return self._outcomes.pop(attempt_id, None)
+
+    def rlix_plan_migration(
+        self, targets: Iterable[int] | None = None, progress: Mapping[str, int] | None = None
+    ) -> tuple[MigrationMove, ...]:
+        """The moves the rule makes now onto ``targets`` (default: every active shard), with
+        ``progress`` (tokens generated per attempt id, where known). No I/O, nothing changed;
+        ``()`` when migration is disabled."""
+        store = self._require_store()
+        if not self._migration.enabled:
+            return ()
+        snap = store.snapshot()
+        tgts = tuple(snap.active if targets is None else targets)
+        loads, candidates = self._loads_and_candidates(snap.active, progress or {})
+        mig = self._migration
+        return plan_migration(
+            loads, snap.active, tgts, candidates, min_gap=mig.min_gap,
+            min_remaining_tokens=mig.min_remaining_tokens, max_per_request=mig.max_per_request,
+        )
+
+    def rlix_rebalance(self, targets: list[int] | None = None) -> tuple[MigrationMove, ...]:
+        """Migrate now onto ``targets`` (default: every active shard); returns the moves whose
+        attempts were aborted on their donor (they continue on their target)."""
+        snap = self._require_store().snapshot()
+        return self._migrate(list(snap.active if targets is None else targets))
+
+    def _loads_and_candidates(
+        self, active: Iterable[int], progress: Mapping[str, int]
+    ) -> tuple[list[int], list[MigrationCandidate]]:
+        rank_of = {sid: r for r, sid in enumerate(self._shard_ids)}
+        act = set(active)
+        # In-flight per bound rank (all clients), with moves under way counted at their target.
+        loads = [self._inflight_requests.get(sid, 0) for sid in self._shard_ids]
+        candidates: list[MigrationCandidate] = []
+        for key, att in self._attempts.items():
+            rank = rank_of.get(att.server_id)
+            if rank is None:
+                continue  # an unbound server (veRL's own add_servers): not a shard
+            if att.moving_to is not None:
+                loads[rank] = max(0, loads[rank] - 1)
+                loads[att.moving_to] += 1
+            elif rank in act:
+                budget = UNKNOWN_BUDGET if att.budget is None else att.budget
+                left = max(0, budget - progress.get(key, 0))
+                candidates.append(MigrationCandidate(key, rank, left, att.migrations))
+        return loads, candidates
+
+    def _progress(self, active: Iterable[int]) -> dict[str, int]:
+        """Tokens generated so far per attempt on the active shards (best effort)."""
+        import ray
+
+        rank_of = {sid: r for r, sid in enumerate(self._shard_ids)}
+        act = set(active)
+        by_rank: dict[int, list[str]] = {}
+        for key, att in self._attempts.items():
+            rank = rank_of.get(att.server_id)
+            if rank is not None and rank in act and att.moving_to is None:
+                by_rank.setdefault(rank, []).append(key)
+        progress: dict[str, int] = {}
+        for rank, keys in by_rank.items():
+            handle = self._shard_handles[self._shard_ids[rank]]
+            try:
+                got = ray.get(handle.rlix_request_progress.remote(keys),
+                              timeout=SERVER_CALL_TIMEOUT_S)
+                progress.update({str(k): int(v) for k, v in got.items()})
+            except Exception:
+                logger.debug("progress query failed on replica %d", rank, exc_info=True)
+        return progress
+
+    def _abort(self, rank: int, keys: list[str]) -> set[str]:
+        """Abort ``keys`` on replica ``rank``'s server; the ids it aborted."""
+        import ray
+
+        handle = self._shard_handles[self._shard_ids[rank]]
+        try:
+            done = ray.get(handle.rlix_abort_requests.remote(keys),
+                           timeout=SERVER_CALL_TIMEOUT_S)
+        except Exception:
+            logger.warning("migration abort failed on replica %d; those requests stay", rank,
+                           exc_info=True)
+            return set()
+        return {str(k) for k in done}
+
+    def _migrate(self, targets: list[int]) -> tuple[MigrationMove, ...]:
+        if not self._migration.enabled or not self._attempts:
+            return ()
+        snap = self._require_store().snapshot()
+        moves = self.rlix_plan_migration(targets, self._progress(snap.active))
+        if not moves:
+            return ()
+        by_source: dict[int, list[MigrationMove]] = {}
+        for m in moves:
+            by_source.setdefault(m.source, []).append(m)
+        started: list[MigrationMove] = []
+        for source, ms in by_source.items():
+            done = self._abort(source, [m.key for m in ms])
+            for m in ms:
+                att = self._attempts.get(m.key)
+                if m.key not in done:
+                    continue  # finished meanwhile or not registered yet: it stays
+                started.append(m)
+                _remember(self._outcomes, m.key, m.target)
+                if att is not None:
+                    att.moving_to = m.target
+                    target_sid = self._shard_ids[m.target]
+                    _remember(self._steered, att.request_id, target_sid)
+                    self._request_id_to_server[att.request_id] = target_sid
+        st = self._mig_stats
+        self._mig_stats = MigrationStats(st.planned + len(moves), st.aborted + len(started),
+                                         st.landed, st.rerouted)
+        if started:
+            logger.info("migrated %d of %d planned request(s) to replica(s) %s (loads %s)",
+                        len(started), len(moves), sorted({m.target for m in started}),
+                        self.shard_inflight())
+        return tuple(started)
 
 
 class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
     """veRL's LLM server client that never returns an aborted generation.
 
-    An aborted result (its replica was preempted) is continued from its partial tokens on
-    another active replica, keeping the partial log-probs; ``num_preempted`` counts the
-    re-dispatches. Extra keyword args: ``max_attempts`` (dispatches per request, default 8),
+    An aborted result (its replica was preempted, or the load balancer migrated it) is
+    continued from its partial tokens on another active replica (a migrated one on its target),
+    keeping the partial log-probs; ``num_preempted`` counts the re-dispatches after preemption,
+    ``extra_fields["rlix_migrations"]`` the migrations and ``extra_fields["rlix_migrated_at"]``
+    the tokens carried over at each one. Extra keyword args: ``max_attempts`` (preempted
+    dispatches per request, default 8; migrations not counted),
     ``wait_timeout_s`` (bound on waiting for an active replica, default 600) and
     ``on_counters`` (receives the ledger's :class:`RouterCounters`; default: the
     ``RLIX_OBSERVE_DIR`` records of ``PIPELINE_ID``, none when that is unset).
@@ -237,7 +608,47 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         self.__dict__.update(state)
         self._ledger = RequestLedger(self._on_counters)
 
+    def _vllm_request_id(self, request_id: str) -> str:
+        # The id fixed for this attempt before its acquire (veRL's own choice, see _generate):
+        # the balancer knows the attempt by it and aborts it by it.
+        attempt = _ATTEMPT.get()
+        if attempt is not None:
+            return attempt.attempt_id
+        return super()._vllm_request_id(request_id)  # type: ignore[no-any-return]
+
+    def _release_server(self, server_id: str, request_id: str | None = None) -> None:
+        # veRL's fire-and-forget release, plus the attempt id where the balancer asks for it.
+        declared = self._lb_require_release_fields or []
+        attempt = _ATTEMPT.get()
+        pool: dict[str, Any] = {"request_id": request_id}
+        if attempt is not None:
+            pool[ATTEMPT_ID_FIELD] = attempt.attempt_id
+        fields_ = {name: pool[name] for name in declared if name in pool}
+        self._load_balancer.release_server.remote(server_id=server_id, **fields_)
+
+    async def _migration_outcome(self, attempt_id: str) -> int | None:
+        """The replica the balancer migrated this aborted attempt to (None: preempted)."""
+        try:
+            method = self._load_balancer.rlix_migration_outcome
+        except AttributeError:
+            return None  # a stock balancer never migrates
+        try:
+            target = await method.remote(attempt_id)
+        except Exception:
+            logger.warning("migration outcome of %s unavailable; treated as preemption",
+                           attempt_id, exc_info=True)
+            return None
+        return None if target is None else int(target)
+
+    def _response_length(self) -> int | None:
+        rollout = getattr(getattr(self.config, "actor_rollout_ref", None), "rollout", None)
+        length = getattr(rollout, "response_length", None) if rollout is not None else None
+        return length if isinstance(length, int) and length > 0 else None
+
     async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
+        attempt = _ATTEMPT.get()
+        if attempt is not None:
+            extra = {**extra, ATTEMPT_FIELD: attempt.acquire_field()}
         deadline = time.monotonic() + self.wait_timeout_s
         delay = 0.01
         while True:
@@ -295,17 +706,36 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         tokens: list[int] = []
         log_probs: list[float] | None = None
         first_steps: Any = None
-        for attempt in range(1, self.max_attempts + 1):
-            out: TokenOutput = await super().generate(
-                request_id, prompt_ids=list(prompt_ids) + tokens, sampling_params=dict(params),
-                **kwargs,
+        dispatches = preempted = 0
+        migrated_at: list[int] = []
+        while True:
+            dispatches += 1
+            hint = int(params[limit_key]) if limit_key else self._response_length()
+            attempt = _ClientAttempt(
+                super()._vllm_request_id(request_id), hint, len(migrated_at)
             )
-            if attempt == 1:
+            token = _ATTEMPT.set(attempt)
+            try:
+                out: TokenOutput = await super().generate(
+                    request_id, prompt_ids=list(prompt_ids) + tokens,
+                    sampling_params=dict(params), **kwargs,
+                )
+            finally:
+                _ATTEMPT.reset(token)
+            if dispatches == 1:
                 first_steps = out.extra_fields.get("min_global_steps")
             tokens.extend(out.token_ids)
             if out.log_probs is not None:
                 log_probs = (log_probs or []) + list(out.log_probs)
             done = out.stop_reason not in ABORT_REASONS
+            moved_to: int | None = None
+            if not done:
+                moved_to = await self._migration_outcome(attempt.attempt_id)
+                if moved_to is not None:
+                    migrated_at.append(len(tokens))
+                    self._ledger.migrate()
+                else:
+                    preempted += 1
             if not done and budget is not None and limit_key is not None:
                 left = int(budget) - len(tokens)
                 if left <= 0:
@@ -316,18 +746,22 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             if done:
                 out.token_ids = tokens
                 out.log_probs = log_probs
-                out.num_preempted = (out.num_preempted or 0) + attempt - 1
+                out.num_preempted = (out.num_preempted or 0) + preempted
                 out.extra_fields["min_global_steps"] = first_steps
-                out.extra_fields["rlix_attempts"] = attempt
+                out.extra_fields["rlix_attempts"] = dispatches
+                out.extra_fields["rlix_migrations"] = len(migrated_at)
+                out.extra_fields["rlix_migrated_at"] = list(migrated_at)
                 return out
-            if attempt < self.max_attempts:
+            if moved_to is None:
+                if preempted >= self.max_attempts:
+                    raise ShardPreemptedError(
+                        f"request {request_id}: aborted {self.max_attempts} times (replicas "
+                        "kept being preempted); raise max_attempts or check the coordinator's "
+                        "churn"
+                    )
                 self._ledger.redispatch()
             logger.debug(
-                "request %s aborted on attempt %d (%d tokens so far); re-dispatching",
-                request_id, attempt, len(tokens),
+                "request %s %s on dispatch %d (%d tokens so far); continuing",
+                request_id, f"migrated to replica {moved_to}" if moved_to is not None
+                else "aborted", dispatches, len(tokens),
             )
-        raise ShardPreemptedError(
-            f"request {request_id}: aborted {self.max_attempts} times (replicas kept being "
-            "preempted); raise max_attempts or check the coordinator's churn"
-        )
-
