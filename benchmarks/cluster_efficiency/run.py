@@ -45,6 +45,7 @@ import logging
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -178,14 +179,7 @@ def pool_sweep(args: argparse.Namespace) -> dict[str, Any]:
                     "gpus_exclusive": ex.num_gpus,
                     "gpus_shared": comp.get("ours").num_gpus,
                     "bound_no_slowdown": t_gpus / (2 * (t_gpus + row.infer_gpus)),
-                    "saving": {
-                        p: round(r[f"{p}_gpu_hours_saving_vs_exclusive"], 4)
-                        for p in SWEEP_POLICIES[1:]
-                    },
-                    "makespan_x_exclusive": {
-                        p: round(comp.get(p).makespan_s / ex.makespan_s, 4)
-                        for p in SWEEP_POLICIES[1:]
-                    },
+                    **_vs_exclusive(comp, SWEEP_POLICIES[1:]),
                     "ours_saving_vs_plexrl": round(r["ours_gpu_hours_saving_vs_plexrl"], 4),
                 }
             )
@@ -238,21 +232,13 @@ def size_sweep(args: argparse.Namespace) -> dict[str, Any]:
         for size in sizes:
             wl = _plexrl(i, steps, shared_gpus=size)
             comp = compare(wl, seed=SEED, out_dir=None, policies=SIZE_POLICIES, config=cfg)
-            r = comp.ratios()
             ex = comp.get("exclusive")
             points.append(
                 {
                     "shared_gpus": size,
                     "exclusive_gpus": ex.num_gpus,
                     "gpus_x_exclusive": round(size / ex.num_gpus, 4),
-                    "saving": {
-                        p: round(r[f"{p}_gpu_hours_saving_vs_exclusive"], 4)
-                        for p in SIZE_POLICIES[1:]
-                    },
-                    "makespan_x_exclusive": {
-                        p: round(comp.get(p).makespan_s / ex.makespan_s, 4)
-                        for p in SIZE_POLICIES[1:]
-                    },
+                    **_vs_exclusive(comp, SIZE_POLICIES[1:]),
                 }
             )
             print(
@@ -272,6 +258,16 @@ def size_sweep(args: argparse.Namespace) -> dict[str, Any]:
             "points": points,
         }
     return out
+
+
+def _vs_exclusive(comp: Comparison, policies: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Per deployment: GPU-h/step saving vs exclusive and makespan x exclusive (rounded)."""
+    r = comp.ratios()
+    ex = comp.get("exclusive").makespan_s
+    return {
+        "saving": {p: round(r[f"{p}_gpu_hours_saving_vs_exclusive"], 4) for p in policies},
+        "makespan_x_exclusive": {p: round(comp.get(p).makespan_s / ex, 4) for p in policies},
+    }
 
 
 def _round(x: float | None) -> float | None:
@@ -318,61 +314,58 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ({time.perf_counter() - t0:.1f} s wall)\n", flush=True)
             comparisons.append((kind, comp))
         if not args.no_sweep:
-            t0 = time.perf_counter()
-            print("== PlexRL pool-ratio sweep", flush=True)
-            try:
-                sweep = pool_sweep(args)
-                (args.out / "plexrl_pool_sweep.json").write_text(json.dumps(sweep, indent=2))
-                plots.pool_sweep(
-                    {
-                        m: {
-                            p: [(pt["ratio"], pt["saving"][p]) for pt in d["points"]]
-                            for p in SWEEP_POLICIES[1:]
-                        }
-                        for m, d in sweep["models"].items()
-                    },
-                    PLEXRL_SAVING,
-                    {m: d["published_saving"] for m, d in sweep["models"].items()},
-                    args.out / "plexrl_pool_sweep.png",
-                )
-            except Exception:
-                errors.append(f"pool sweep: {traceback.format_exc(limit=3)}")
-                print(f"!! pool sweep failed:\n{errors[-1]}", flush=True)
-            print(f"  ({time.perf_counter() - t0:.1f} s wall)\n", flush=True)
-        if not args.no_sweep:
-            t0 = time.perf_counter()
-            print("== PlexRL shared-cluster size sweep", flush=True)
-            try:
-                sizes = size_sweep(args)
-                (args.out / "plexrl_size_sweep.json").write_text(json.dumps(sizes, indent=2))
-                plots.size_sweep(
-                    {
-                        m: {
-                            p: [
-                                (
-                                    pt["gpus_x_exclusive"],
-                                    pt["saving"][p],
-                                    pt["makespan_x_exclusive"][p],
-                                )
-                                for pt in d["points"]
-                            ]
-                            for p in SIZE_POLICIES[1:]
-                        }
-                        for m, d in sizes["models"].items()
-                    },
-                    PLEXRL_SAVING,
-                    {m: d["published_saving"] for m, d in sizes["models"].items()},
-                    args.out / "plexrl_size_sweep.png",
-                )
-            except Exception:
-                errors.append(f"size sweep: {traceback.format_exc(limit=3)}")
-                print(f"!! size sweep failed:\n{errors[-1]}", flush=True)
-            print(f"  ({time.perf_counter() - t0:.1f} s wall)\n", flush=True)
+            sweeps: dict[str, Any] = {}
+            _timed("PlexRL pool-ratio sweep", errors, lambda: sweeps.update(p=_pool_outputs(args)))
+            _timed("PlexRL shared-cluster size sweep", errors, lambda: _size_outputs(args))
+            sweep = sweeps.get("p")
     except Exception:
         errors.append(traceback.format_exc(limit=3))
     finally:
         _write_summary(args, comparisons, errors, time.perf_counter() - started, sweep)
     return 1 if errors else 0
+
+
+def _timed(label: str, errors: list[str], body: Callable[[], object]) -> None:
+    """Run one optional part of the benchmark; a failure is recorded, never fatal."""
+    t0 = time.perf_counter()
+    print(f"== {label}", flush=True)
+    try:
+        body()
+    except Exception:
+        errors.append(f"{label}: {traceback.format_exc(limit=3)}")
+        print(f"!! {label} failed:\n{errors[-1]}", flush=True)
+    print(f"  ({time.perf_counter() - t0:.1f} s wall)\n", flush=True)
+
+
+def _pool_outputs(args: argparse.Namespace) -> dict[str, Any]:
+    """The pool-ratio sweep, written as JSON + PNG; returns it (the summary digests it)."""
+    sweep = pool_sweep(args)
+    (args.out / "plexrl_pool_sweep.json").write_text(json.dumps(sweep, indent=2))
+    curves = {
+        m: {p: [(pt["ratio"], pt["saving"][p]) for pt in d["points"]] for p in SWEEP_POLICIES[1:]}
+        for m, d in sweep["models"].items()
+    }
+    published = {m: d["published_saving"] for m, d in sweep["models"].items()}
+    plots.pool_sweep(curves, PLEXRL_SAVING, published, args.out / "plexrl_pool_sweep.png")
+    return sweep
+
+
+def _size_outputs(args: argparse.Namespace) -> None:
+    """The shared-cluster size sweep, written as JSON + PNG."""
+    sizes = size_sweep(args)
+    (args.out / "plexrl_size_sweep.json").write_text(json.dumps(sizes, indent=2))
+    curves = {
+        m: {
+            p: [
+                (pt["gpus_x_exclusive"], pt["saving"][p], pt["makespan_x_exclusive"][p])
+                for pt in d["points"]
+            ]
+            for p in SIZE_POLICIES[1:]
+        }
+        for m, d in sizes["models"].items()
+    }
+    published = {m: d["published_saving"] for m, d in sizes["models"].items()}
+    plots.size_sweep(curves, PLEXRL_SAVING, published, args.out / "plexrl_size_sweep.png")
 
 
 def _write_summary(
@@ -425,18 +418,11 @@ def _pool_gpu_figures(comparisons: list[tuple[str, Comparison]]) -> dict[str, An
     for kind, c in comparisons:
         if kind != "plexrl":
             continue
-        r = c.ratios()
-        ex = c.get("exclusive")
+        figures = _vs_exclusive(c, PLEXRL_POLICIES[1:])
         out[c.workload] = {
-            "gpus_shared_vs_exclusive": f"{c.get('ours').num_gpus}/{ex.num_gpus}",
-            "saving_vs_exclusive": {
-                p: round(r[f"{p}_gpu_hours_saving_vs_exclusive"], 4)
-                for p in PLEXRL_POLICIES[1:]
-                if f"{p}_gpu_hours_saving_vs_exclusive" in r
-            },
-            "makespan_x_exclusive": {
-                p: round(c.get(p).makespan_s / ex.makespan_s, 4) for p in PLEXRL_POLICIES[1:]
-            },
+            "gpus_shared_vs_exclusive": f"{c.get('ours').num_gpus}/{c.get('exclusive').num_gpus}",
+            "saving_vs_exclusive": figures["saving"],
+            "makespan_x_exclusive": figures["makespan_x_exclusive"],
         }
     return out
 
