@@ -68,7 +68,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from verl.workers.rollout.llm_server import LLMServerClient
@@ -395,7 +395,7 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         status: dict[str, Any] = super().get_status()
         if self._store is not None:
             status["shards"] = self._store.snapshot().describe()
-        status["migration"] = self._mig_stats
+        status["migration"] = asdict(self._mig_stats)  # plain dict: veRL logs the status
         return status
 
     # ---------------------------------------------------------------- migration
