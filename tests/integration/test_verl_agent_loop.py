@@ -14,12 +14,9 @@ and a model config) is skipped: the attributes veRL's methods read are set inste
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from tests.fixtures.verl_env import VerlEnv
 
 pytestmark = [pytest.mark.verl, pytest.mark.integration]
 
@@ -44,16 +41,6 @@ class FakeEchoAgentLoop:
             metrics=AgentLoopMetrics(), extra_fields={"min_global_steps": 1,
                                                       "max_global_steps": 1},
         )
-
-
-@pytest.fixture
-def patched(verl_env: VerlEnv) -> Iterator[Any]:
-    from rlix_plugins.patches.verl import VerlPatch
-
-    patch = VerlPatch()
-    patch.apply()
-    yield patch
-    patch.revert()
 
 
 def test_the_patch_installs_the_worker_veRLs_manager_builds(patched: Any) -> None:

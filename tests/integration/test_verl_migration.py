@@ -13,7 +13,6 @@ handles: planning does no I/O, and with ``auto=False`` an activation contacts no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -140,16 +139,6 @@ def test_bad_migration_config_is_a_typed_error(verl_env: VerlEnv) -> None:
 
 
 # ------------------------------------------------------------------------- real engines
-
-
-@pytest.fixture
-def patched(verl_env: VerlEnv) -> Iterator[Any]:
-    from rlix_plugins.patches.verl import VerlPatch
-
-    patch = VerlPatch()
-    patch.apply()
-    yield patch
-    patch.revert()
 
 
 def _client(lb: Any) -> Any:

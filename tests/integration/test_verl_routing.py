@@ -12,28 +12,17 @@ request ledger writes the router-counter records the gates judge.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fixtures.verl_env import VerlEnv, VerlServers
+from tests.fixtures.verl_env import VerlServers
 
 # slow: two vLLM server actors importing veRL take ~3 min on a 2-core box.
 pytestmark = [pytest.mark.verl, pytest.mark.vllm, pytest.mark.integration, pytest.mark.slow]
 
 MAX_TOKENS = 96
-
-
-@pytest.fixture
-def patched(verl_env: VerlEnv) -> Iterator[Any]:
-    from rlix_plugins.patches.verl import VerlPatch
-
-    patch = VerlPatch()
-    patch.apply()
-    yield patch
-    patch.revert()
 
 
 def _config() -> Any:
