@@ -124,9 +124,16 @@ class RouterCountersObserved:
     duplicated: int
     cancelled: int
     in_flight: int
+    #: attempts moved to another shard by migration (the request still completes once);
+    #: records written before the field existed read as 0
+    migrated: int = 0
     time: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
+        if self.migrated < 0:
+            raise ObservationError(
+                f"router copy {self.copy_id} of {self.pipeline_id}: migrated={self.migrated} < 0"
+            )
         if self.submitted != self.completed + self.lost + self.cancelled + self.in_flight:
             raise ObservationError(
                 f"router copy {self.copy_id} of {self.pipeline_id}: submitted={self.submitted} "
@@ -137,7 +144,7 @@ class RouterCountersObserved:
     @classmethod
     def from_counters(cls, pipeline_id: str, c: RouterCounters) -> RouterCountersObserved:
         return cls(pipeline_id, c.copy_id, c.submitted, c.completed, c.redispatched, c.lost,
-                   c.duplicated, c.cancelled, c.in_flight)
+                   c.duplicated, c.cancelled, c.in_flight, c.migrated)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,7 +152,7 @@ class RouterCountersObserved:
             "submitted": self.submitted, "completed": self.completed,
             "redispatched": self.redispatched, "lost": self.lost,
             "duplicated": self.duplicated, "cancelled": self.cancelled,
-            "in_flight": self.in_flight, "time": self.time,
+            "in_flight": self.in_flight, "migrated": self.migrated, "time": self.time,
         }
 
     @classmethod
@@ -155,7 +162,8 @@ class RouterCountersObserved:
             submitted=int(d["submitted"]), completed=int(d["completed"]),
             redispatched=int(d["redispatched"]), lost=int(d["lost"]),
             duplicated=int(d["duplicated"]), cancelled=int(d["cancelled"]),
-            in_flight=int(d["in_flight"]), time=float(d["time"]),
+            in_flight=int(d["in_flight"]), migrated=int(d.get("migrated", 0)),
+            time=float(d["time"]),
         )
 
 

@@ -57,6 +57,20 @@ def test_records_round_trip_through_the_file(tmp_path: Path) -> None:
     assert obs.pipelines() == [PID] and obs.files == (f"{PID}.jsonl",)
 
 
+def test_router_counters_carry_migrations_and_read_old_records(tmp_path: Path) -> None:
+    """``migrated`` round-trips; a record written before the field existed reads as 0; a
+    negative count is refused."""
+    c = RouterCountersObserved(PID, "copy1", submitted=6, completed=6, redispatched=1, lost=0,
+                               duplicated=0, cancelled=0, in_flight=0, migrated=3, time=2.0)
+    old = {k: v for k, v in c.to_json().items() if k != "migrated"} | {"copy_id": "copy0"}
+    (tmp_path / f"{PID}.jsonl").write_text(json.dumps(c.to_json()) + "\n" + json.dumps(old)
+                                           + "\n")
+    got = read_observations(tmp_path).router_counters
+    assert [(r.copy_id, r.migrated) for r in got] == [("copy1", 3), ("copy0", 0)]
+    with pytest.raises(ObservationError, match="migrated=-1"):
+        RouterCountersObserved(PID, "c", 0, 0, 0, 0, 0, 0, 0, migrated=-1)
+
+
 def test_absent_directory_reads_empty(tmp_path: Path) -> None:
     obs = read_observations(tmp_path / "nothing")
     assert obs.empty and obs.pipelines() == []
