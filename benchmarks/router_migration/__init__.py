@@ -1,0 +1,1 @@
+"""Request-migration benchmark of the generation router (migration on vs off)."""
