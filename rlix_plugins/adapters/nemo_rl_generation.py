@@ -10,6 +10,17 @@ skips preempted and sleeping shards, waits (bounded) when none is active, and re
 request whose shard was preempted (the worker raised :class:`ShardPreemptedError`, possibly
 wrapped by Ray and by NeMo RL's ``GenerationUnavailable``), at most ``max_attempts`` times.
 
+Re-dispatch continues by default (``RedispatchMode.CONTINUE``; ``RLIX_NEMO_RL_REDISPATCH=
+restart`` selects RESTART): the worker's error carries the tokens and logprobs the aborted run
+produced, the router sends prompt + those tokens with the remaining budget to the next shard,
+and the caller gets ONE NeMo RL result whose ``output_ids`` / ``logprobs`` /
+``generation_lengths`` / ``unpadded_sequence_lengths`` span every run
+(:func:`stitch_result`). Each token's logprob is the one vLLM reported for the weights that
+sampled it, which is the behaviour-policy logprob NeMo RL's loss and logprob-error metric use;
+the sample's weight version stays the one NeMo RL's collector stamped before the call (the
+first, oldest, weights). Migration (running requests moved to a newly activated shard) is on:
+:class:`NemoRlShard` aborts single requests through the worker's ``rlix_abort_requests``.
+
 Routing state has one owner: the router reads a
 :class:`~rlix_plugins.generation.state_store.ShardStateView` (a
 :class:`~rlix_plugins.generation.ray_state.RayShardState` in a real job). The object is
@@ -25,16 +36,29 @@ reports after a sync.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.vllm.vllm_generation import VllmGeneration
 
+from rlix_plugins.adapters.nemo_rl_partial import (
+    ATTEMPT_ID_KEY,
+    MAX_NEW_TOKENS_KEY,
+    partial_from,
+)
 from rlix_plugins.adapters.observability import router_counters_emitter
-from rlix_plugins.errors import ShardPreemptedError
-from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
+from rlix_plugins.errors import SettingsError, ShardPreemptedError
+from rlix_plugins.generation.engine import (
+    ABORTED,
+    EngineOutput,
+    GenerationRequest,
+    GenerationResult,
+)
 from rlix_plugins.generation.migration import MigrationConfig
 from rlix_plugins.generation.router import RedispatchMode, RouterConfig, ShardRouter
 from rlix_plugins.generation.state_store import ShardStateView
@@ -94,30 +118,90 @@ class InProcessWorkerCaller:
         return result
 
 
+#: NeMo RL's output keys that :func:`stitch_result` rebuilds for a continued sample.
+STITCHED_KEYS = ("output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths",
+                 "truncated")
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One engine run of a request: the shard, the tokens it added, aborted or final."""
+
+    dp_rank: int
+    num_tokens: int
+    aborted: bool
+
+
 @dataclass(slots=True)
 class _Call:
-    """One NeMo RL generation call while the router handles it (holds the winning result)."""
+    """One NeMo RL generation call while the router handles it.
 
-    run_on_shard: Callable[[int], AsyncIterator[tuple[int, Any]]]
+    ``prompt`` is the sample's unpadded prompt when the request can be continued (token
+    prompt, ``generate_async``), else None: a preempted run then reports no partial tokens and
+    the router reruns it from the prompt whatever its mode. ``result`` holds the last
+    completed run's NeMo RL result; ``segments`` every run of the current sample (a restart
+    from the prompt clears them).
+    """
+
+    run_on_shard: Callable[[int, Any], AsyncIterator[tuple[int, Any]]]
+    data: Any
+    prompt: tuple[int, ...] | None = None
     result: tuple[int, Any] | None = None
+    segments: list[Segment] = field(default_factory=list)
 
-    async def run(self, dp_rank: int) -> EngineOutput:
+    def _data_for(self, attempt: GenerationRequest) -> tuple[Any, int]:
+        """NeMo RL data for ``attempt`` and the number of carried (already generated) tokens."""
+        if self.prompt is None:
+            return self.data, 0
+        carried = attempt.prompt_token_ids[len(self.prompt):]
+        if attempt.prompt_token_ids[:len(self.prompt)] != self.prompt:
+            raise RuntimeError(f"attempt {attempt.request_id} does not extend its prompt")
+        data = self.data
+        if carried:
+            ids = data["input_ids"]
+            row = torch.tensor([list(attempt.prompt_token_ids)], dtype=ids.dtype,
+                               device=ids.device)
+            lengths = data["input_lengths"]
+            data = BatchedDataDict({
+                **data, "input_ids": row,
+                "input_lengths": torch.tensor([row.shape[1]], dtype=lengths.dtype,
+                                              device=lengths.device),
+            })
+        else:
+            data = BatchedDataDict(dict(data))
+        data[MAX_NEW_TOKENS_KEY] = [int(attempt.max_tokens)]
+        data[ATTEMPT_ID_KEY] = [attempt.request_id]
+        return data, len(carried)
+
+    async def run(self, dp_rank: int, attempt: GenerationRequest) -> EngineOutput:
+        data, carried = self._data_for(attempt)
+        if not carried:
+            self.segments.clear()  # first run, or the router restarts from the prompt
         got: tuple[int, Any] | None = None
         try:
-            async for item in self.run_on_shard(dp_rank):
+            async for item in self.run_on_shard(dp_rank, data):
                 got = item
         except Exception as exc:
-            if is_preemption(exc):
+            if not is_preemption(exc):
+                raise
+            partial = partial_from(exc) if self.prompt is not None else None
+            if partial is None:
                 raise ShardPreemptedError(f"shard {dp_rank} preempted the request") from exc
-            raise
+            self.segments.append(Segment(dp_rank, len(partial.token_ids), True))
+            # Aborted output: the router keeps these tokens (CONTINUE, migration) or drops
+            # them (RESTART).
+            return EngineOutput(partial.token_ids, ABORTED, partial.logprobs)
         if got is None:
             raise RuntimeError(f"shard {dp_rank} produced no output")
         self.result = got
-        return _engine_output(got[1])
+        out = _engine_output(got[1])
+        self.segments.append(Segment(dp_rank, len(out.token_ids), False))
+        return out
 
 
 def _engine_output(batch: Any) -> EngineOutput:
-    """Summarise a NeMo RL single-sample result batch for the router (tokens, reason)."""
+    """A NeMo RL single-sample result as the router sees it: this run's generated tokens,
+    their logprobs and the finish reason."""
     try:
         truncated = bool(batch["truncated"][0])
         n = int(batch["generation_lengths"][0])
@@ -125,7 +209,77 @@ def _engine_output(batch: Any) -> EngineOutput:
         ids = tuple(int(t) for t in batch["output_ids"][0][total - n : total])
     except (KeyError, TypeError, IndexError):  # generate_text_async results carry text only
         return EngineOutput((), "stop")
-    return EngineOutput(ids, "length" if truncated else "stop")
+    lps: tuple[float, ...] | None = None
+    if "logprobs" in batch:
+        lps = tuple(float(x) for x in batch["logprobs"][0][total - n : total])
+    return EngineOutput(ids, "length" if truncated else "stop", lps)
+
+
+def stitch_result(
+    data: Mapping[str, Any],
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    *,
+    truncated: bool,
+    template: Mapping[str, Any] | None = None,
+    leader_worker_idx: int | None = None,
+) -> BatchedDataDict[Any]:
+    """One NeMo RL single-sample result (``GenerationOutputSpec``, the layout of
+    ``VllmAsyncGenerationWorkerImpl.generate_async``) for a sample generated in several runs.
+
+    ``data`` is the caller's original input; ``token_ids`` / ``logprobs`` every generated token
+    and its logprob, in order, across the runs. As NeMo RL: ``output_ids`` = prompt +
+    generated tokens (dtype of ``input_ids``), ``logprobs`` float32 zeros over the prompt then
+    one value per generated token, ``generation_lengths`` / ``unpadded_sequence_lengths`` long,
+    ``truncated`` bool. Other keys (``gen_leader_worker_idx``, routed experts) come from the
+    last run's ``template`` when present; ``leader_worker_idx`` fills
+    ``gen_leader_worker_idx`` otherwise.
+    """
+    if len(token_ids) != len(logprobs):
+        raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} logprobs; a stitched "
+                         "sample needs one logprob per generated token")
+    ids = data["input_ids"]
+    length = int(data["input_lengths"][0])
+    total = length + len(token_ids)
+    output_ids = torch.empty((1, total), dtype=ids.dtype, device=ids.device)
+    output_ids[0, :length] = ids[0, :length]
+    output_ids[0, length:] = torch.tensor(list(token_ids), dtype=ids.dtype, device=ids.device)
+    lp = torch.zeros((1, total), dtype=torch.float32, device=ids.device)
+    lp[0, length:] = torch.tensor(list(logprobs), dtype=torch.float32, device=ids.device)
+    out: dict[str, Any] = {
+        "output_ids": output_ids,
+        "logprobs": lp,
+        "generation_lengths": torch.tensor([len(token_ids)], dtype=torch.long,
+                                           device=ids.device),
+        "unpadded_sequence_lengths": torch.tensor([total], dtype=torch.long,
+                                                  device=ids.device),
+        "truncated": torch.tensor([truncated], dtype=torch.bool, device=ids.device),
+    }
+    if template is not None:
+        for key, value in template.items():
+            if key not in out:
+                out[key] = value
+    if "gen_leader_worker_idx" not in out and leader_worker_idx is not None:
+        out["gen_leader_worker_idx"] = [int(leader_worker_idx)]
+    return BatchedDataDict(out)
+
+
+def continuable_prompt(data: Any, method_name: str) -> tuple[int, ...] | None:
+    """The unpadded prompt of a NeMo RL single sample that can be continued from partial
+    tokens, or None: only token prompts of ``generate_async`` (text prompts and multimodal
+    samples, whose prompt is not the token ids alone, restart from the prompt)."""
+    if method_name != "generate_async":
+        return None
+    try:
+        ids = data["input_ids"]
+        length = int(data["input_lengths"][0])
+    except (KeyError, TypeError, IndexError):
+        return None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
+        return None
+    if any(str(k).startswith("vllm_") for k in data):
+        return None
+    return tuple(int(t) for t in ids[0, :length].tolist())
 
 
 class NemoRlShard:
@@ -141,9 +295,21 @@ class NemoRlShard:
         self.worker = worker
 
     async def generate(self, request: GenerationRequest) -> EngineOutput:
+        """Run the request's NeMo RL call on this rank; a continuation (``request`` extends
+        the prompt with carried tokens) generates the remaining ``max_tokens`` only. A
+        preempted run returns its partial tokens as an aborted output."""
         call = request.sampling[CALL_KEY]
         assert isinstance(call, _Call)
-        return await call.run(self.dp_rank)
+        return await call.run(self.dp_rank, request)
+
+    async def abort_requests(self, request_ids: Sequence[str]) -> tuple[str, ...]:
+        """Abort those router attempts running on this rank (migration); returns the ids the
+        leader worker aborted. Their ``generate`` returns the partial output as aborted."""
+        return tuple(await self._caller().call("rlix_abort_requests", list(request_ids)))
+
+    async def request_progress(self, request_ids: Sequence[str]) -> Mapping[str, int]:
+        """Tokens generated so far per running attempt id on this rank (best effort)."""
+        return dict(await self._caller().call("rlix_request_progress", list(request_ids)))
 
     def _caller(self) -> WorkerCaller:
         if self.worker is None:
@@ -176,13 +342,44 @@ class NemoRlShard:
         return None if version is None else int(version)
 
 
-def default_router_config() -> RouterConfig:
-    """RESTART re-dispatch: NeMo RL keeps per-token logprobs, so a sample must come from one
-    engine run, never be stitched from two. For the same reason no migration: a migrated
-    request continues from its partial tokens on another engine (a stitched sample)."""
-    return RouterConfig(
-        redispatch=RedispatchMode.RESTART, migration=MigrationConfig(enabled=False)
-    )
+#: Environment variable selecting how a preempted NeMo RL request is re-dispatched.
+ENV_REDISPATCH = "RLIX_NEMO_RL_REDISPATCH"
+
+
+def redispatch_mode(env: Mapping[str, str] | None = None) -> RedispatchMode:
+    """``RLIX_NEMO_RL_REDISPATCH`` (``continue``, the default, or ``restart``) as a mode.
+
+    Raises:
+        SettingsError: any other value (the valid ones are named).
+    """
+    raw = (os.environ if env is None else env).get(ENV_REDISPATCH, "").strip().lower()
+    if not raw:
+        return RedispatchMode.CONTINUE
+    try:
+        return RedispatchMode(raw)
+    except ValueError:
+        raise SettingsError(
+            f"{ENV_REDISPATCH}={raw!r} is not valid; expected one of "
+            f"{[m.value for m in RedispatchMode]}"
+        ) from None
+
+
+def default_router_config(
+    redispatch: RedispatchMode | str | None = None, env: Mapping[str, str] | None = None
+) -> RouterConfig:
+    """The router NeMo RL's generation uses under the coordinator.
+
+    CONTINUE by default (``redispatch`` or ``RLIX_NEMO_RL_REDISPATCH`` may select RESTART): a
+    preempted request continues from the tokens its aborted run produced, and the caller gets
+    one stitched sample whose every token carries the logprob of the weights that produced
+    it. With CONTINUE, migration is on (router defaults): it moves running requests to a
+    newly activated shard the same way. RESTART turns migration off (a migrated request is
+    always continued), so with RESTART every sample comes from one engine run.
+    """
+    mode = redispatch_mode(env) if redispatch is None else RedispatchMode(redispatch)
+    if mode is RedispatchMode.RESTART:
+        return RouterConfig(redispatch=mode, migration=MigrationConfig(enabled=False))
+    return RouterConfig(redispatch=mode, migration=MigrationConfig())
 
 
 class RLixVllmGeneration(VllmGeneration):  # type: ignore[misc]
@@ -194,6 +391,9 @@ class RLixVllmGeneration(VllmGeneration):  # type: ignore[misc]
 
     _rlix_router: ShardRouter | None = None
     _rlix_on_init: Callable[[RLixVllmGeneration], None] | None = None
+    #: Called with (router result, the sample's runs) after each routed sample (observation,
+    #: tests); must pickle when set, since the collector gets a pickled copy of this object.
+    rlix_sample_observer: Callable[[GenerationResult, tuple[Segment, ...]], None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -265,24 +465,71 @@ class RLixVllmGeneration(VllmGeneration):  # type: ignore[misc]
                 yield item
             return
 
-        def run_on_shard(rank: int) -> AsyncIterator[tuple[int, Any]]:
+        def run_on_shard(rank: int, sample: Any) -> AsyncIterator[tuple[int, Any]]:
             return VllmGeneration._generate_on_shard(  # type: ignore[no-any-return]
                 self,
-                data=data,
+                data=sample,
                 method_name=method_name,
                 greedy=greedy,
                 dp_shard_idx=rank,
                 leader_worker_idx=self.worker_group.get_dp_leader_worker_idx(rank),
             )
 
-        call = _Call(run_on_shard)
-        request = GenerationRequest(uuid.uuid4().hex, (), 1, {CALL_KEY: call})
+        prompt = continuable_prompt(data, method_name)
+        budget = self._rlix_token_budget(len(prompt)) if prompt is not None else None
+        if budget is None or budget < 1:
+            prompt = None
+        call = _Call(run_on_shard, data, prompt)
+        request = GenerationRequest(uuid.uuid4().hex, prompt or (),
+                                    budget if prompt is not None and budget else 1,
+                                    {CALL_KEY: call})
         result = await router.generate(request)
-        assert call.result is not None
         if result.attempts > 1:
-            logger.debug("request re-dispatched %d time(s), served by shard %d",
-                         result.attempts - 1, result.dp_rank)
-        yield call.result
+            logger.debug("request re-dispatched %d time(s), served by shard %d; segments %s",
+                         result.attempts - 1, result.dp_rank, call.segments)
+        observer = self.rlix_sample_observer
+        if observer is not None:
+            observer(result, tuple(call.segments))
+        yield self._rlix_result(call, result, data)
+
+    def _rlix_token_budget(self, prompt_len: int) -> int | None:
+        """Tokens NeMo RL's worker lets a sample generate (``generate_async``:
+        ``min(max_new_tokens, max_model_len - input_length)``), or None if the config does
+        not say (then the request is not continued: restarted from its prompt)."""
+        try:
+            max_new = int(self.cfg["max_new_tokens"])
+            max_len = int(self.cfg["vllm_cfg"]["max_model_len"])
+        except (KeyError, TypeError, ValueError):
+            logger.warning("generation config lacks max_new_tokens / vllm_cfg.max_model_len; "
+                           "preempted requests restart from the prompt")
+            return None
+        return max(0, min(max_new, max_len - prompt_len))
+
+    def _rlix_result(self, call: _Call, result: GenerationResult, data: Any) -> tuple[int, Any]:
+        """The caller's NeMo RL result: the winning run's unchanged when it generated the
+        whole sample, else the runs stitched into one (:func:`stitch_result`)."""
+        single = (len(call.segments) == 1 and not call.segments[0].aborted
+                  and call.result is not None)
+        if single or call.prompt is None:
+            assert call.result is not None
+            return call.result
+        if result.logprobs is None or len(result.logprobs) != len(result.token_ids):
+            raise RuntimeError(
+                f"continued sample has {len(result.token_ids)} tokens but "
+                f"{0 if result.logprobs is None else len(result.logprobs)} logprobs")
+        last_done = call.segments[-1] if call.segments else None
+        template = None
+        if call.result is not None and last_done is not None and not last_done.aborted:
+            template = call.result[1]
+        batch = stitch_result(
+            data, result.token_ids, result.logprobs,
+            truncated=result.finish_reason == "length",
+            template=None if template is None else {
+                k: v for k, v in template.items() if k not in STITCHED_KEYS},
+            leader_worker_idx=self.worker_group.get_dp_leader_worker_idx(result.dp_rank),
+        )
+        index = call.result[0] if call.result is not None else 0
+        return index, batch
 
     def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int

@@ -11,9 +11,19 @@ What the subclass adds, all on top of :class:`~rlix_plugins.generation.vllm_engi
 * ``self.llm`` is wrapped by :class:`GatedEngine`: a request arriving while the shard is being
   preempted is rejected at once, and a stream that ends with ``finish_reason == "abort"`` raises
   :class:`~rlix_plugins.errors.ShardPreemptedError` instead of being returned as a (truncated)
-  sample, which NeMo RL's ``generate_async`` would otherwise buffer.
+  sample, which NeMo RL's ``generate_async`` would otherwise buffer. The error carries the
+  aborted run's partial output (the tokens vLLM produced before the abort and the logprob of
+  each, :mod:`~rlix_plugins.adapters.nemo_rl_partial`), so the router can continue the request
+  from there (``RedispatchMode.CONTINUE``, migration).
+* ``generate_async`` honours a continuation: the router side sends prompt + partial tokens as
+  the prompt and the remaining token budget (a data key popped before NeMo RL's own
+  ``generate_async`` runs; ``_build_sampling_params`` caps ``max_tokens`` to it), and the
+  router's attempt id, so ``rlix_abort_requests`` / ``rlix_request_progress`` can address
+  single requests.
 * ``rlix_abort_all`` / ``rlix_num_running`` / ``rlix_is_idle`` / ``rlix_sleep`` /
-  ``rlix_wake_up`` / ``rlix_resume``: the lifecycle the adapter drives.
+  ``rlix_wake_up`` / ``rlix_resume``: the lifecycle the adapter drives;
+  ``rlix_abort_requests`` / ``rlix_request_progress``: per-request abort and progress for
+  migration.
 * ``sleep_async`` sleeps at the configured level (``policy.generation.rlix.sleep_level``,
   default 2) instead of NeMo RL's hard-coded 1.
 * ``rlix_receive_weights`` / ``rlix_receiver_location`` / ``rlix_weight_version``: receiver side
@@ -25,13 +35,24 @@ What the subclass adds, all on top of :class:`~rlix_plugins.generation.vllm_engi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
 
+from rlix_plugins.adapters.nemo_rl_partial import (
+    ATTEMPT_ID_KEY,
+    MAX_NEW_TOKENS_KEY,
+    RLIX_DATA_KEYS,
+    PartialOutput,
+    attach_partial,
+    sampled_logprobs,
+)
 from rlix_plugins.errors import ShardPreemptedError, WeightSyncError
 from rlix_plugins.generation.engine import ABORTED
 from rlix_plugins.generation.vllm_engine import DEFAULT_SLEEP_LEVEL, VllmAsyncShard
@@ -82,16 +103,77 @@ def configured_sleep_level(cfg: Any) -> int:
     return int(level)
 
 
+@dataclass(frozen=True, slots=True)
+class _RequestOptions:
+    """What the router side asked of one NeMo RL ``generate_async`` call (see module doc)."""
+
+    max_new_tokens: int | None
+    attempt_id: str | None
+
+
+#: Options of the ``generate_async`` call running in this context: NeMo RL creates the sample's
+#: task inside that call (``asyncio.create_task`` copies the context), so the engine call and
+#: ``_build_sampling_params`` in that task see them.
+_OPTIONS: contextvars.ContextVar[_RequestOptions | None] = contextvars.ContextVar(
+    "rlix_nemo_rl_request_options", default=None)
+
+
+def split_request_options(data: Any) -> tuple[_RequestOptions | None, Any]:
+    """``(options, data without our keys)`` of a NeMo RL single-sample batch."""
+    if not any(k in data for k in RLIX_DATA_KEYS):
+        return None, data
+    raw_max = data.get(MAX_NEW_TOKENS_KEY)
+    raw_id = data.get(ATTEMPT_ID_KEY)
+    max_new = None if raw_max is None else int(raw_max[0])
+    if max_new is not None and max_new < 0:
+        raise ValueError(f"{MAX_NEW_TOKENS_KEY}={max_new} must be >= 0")
+    rest = type(data)({k: v for k, v in data.items() if k not in RLIX_DATA_KEYS})
+    return _RequestOptions(max_new, None if raw_id is None else str(raw_id[0])), rest
+
+
+class _Accumulator:
+    """The tokens (and their logprobs) a request's stream has delivered so far."""
+
+    __slots__ = ("delta", "logprobs", "token_ids")
+
+    def __init__(self, delta: bool) -> None:
+        self.delta = delta
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+
+    def add(self, out: Any) -> None:
+        outputs = getattr(out, "outputs", None) or ()
+        if not outputs:
+            return
+        completion = outputs[0]
+        ids = [int(t) for t in completion.token_ids]
+        lps = list(sampled_logprobs(ids, completion.logprobs))
+        if self.delta:
+            self.token_ids += ids
+            self.logprobs += lps
+        elif len(ids) >= len(self.token_ids):
+            # Cumulative / final-only outputs: the newest holds every token so far (vLLM's
+            # abort output is built from the request's state, new_token_ids=[]).
+            self.token_ids, self.logprobs = ids, lps
+
+    def partial(self) -> PartialOutput:
+        return PartialOutput(tuple(self.token_ids), tuple(self.logprobs))
+
+
 class GatedEngine:
     """Proxy of a worker's ``AsyncLLM``: ``generate`` passes the shard's gate, aborts raise.
 
     Everything but ``generate`` is delegated unchanged, so NeMo RL's own calls (sleep,
-    collective_rpc, reset_prefix_cache, ...) reach the real engine.
+    collective_rpc, reset_prefix_cache, ...) reach the real engine. Streams started under a
+    router attempt id (see :func:`split_request_options`) are indexed by it for
+    :meth:`abort_attempts` / :meth:`attempt_progress`.
     """
 
     def __init__(self, engine: Any, shard: VllmAsyncShard) -> None:
         self._engine = engine
         self._shard = shard
+        # router attempt id -> vLLM request id, while the stream runs
+        self._attempts: dict[str, str] = {}
 
     @property
     def rlix_engine(self) -> Any:
@@ -110,28 +192,84 @@ class GatedEngine:
             raise ShardPreemptedError(
                 f"request {request_id}: shard is preempted (dispatch gate closed)"
             )
-        return self._stream(request_id, self._engine.generate(*args, **kwargs))
+        params = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
+        kind = getattr(getattr(params, "output_kind", None), "name", "CUMULATIVE")
+        opts = _OPTIONS.get()
+        attempt = opts.attempt_id if opts is not None else None
+        return self._stream(request_id, attempt, self._engine.generate(*args, **kwargs),
+                            _Accumulator(delta=kind == "DELTA"))
 
-    async def _stream(self, request_id: str, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def _stream(
+        self, request_id: str, attempt: str | None, stream: AsyncIterator[Any],
+        acc: _Accumulator,
+    ) -> AsyncIterator[Any]:
+        if attempt is not None:
+            self._attempts[attempt] = request_id
         try:
             async for out in stream:
+                acc.add(out)
                 outputs = getattr(out, "outputs", None) or ()
                 if getattr(out, "finished", False) and any(
                     getattr(o, "finish_reason", None) == ABORTED for o in outputs
                 ):
-                    # vLLM ends an aborted stream normally; it is preemption, never a sample.
-                    raise ShardPreemptedError(
-                        f"request {request_id} was aborted (shard preempted); re-dispatch it"
-                    )
+                    # vLLM ends an aborted stream normally; it is preemption (or a migration),
+                    # never a sample. What it produced so far rides on the error.
+                    raise attach_partial(ShardPreemptedError(
+                        f"request {request_id} was aborted after {len(acc.token_ids)} "
+                        "token(s) (shard preempted or request migrated); re-dispatch it"
+                    ), acc.partial())
                 yield out
         except ShardPreemptedError:
             raise
         except Exception as exc:
             if not self._shard.accepting:
-                raise ShardPreemptedError(
+                raise attach_partial(ShardPreemptedError(
                     f"request {request_id} failed while its shard was being preempted: {exc!r}"
-                ) from exc
+                ), acc.partial()) from exc
             raise
+        finally:
+            if attempt is not None and self._attempts.get(attempt) == request_id:
+                del self._attempts[attempt]
+
+    async def abort_attempts(self, attempt_ids: Sequence[str]) -> tuple[str, ...]:
+        """Abort the running streams of those router attempt ids that are registered in the
+        engine; returns them (the gate stays open). Each one's stream then raises its partial
+        output, as for a preemption."""
+        known = self._registered()
+        pairs = [(a, self._attempts[a]) for a in dict.fromkeys(attempt_ids)
+                 if a in self._attempts and self._attempts[a] in known]
+        if pairs:
+            await self._engine.abort([rid for _, rid in pairs])
+        return tuple(a for a, _ in pairs)
+
+    def attempt_progress(self, attempt_ids: Sequence[str]) -> dict[str, int]:
+        """Tokens generated so far per router attempt id (unknown ids left out; ``{}`` if
+        vLLM's output processor layout moved)."""
+        processor = getattr(self._engine, "output_processor", None)
+        try:
+            mapping = processor.external_req_ids  # type: ignore[union-attr]
+            states = processor.request_states  # type: ignore[union-attr]
+            progress: dict[str, int] = {}
+            for a in attempt_ids:
+                rid = self._attempts.get(a)
+                if rid is None:
+                    continue
+                # .get: never insert into vLLM's defaultdict.
+                counts = [int(states[i].detokenizer.num_output_tokens())
+                          for i in mapping.get(rid, ()) if i in states]
+                if counts:
+                    progress[a] = max(counts)
+            return progress
+        except Exception:
+            logger.debug("request progress unavailable", exc_info=True)
+            return {}
+
+    def _registered(self) -> set[str]:
+        processor = getattr(self._engine, "output_processor", None)
+        try:
+            return set(getattr(processor, "external_req_ids", None) or ())
+        except Exception:
+            return set()
 
 
 class RLixVllmWorkerMixin:
@@ -161,6 +299,19 @@ class RLixVllmWorkerMixin:
     async def rlix_abort_all(self) -> int:
         """Close the dispatch gate and abort every running request; returns how many."""
         return await self._rlix().abort_all()
+
+    async def rlix_abort_requests(self, attempt_ids: Sequence[str]) -> list[str]:
+        """Abort single requests by router attempt id (migration; the gate stays open);
+        returns the ids actually aborted."""
+        self._rlix()
+        assert isinstance(self.llm, GatedEngine)
+        return list(await self.llm.abort_attempts(list(attempt_ids)))
+
+    async def rlix_request_progress(self, attempt_ids: Sequence[str]) -> dict[str, int]:
+        """Tokens generated so far per running router attempt id (best effort)."""
+        self._rlix()
+        assert isinstance(self.llm, GatedEngine)
+        return self.llm.attempt_progress(list(attempt_ids))
 
     async def rlix_num_running(self) -> int:
         """Unfinished requests in the engine (0 = idle)."""
@@ -235,6 +386,35 @@ class RLixVllmAsyncGenerationWorkerImpl(
             llm_kwargs.get("worker_extension_cls"))
         super()._create_engine(llm_kwargs)
         self.rlix_install()
+
+    async def generate_async(
+        self, data: Any, greedy: bool = False
+    ) -> AsyncIterator[tuple[int, Any]]:
+        """NeMo RL's ``generate_async``; a router continuation's budget and attempt id (data
+        keys, removed here) apply to the request it makes."""
+        opts, data = split_request_options(data)
+        token = _OPTIONS.set(opts)
+        try:
+            async for item in super().generate_async(data, greedy=greedy):
+                yield item
+        finally:
+            # Finalisation may run in another context (generator closed elsewhere); the
+            # variable then dies with the call's own context anyway.
+            with contextlib.suppress(ValueError):
+                _OPTIONS.reset(token)
+
+    def _build_sampling_params(
+        self, *, greedy: bool, stop_strings: Any, max_new_tokens: int | None = None
+    ) -> Any:
+        """NeMo RL's sampling parameters, ``max_tokens`` capped by a continuation's budget
+        (the tokens the request has left, so a continued sample is never longer than an
+        uninterrupted one)."""
+        opts = _OPTIONS.get()
+        if opts is not None and opts.max_new_tokens is not None:
+            base = self.cfg["max_new_tokens"] if max_new_tokens is None else max_new_tokens
+            max_new_tokens = min(int(base), opts.max_new_tokens)
+        return super()._build_sampling_params(
+            greedy=greedy, stop_strings=stop_strings, max_new_tokens=max_new_tokens)
 
     async def sleep_async(self) -> None:
         """NeMo RL's sleep, at the configured level instead of the hard-coded level 1."""

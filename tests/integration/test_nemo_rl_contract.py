@@ -113,14 +113,20 @@ def test_replay_buffer_valid_count_on_the_real_buffer(nemo_rl_src: Path) -> None
         assert buf.valid_count(0, 5) == 1
 
 
-def test_nemo_rl_router_never_stitches_a_sample(nemo_rl_src: Path) -> None:
-    """NeMo RL keeps one engine run's per-token logprobs: restart, never continue or migrate."""
-    from rlix_plugins.adapters.nemo_rl_generation import default_router_config
+def test_nemo_rl_router_continues_by_default_restart_selectable(nemo_rl_src: Path) -> None:
+    """CONTINUE (+ migration) by default; RESTART (migration off) by env var or argument;
+    a bad value is a typed error naming the valid ones."""
+    from rlix_plugins.adapters.nemo_rl_generation import ENV_REDISPATCH, default_router_config
+    from rlix_plugins.errors import SettingsError
     from rlix_plugins.generation.router import RedispatchMode
 
-    cfg = default_router_config()
-    assert cfg.redispatch is RedispatchMode.RESTART
-    assert cfg.migration.enabled is False
+    cfg = default_router_config(env={})
+    assert cfg.redispatch is RedispatchMode.CONTINUE and cfg.migration.enabled is True
+    cfg = default_router_config(env={ENV_REDISPATCH: "restart"})
+    assert cfg.redispatch is RedispatchMode.RESTART and cfg.migration.enabled is False
+    assert default_router_config("restart", env={}).redispatch is RedispatchMode.RESTART
+    with pytest.raises(SettingsError, match=r"RLIX_NEMO_RL_REDISPATCH='resume'.*continue"):
+        default_router_config(env={ENV_REDISPATCH: "resume"})
 
 
 def test_preemption_is_recognised_through_nemo_rl_wrapping(nemo_rl_src: Path) -> None:
