@@ -195,6 +195,14 @@ class _Call:
             raise RuntimeError(f"shard {dp_rank} produced no output")
         self.result = got
         out = _engine_output(got[1])
+        if carried and len(out.token_ids) > attempt.max_tokens:
+            # The worker did not cap the continuation (a worker class without our
+            # _build_sampling_params): keep the budget an uninterrupted run would have had.
+            logger.warning("continuation on shard %d returned %d tokens for a budget of %d; "
+                           "truncated (is the worker RLix's?)", dp_rank, len(out.token_ids),
+                           attempt.max_tokens)
+            lps = None if out.logprobs is None else out.logprobs[:attempt.max_tokens]
+            out = EngineOutput(out.token_ids[:attempt.max_tokens], "length", lps)
         self.segments.append(Segment(dp_rank, len(out.token_ids), False))
         return out
 

@@ -332,6 +332,31 @@ def test_rollout_code_reads_only_keys_a_stitched_result_has(nemo_rl_src: Path) -
     assert read <= set(STITCHED_KEYS) | copied, read - set(STITCHED_KEYS) - copied
 
 
+def test_worker_seams_the_continuation_relies_on(nemo_rl_src: Path) -> None:
+    """NeMo RL's ``generate_async`` builds the request's sampling parameters through
+    ``self._build_sampling_params(..., max_new_tokens=...)`` inside the per-sample task and
+    sends it through ``self.llm.generate(prompt=, sampling_params=, request_id=)``: our worker
+    caps the budget in the first and gates/collects the partial output in the second."""
+    import ast
+    import inspect
+    import textwrap
+
+    from nemo_rl.models.generation.vllm.vllm_worker_async import VllmAsyncGenerationWorkerImpl
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(
+        VllmAsyncGenerationWorkerImpl.generate_async)))
+    calls = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = ast.unparse(node.func)
+            calls.setdefault(target, set()).update(k.arg for k in node.keywords)
+    assert {"max_new_tokens"} <= calls["self._build_sampling_params"]
+    assert {"prompt", "sampling_params", "request_id"} <= calls["self.llm.generate"]
+    assert "asyncio.create_task" in calls  # per-sample task: copies our context variable
+    params = inspect.signature(VllmAsyncGenerationWorkerImpl._build_sampling_params).parameters
+    assert {"greedy", "stop_strings", "max_new_tokens"} <= set(params)
+
+
 # ------------------------------------------------------------- partial output through Ray
 
 
