@@ -1,10 +1,11 @@
 """Our mechanism per host, as built: the default workloads with each host's re-dispatch.
 
 ``ours`` in ``run.py`` models the generation module's router (continue from partial tokens +
-migration), which veRL's load balancer and client also do since eb17d83. The hosts differ
+migration), which veRL (eb17d83) and NeMo RL (d5844fd) also do by default. The options differ
 (docs/simulator.md, "What is built vs what ours models"): ``ours_nomigr`` = veRL with
-``RLIX_VERL_MIGRATION=off`` (continue, no migration), ``ours_nemo_rl`` = NeMo RL as built
-(RESTART: an aborted request is generated again from the prompt; no migration). This runs them
+``RLIX_VERL_MIGRATION=off`` (continue, no migration), ``ours_nemo_rl`` = NeMo RL with
+``RLIX_NEMO_RL_REDISPATCH=restart`` (an aborted request is generated again from the prompt; no
+migration). This runs them
 beside exclusive allocation and RLix's policy on the same workloads (``run.py``'s builders and
 engine settings) and seed (7), and writes results/hosts.json + hosts.png.
 
@@ -30,9 +31,9 @@ from benchmarks.cluster_efficiency.seeds import run_figures  # noqa: E402
 
 POLICIES = ("exclusive", "rlix_async", "ours", "ours_nomigr", "ours_nemo_rl")
 HOSTS = {
-    "ours": "router (gates) and veRL as built",
+    "ours": "router (gates), veRL and NeMo RL as built",
     "ours_nomigr": "veRL, migration off",
-    "ours_nemo_rl": "NeMo RL as built",
+    "ours_nemo_rl": "NeMo RL, RESTART selected",
 }
 
 

@@ -34,8 +34,9 @@ DEPLOYMENTS: dict[str, tuple[str, str | None]] = {
     "rlix_async_migr": ("rlix", None),
     # ours without migration (not in the default set): the router feature's own effect
     "ours_nomigr": ("ours", None),
-    # ours as the NeMo RL adapter is built: an aborted request runs again from the prompt
-    # (RESTART, partial tokens discarded) and nothing migrates (not in the default set)
+    # ours with the NeMo RL adapter's RESTART option (RLIX_NEMO_RL_REDISPATCH=restart): an
+    # aborted request runs again from the prompt (partial tokens discarded) and nothing
+    # migrates (not in the default set; the adapter's default is CONTINUE + migration = ours)
     "ours_nemo_rl": ("ours", None),
 }
 #: deployments whose router migrates running requests onto a newly active shard
@@ -43,8 +44,8 @@ DEPLOYMENTS: dict[str, tuple[str, str | None]] = {
 #: scheduler re-queues the requests of a shrunk shard; an added shard takes new requests only).
 MIGRATING = frozenset({"ours", "rlix_async_migr"})
 #: deployments whose router re-runs an aborted request from the prompt
-#: (``EngineConfig.restart_on_abort``): NeMo RL's adapter
-#: (``adapters/nemo_rl_generation.default_router_config``: RESTART, migration off)
+#: (``EngineConfig.restart_on_abort``): NeMo RL's adapter with
+#: ``RLIX_NEMO_RL_REDISPATCH=restart`` (RESTART, migration off)
 RESTARTING = frozenset({"ours_nemo_rl"})
 POLICIES = ("exclusive", "rlix", "rlix_async", "ours")
 

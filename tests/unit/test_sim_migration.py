@@ -195,9 +195,10 @@ def test_plan_matches_the_routers_rule(loads: list[int], data: st.DataObject) ->
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_nemo_rl_restart_loses_the_partial_work_and_never_migrates(seed: int) -> None:
-    """``ours_nemo_rl`` (RESTART, as NeMo RL's adapter runs): an aborted request is generated
-    again from the prompt. Every trajectory still completes exactly once, nothing migrates,
-    and the work lost is decode work, not the fixed re-prefill of a continuation."""
+    """``ours_nemo_rl`` (NeMo RL's adapter with ``RLIX_NEMO_RL_REDISPATCH=restart``): an
+    aborted request is generated again from the prompt. Every trajectory still completes
+    exactly once, nothing migrates, and the work lost is decode work, not the fixed re-prefill
+    of a continuation."""
     wl = _contended()
     restart = run_policy(wl, "ours_nemo_rl", seed=seed, config=CFG)
     cont = run_policy(wl, "ours_nomigr", seed=seed, config=CFG)
