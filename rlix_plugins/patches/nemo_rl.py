@@ -139,8 +139,13 @@ PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
         _p("sleep (level 1 hard-coded)", f"{_VWORKER}:VllmAsyncGenerationWorkerImpl.sleep_async",
            PlugKind.SUBCLASS),
         _p("per-request generation", f"{_VWORKER}:VllmAsyncGenerationWorkerImpl.generate_async",
-           PlugKind.READ, ("data", "greedy"),
-           why="calls self.llm.generate(prompt=, sampling_params=, request_id=)"),
+           PlugKind.SUBCLASS, ("data", "greedy"),
+           why="calls self.llm.generate(prompt=, sampling_params=, request_id=); we take a "
+           "continuation's budget and attempt id out of data first"),
+        _p("sampling parameters",
+           f"{_VWORKER}:VllmAsyncGenerationWorkerImpl._build_sampling_params",
+           PlugKind.SUBCLASS, ("greedy", "stop_strings", "max_new_tokens"),
+           why="a continuation's max_tokens is capped to the tokens the request has left"),
     ),
     _GRPO: (
         _p("generation class", f"{_GRPO}:VllmGeneration", PlugKind.ATTRIBUTE,
