@@ -146,13 +146,20 @@ def _raise_for_ack(member: _Member, ack: Mapping[str, Any]) -> None:
     raise WeightSyncError(msg)
 
 
-def _gone(member: _Member, why: str) -> ReceiverGoneError:
+def _gone(member: _Member, why: str) -> WeightSyncError:
+    """The receiver stopped answering. When it ended on a checksum mismatch (it found the
+    corruption first and quit before its ack reached us), that verdict is the error: callers
+    must not see a corrupted transfer as a mere disconnect."""
     fut = member.future
     detail = ""
+    exc: BaseException | None = None
     if fut is not None and fut.done():
-        exc = fut.exception()
+        exc = None if fut.cancelled() else fut.exception()
         detail = f" (receiver ended: {type(exc).__name__}: {exc})" if exc else " (receiver ended)"
-    return ReceiverGoneError(f"shard {member.receiver.shard_id}: {why}{detail}")
+    msg = f"shard {member.receiver.shard_id}: {why}{detail}"
+    if isinstance(exc, ChecksumMismatchError):
+        return ChecksumMismatchError(msg)
+    return ReceiverGoneError(msg)
 
 
 def _wait(member: _Member, event: int, deadline: float, what: str) -> None:
