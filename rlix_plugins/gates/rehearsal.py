@@ -262,14 +262,18 @@ def _gate_specific(gate: int, shared: PhaseResult, steps: int) -> list[Criterion
     out: list[CriterionResult] = []
     a = shared.nemo[0]
     if gate == 1:
-        # The overlap shard goes down for each train step; it comes back (wake + sync +
-        # activate) at the start and after every step whose next batch still had demand.
-        ok = (a.overlap_preemptions >= steps and a.overlap_expands >= steps
+        # The overlap shard goes down for a train step when it is active then; it comes back
+        # (wake + sync + activate) at the start and after a step whose next batch still had
+        # demand. Whether it is active again before the next train step depends on timing
+        # (the next batch may complete on the other shard first), so the cycle must happen,
+        # and every preemption must be followed by a wake, but not in every step.
+        ok = (a.overlap_preemptions >= 1 and a.overlap_expands >= a.overlap_preemptions
               and a.nccl_cycles == steps)
         out.append(CriterionResult(
             "overlap_cycle",
-            "each step: overlap shard preempted (abort/drain/sleep) and woken+synced+activated"
-            " (>= steps each); NCCL groups destroyed and re-initialised once per step",
+            "overlap shard preempted (abort/drain/sleep) for a train step and woken+synced+"
+            "activated again (>= 1 cycle; wakes >= preemptions); NCCL groups destroyed and "
+            "re-initialised once per step",
             f"overlap shard: {a.overlap_preemptions} preemptions, {a.overlap_expands} "
             f"wake+sync+activate; {a.nccl_cycles} NCCL destroy/re-init cycles; "
             f"{a.forced_sleeps} forced sleeps; over {steps} steps", ok))

@@ -98,8 +98,9 @@ def test_gate1_cpu_rehearsal(tmp_path: Path) -> None:
     crit = _check_common(1, tmp_path, proc, report)
     assert crit["overlap_cycle"]["passed"]
     (a,) = [p for p in report["phases"]["shared"]["pipelines"] if "audit" in p]
-    # the overlap shard went down for every train step and came back synced
-    assert a["preemptions"] >= STEPS and a["expands"] >= STEPS
+    # the overlap shard went down for a train step and came back synced (not necessarily in
+    # every step: it may still be asleep when the next step trains)
+    assert a["preemptions"] >= 1 and a["expands"] >= a["preemptions"]
 
 
 def test_gate2_cpu_rehearsal(tmp_path: Path) -> None:
