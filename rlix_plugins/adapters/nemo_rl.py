@@ -48,7 +48,7 @@ from rlix_plugins.protocol.names import (
 )
 from rlix_plugins.protocol.types import Priority, ProgressReport
 from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, load_settings
-from rlix_plugins.training.progress import ProgressTracker
+from rlix_plugins.training.progress import OutstandingReader, ProgressTracker, with_outstanding
 
 logger = logging.getLogger(__name__)
 
@@ -514,16 +514,28 @@ def with_rank_load(report: ProgressReport, load: Mapping[int, int] | None) -> Pr
     return dataclasses.replace(report, metrics=metrics)
 
 
+def router_outstanding(generation: Any) -> int | None:
+    """Requests ``generation``'s router copy accepted and has not finished (None: no router):
+    the ``outstanding`` metric. Under NeMo RL's async GRPO the collector submits the next
+    step's prompts while the oldest step is still open, so this is the job's whole GPU need."""
+    router = getattr(generation, "rlix_router", None)
+    if router is None:
+        return None
+    return max(0, int(router.outstanding))
+
+
 class SchedulerProgressSink:
     """Progress sink that sends reports to ``rlix:scheduler`` (fire and forget).
 
-    ``rank_load`` (optional) is read at each report and attached as the ``rank_load`` metric;
-    a failing reader drops only the hint, never the report.
+    ``rank_load`` and ``outstanding`` (both optional) are read at each report and attached as
+    metrics; a failing reader drops only its metric, never the report.
     """
 
-    def __init__(self, namespace: str, rank_load: RankLoad | None = None) -> None:
+    def __init__(self, namespace: str, rank_load: RankLoad | None = None,
+                 outstanding: OutstandingReader | None = None) -> None:
         self.namespace = namespace
         self.rank_load = rank_load
+        self.outstanding = outstanding
 
     def _load(self) -> Mapping[int, int] | None:
         if self.rank_load is None:
@@ -534,11 +546,25 @@ class SchedulerProgressSink:
             logger.warning("rlix: rank_load unavailable; report sent without it", exc_info=True)
             return None
 
+    def _outstanding(self) -> int | None:
+        if self.outstanding is None:
+            return None
+        try:
+            return self.outstanding()
+        except Exception:  # advisory, like rank_load
+            logger.warning("rlix: outstanding unavailable; report sent without it",
+                           exc_info=True)
+            return None
+
+    def decorate(self, report: ProgressReport) -> ProgressReport:
+        """``report`` with the metrics this sink attaches (``rank_load``, ``outstanding``)."""
+        return with_outstanding(with_rank_load(report, self._load()), self._outstanding())
+
     def __call__(self, report: ProgressReport) -> None:
         import ray
 
         sched = ray.get_actor(SCHEDULER_ACTOR, namespace=self.namespace)
-        sched.report_progress.remote(with_rank_load(report, self._load()))
+        sched.report_progress.remote(self.decorate(report))
 
     def clear(self, pipeline_id: str) -> None:
         import ray
@@ -562,10 +588,14 @@ def progress_tracker_for_collector(master_config: Any,
         logger.warning("rlix: grpo.num_prompts_per_step unknown; no progress reports")
         return None
     load: RankLoad | None = None
+    outstanding: OutstandingReader | None = None
     if generation is not None:
         def load() -> Mapping[int, int] | None:
             return router_rank_load(generation)
-    sink = SchedulerProgressSink(settings.namespace, load)
+
+        def outstanding() -> int | None:
+            return router_outstanding(generation)
+    sink = SchedulerProgressSink(settings.namespace, load, outstanding)
     pid = settings.pipeline_id
     tracker = ProgressTracker(pid, sink, on_clear=lambda: sink.clear(pid))
     tracker._rlix_step_target = target  # type: ignore[attr-defined]
@@ -593,6 +623,7 @@ __all__ = [
     "begin_progress_batch",
     "make_policy_class",
     "progress_tracker_for_collector",
+    "router_outstanding",
     "router_rank_load",
     "with_rank_load",
 ]

@@ -204,11 +204,19 @@ class VerlPipelineAdapter:
         except Exception:
             logger.exception("generation request for step %d failed", step)
 
-    def report_collected(self, collected: int, step: int) -> None:
-        """Demand for the current step: ``collected`` of ``step_target`` trajectories."""
+    def report_collected(self, collected: int, step: int,
+                         outstanding: int | None = None) -> None:
+        """Demand for the current step: ``collected`` of ``step_target`` trajectories, and
+        (optional) the requests in flight over every step (``outstanding`` metric)."""
+        if outstanding is None:
+            self.hooks.report_progress(
+                step_target_trajectories=self.step_target, collected=collected,
+                current_train_step=step,
+            )
+            return
         self.hooks.report_progress(
             step_target_trajectories=self.step_target, collected=collected,
-            current_train_step=step,
+            current_train_step=step, outstanding=outstanding,
         )
 
     def before_training(self, step: int) -> None:

@@ -446,7 +446,7 @@ class RehearsalRuntime:
     # ------------------------------------------------------------------ step loop
     def run(self, steps: int, mode: str, hooks: Any, request_generation: Any) -> PipelineRun:
         """``steps`` train steps; ``mode`` "shared" (under the coordinator) or "exclusive"."""
-        from rlix_plugins.training.progress import ProgressTracker, hooks_sink
+        from rlix_plugins.training.progress import ProgressTracker, hooks_sink, outstanding_sink
 
         run = PipelineRun(self.pipeline_id, self.spec.label, mode, steps)
         self.busy.clear()
@@ -459,7 +459,9 @@ class RehearsalRuntime:
             None if self.spec.observe_dir is None else Path(self.spec.observe_dir) / mode,
             self.pipeline_id)
         self.router._reset_runtime()  # counters of this run only (same copy, same process)
-        tracker = ProgressTracker(self.pipeline_id, hooks_sink(hooks),
+        router = self.router
+        tracker = ProgressTracker(self.pipeline_id,
+                                  outstanding_sink(hooks_sink(hooks), lambda: router.outstanding),
                                   on_clear=hooks.clear_progress, max_age_steps=1)
         ledger: dict[str, int] = {}
         results: list[GenerationResult] = []

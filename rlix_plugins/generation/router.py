@@ -333,6 +333,12 @@ class ShardRouter:
         """Requests this copy has in flight per dp rank."""
         return tuple(self._inflight)
 
+    @property
+    def outstanding(self) -> int:
+        """Requests this copy accepted and has not finished: running on a shard or waiting
+        for one (the ``outstanding`` progress metric)."""
+        return self._ledger.in_flight
+
     def stats(self) -> RouterStats:
         """Counters of this router copy (copies do not share counters)."""
         led = self._ledger

@@ -16,7 +16,12 @@ from typing import Any
 
 from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
 from rlix_plugins.protocol.names import ACTOR_TRAIN, SCHEDULER_ACTOR, cluster_id
-from rlix_plugins.protocol.types import Priority, ProgressReport, progress_bucket
+from rlix_plugins.protocol.types import (
+    OUTSTANDING_METRIC,
+    Priority,
+    ProgressReport,
+    progress_bucket,
+)
 from rlix_plugins.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -138,26 +143,35 @@ class CoordinatorHooks:
         new_batch: bool = False,
         mode: str = "train",
         adapter_id: str | None = None,
+        outstanding: int | None = None,
     ) -> None:
-        """Send demand when the 2% bucket changes, at 0 remaining, or on a new batch."""
+        """Send demand when the 2% bucket changes, at 0 remaining, or on a new batch.
+
+        ``outstanding`` (optional): requests admitted and not finished over every step the
+        staleness bound allows; sent as the ``outstanding`` metric with the report (it never
+        triggers a report by itself), so our planner sizes an async job by all its work.
+        """
         throttle = self._throttles.setdefault((mode, adapter_id), ProgressThrottle())
         if not throttle.should_send(
             target=step_target_trajectories, completed=collected, new_batch=new_batch
         ):
             return
         completed = min(max(collected, 0), step_target_trajectories)
+        metrics: dict[str, object] = {
+            "mode": mode,
+            "completed": completed,
+            "bucket": progress_bucket(completed, step_target_trajectories),
+            "new_batch": new_batch,
+            "current_train_step": current_train_step,
+            "adapter_id": adapter_id,
+        }
+        if outstanding is not None:
+            metrics[OUTSTANDING_METRIC] = max(0, int(outstanding))
         report = ProgressReport(
             pipeline_id=self.pipeline_id,
             step_target_trajectories=step_target_trajectories,
             fifo_timestamp=time.time(),
-            metrics={
-                "mode": mode,
-                "completed": completed,
-                "bucket": progress_bucket(completed, step_target_trajectories),
-                "new_batch": new_batch,
-                "current_train_step": current_train_step,
-                "adapter_id": adapter_id,
-            },
+            metrics=metrics,
         )
         self._call("report_progress", report)
 

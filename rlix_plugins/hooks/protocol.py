@@ -27,6 +27,7 @@ class RLixHooks(Protocol):
         new_batch: bool = False,
         mode: str = "train",
         adapter_id: str | None = None,
+        outstanding: int | None = None,
     ) -> None: ...
 
     def clear_progress(self) -> None: ...
@@ -50,8 +51,10 @@ class NoOpRLixHooks:
         new_batch: bool = False,
         mode: str = "train",
         adapter_id: str | None = None,
+        outstanding: int | None = None,
     ) -> None:
         del step_target_trajectories, collected, current_train_step, new_batch, mode, adapter_id
+        del outstanding
 
     def clear_progress(self) -> None:
         return None

@@ -336,6 +336,17 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         """Trajectories finished and not yet taken by the trainer."""
         return max(0, self._finished - self._consumed)
 
+    def rlix_outstanding(self) -> int:
+        """Requests in flight on the shards (acquired, not released): the ``outstanding``
+        progress metric. A multi-turn trajectory between two turns holds no server and is not
+        counted, so this is a lower bound of the job's unfinished work."""
+        return sum(self._inflight_requests.values())
+
+    def rlix_progress_counts(self) -> tuple[int, int]:
+        """``(rlix_pending(), rlix_outstanding())`` in one call (one actor round trip per
+        progress read)."""
+        return self.rlix_pending(), self.rlix_outstanding()
+
     # ---------------------------------------------------------------- stock API, guarded
     def add_servers(self, servers: dict[str, Any]) -> None:
         """veRL's add_servers; a bound shard is only routed once it is ACTIVE."""

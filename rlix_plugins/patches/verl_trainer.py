@@ -287,7 +287,8 @@ class RLixTrainerMixin:
         ray.get(routing_load_balancer(self).rlix_consume.remote(self._sample_trajectories()))
 
     def _start_progress(self) -> None:
-        """Report trajectories stored by the agent loops and not yet trained on as demand.
+        """Report trajectories stored by the agent loops and not yet trained on as demand,
+        with the requests in flight on the shards as the ``outstanding`` metric.
 
         The agent-loop workers count every stored trajectory on the load balancer
         (:mod:`.verl_agent_loop`); this thread reads that count every ``PROGRESS_PERIOD_S`` and
@@ -304,8 +305,10 @@ class RLixTrainerMixin:
         def loop() -> None:
             while not stop.wait(PROGRESS_PERIOD_S):
                 try:
-                    pending = int(ray.get(lb.rlix_pending.remote()))
-                    self._rlix_adapter.report_collected(pending, self.global_steps)
+                    pending, outstanding = ray.get(lb.rlix_progress_counts.remote())
+                    self._rlix_adapter.report_collected(
+                        int(pending), self.global_steps, outstanding=int(outstanding)
+                    )
                 except Exception:
                     logger.exception("progress report failed; retrying")
 

@@ -21,6 +21,7 @@ from rlix_plugins.protocol.names import (
     validate_pipeline_id,
 )
 from rlix_plugins.protocol.types import (
+    OUTSTANDING_METRIC,
     ActionResponse,
     Priority,
     ProgressReport,
@@ -36,6 +37,7 @@ __all__ = [
     "CRITIC",
     "GPU_CLUSTER_NAMES",
     "ORCHESTRATOR_ACTOR",
+    "OUTSTANDING_METRIC",
     "REFERENCE",
     "RESOURCE_MANAGER_ACTOR",
     "ROLL_RESOURCE_MANAGER_ACTOR",

@@ -18,6 +18,10 @@ from rlix_plugins.protocol.names import validate_pipeline_id
 
 #: Progress is reported in 2% steps: bucket 0..50.
 PROGRESS_BUCKETS = 50
+#: Optional progress metric (our extension; RLix's scheduler ignores unknown metrics):
+#: requests the pipeline has admitted and not finished, over every step its staleness bound
+#: lets it generate (in flight on a shard or waiting for one).
+OUTSTANDING_METRIC = "outstanding"
 
 
 class Priority(enum.IntEnum):

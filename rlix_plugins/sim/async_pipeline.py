@@ -36,7 +36,7 @@ from typing import Any
 
 from rlix_plugins.generation.migration import MigrationCandidate
 from rlix_plugins.generation.migration import plan_migration as router_plan_migration
-from rlix_plugins.protocol.types import Priority
+from rlix_plugins.protocol.types import OUTSTANDING_METRIC, Priority
 from rlix_plugins.sim.pipeline_model import SimPipeline, _Rank, _Traj
 
 log = logging.getLogger(__name__)
@@ -250,10 +250,16 @@ class AsyncOverlapPipeline(SimPipeline):
 
     def _extra_metrics(self) -> dict[str, object]:
         """``rank_load``: requests running per active shard, sent with each bucket report (the
-        router knows it), so the coordinator can take lightly loaded shards first."""
+        router knows it), so the coordinator can take lightly loaded shards first; and
+        ``outstanding``: every admitted, unfinished request (running or queued, any step), so
+        the coordinator sizes the job by all the work it can do now."""
         if not self.report_rank_load:
             return {}
-        return {"rank_load": {r.dp_rank: len(r.running) for r in self.ranks if r.state != "off"}}
+        running = {r.dp_rank: len(r.running) for r in self.ranks if r.state != "off"}
+        return {
+            "rank_load": running,
+            OUTSTANDING_METRIC: len(self.queue) + sum(running.values()),
+        }
 
     # ------------------------------------------------------------------ aborts
     def _abort_trajectory(self, t: _Traj, progress: float) -> float:

@@ -16,6 +16,7 @@ The sink is any callable (the hooks implementation forwards to the coordinator; 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -23,11 +24,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rlix_plugins.hooks.protocol import RLixHooks
-from rlix_plugins.protocol import ProgressReport, progress_bucket
+from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport, progress_bucket
 
 logger = logging.getLogger(__name__)
 
 ProgressSink = Callable[[ProgressReport], None]
+#: Reads a pipeline's outstanding requests (admitted, not finished) at report time; None when
+#: unknown. Typically a router's ``outstanding`` property.
+OutstandingReader = Callable[[], "int | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,12 +208,54 @@ class ProgressTracker:
             logger.exception("progress sink failed for pipeline %s", self.pipeline_id)
 
 
+def with_outstanding(report: ProgressReport, outstanding: int | None) -> ProgressReport:
+    """``report`` with the ``outstanding`` metric set (unchanged when None)."""
+    if outstanding is None:
+        return report
+    if outstanding < 0:
+        raise ValueError(f"outstanding must be >= 0, got {outstanding}")
+    metrics = dict(report.metrics or {})
+    metrics[OUTSTANDING_METRIC] = int(outstanding)
+    return dataclasses.replace(report, metrics=metrics)
+
+
+def outstanding_sink(sink: ProgressSink, read: OutstandingReader) -> ProgressSink:
+    """``sink`` with every report carrying ``read()`` as its ``outstanding`` metric.
+
+    The count is advisory: a failing or invalid reader drops only the metric, never the
+    report.
+    """
+
+    def wrapped(report: ProgressReport) -> None:
+        try:
+            n = read()
+            report = with_outstanding(report, n)
+        except Exception:
+            logger.warning("outstanding count unavailable; report sent without it",
+                           exc_info=True)
+        sink(report)
+
+    return wrapped
+
+
+def _outstanding_of(report: ProgressReport) -> int | None:
+    raw = (report.metrics or {}).get(OUTSTANDING_METRIC)
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        return None
+    return raw
+
+
 def hooks_sink(hooks: RLixHooks) -> ProgressSink:
-    """A sink that forwards reports to ``hooks.report_progress``."""
+    """A sink that forwards reports to ``hooks.report_progress`` (``outstanding`` included
+    when the report carries it)."""
 
     def sink(report: ProgressReport) -> None:
         m = report.metrics or {}
         adapter = m.get("adapter_id")
+        outstanding = _outstanding_of(report)
+        # Passed only when known: hooks written against the original four-method protocol
+        # (without ``outstanding``) keep working.
+        kwargs: dict[str, int] = {} if outstanding is None else {"outstanding": outstanding}
         hooks.report_progress(
             step_target_trajectories=report.step_target_trajectories,
             collected=report.completed,
@@ -217,6 +263,7 @@ def hooks_sink(hooks: RLixHooks) -> ProgressSink:
             new_batch=bool(m.get("new_batch", False)),
             mode=str(m.get("mode", "train")),
             adapter_id=None if adapter is None else str(adapter),
+            **kwargs,
         )
 
     return sink

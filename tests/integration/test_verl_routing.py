@@ -76,6 +76,9 @@ def test_preempted_replica_is_skipped_and_aborts_redispatched(
         while min((await lb.shard_inflight.remote()).values()) == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
+        # Progress reads: nothing stored yet; what runs on the replicas is outstanding.
+        pending, outstanding = await lb.rlix_progress_counts.remote()
+        assert pending == 0 and 2 <= outstanding <= 16
         record = await lifecycle.preempt([0])
         first = await asyncio.gather(*tasks)
         after = await asyncio.gather(*(_generate(client, 100 + i) for i in range(6)))

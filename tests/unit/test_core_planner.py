@@ -279,3 +279,53 @@ def test_malformed_rank_load_is_ignored() -> None:
     progress(state, "ft_b", 10, 0)
     plan, _ = cycle(state, 100)
     assert len(plan.shrinks) == 1
+
+
+def _outstanding_report(state, pid: str, target: int, completed: int, outstanding: object) -> None:  # type: ignore[no-untyped-def]
+    from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport
+
+    metrics = {"completed": completed, "mode": "train", OUTSTANDING_METRIC: outstanding}
+    state.report_progress(ProgressReport(pid, target, None, metrics))
+
+
+def _two_async_jobs(config: PolicyConfig | None = None, outstanding: object = 60) -> set[int]:
+    """ft_a: 4 left of its oldest batch but ``outstanding`` requests over both open steps;
+    ft_b: 60 left. Returns ft_a's ranks out of 8 after one cycle."""
+    state = new_state(1, 8)
+    register(state, "ft_a", infer=list(range(8)))
+    register(state, "ft_b", infer=list(range(8)))
+    _outstanding_report(state, "ft_a", 64, 60, outstanding)
+    progress(state, "ft_b", 64, 4)
+    state.submit_request("ft_a_actor_infer", GEN, now=0)
+    state.submit_request("ft_b_actor_infer", GEN, now=0)
+    cycle(state, 0, DemandSharePlanner(config) if config else None)
+    return active(state, "ft_a")
+
+
+def test_outstanding_sizes_an_async_job_by_all_its_open_work() -> None:
+    """An async job generating for its next step while 4 trajectories of its oldest batch are
+    left needs GPUs for all 60 requests: demand = max(remaining, outstanding)."""
+    assert len(_two_async_jobs()) == 4  # 60 vs 60: an even split
+    # Without the metric (or with the knob off) only the oldest batch counts: 4 vs 60.
+    assert len(_two_async_jobs(PolicyConfig(count_outstanding=False))) == 1
+    # Outstanding below remaining never shrinks the demand.
+    assert len(_two_async_jobs(outstanding=0)) == 1
+
+
+@pytest.mark.parametrize("bad", [-5, "many", True, None, [3]])
+def test_malformed_outstanding_is_ignored(bad: object) -> None:
+    assert len(_two_async_jobs(outstanding=bad)) == 1
+
+
+def test_state_outstanding_sums_streams_and_is_none_without_reports() -> None:
+    from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport
+
+    state = new_state(1, 2)
+    register(state, "ft_a", infer=[0, 1])
+    assert state.outstanding("ft_a") is None
+    progress(state, "ft_a", 10, 0)
+    assert state.outstanding("ft_a") is None  # a report without the metric
+    for adapter, n in (("l1", 7), ("l2", 5)):
+        state.report_progress(ProgressReport(
+            "ft_a", 10, None, {"completed": 0, "adapter_id": adapter, OUTSTANDING_METRIC: n}))
+    assert state.outstanding("ft_a") == 12

@@ -134,6 +134,7 @@ def test_collector_reports_carry_rank_load_and_the_planner_uses_it(
     report = asyncio.run(run())
     hint = report.metrics["rank_load"]  # type: ignore[index]
     assert hint[0] == 10 and sum(hint.values()) == 16 and set(hint) == {0, 1, 2, 3}
+    assert report.metrics["outstanding"] == 16  # type: ignore[index]
     # The scheduling core reads the hint: the lightest ranks are the donors.
     state = new_state(1, 4)
     register(state, "ft_a", infer=[0, 1, 2, 3])
@@ -159,4 +160,32 @@ def test_a_failing_load_reader_drops_only_the_hint(monkeypatch: pytest.MonkeyPat
     adapter.begin_progress_batch(tracker, 0)
     assert len(sched.reports) == 1
     assert "rank_load" not in (sched.reports[0].metrics or {})
+    assert "outstanding" not in (sched.reports[0].metrics or {})
     assert sched.reports[0].step_target_trajectories == 10
+
+
+def test_router_outstanding_counts_requests_waiting_for_a_shard() -> None:
+    """``outstanding`` is every accepted, unfinished request: those waiting for an active
+    shard count too (``rank_load`` only sees requests on a shard)."""
+
+    async def run() -> None:
+        store = ShardStateStore(2)
+        engines = [FakeHeldEngine() for _ in range(2)]
+        router = ShardRouter(LocalShardState(store), engines)
+        gen = Generation(router)
+        assert adapter.router_outstanding(gen) == 0
+        store.apply([0, 1], ShardEvent.PREEMPT)  # nothing routable: requests wait
+        tasks = [asyncio.create_task(router.generate(GenerationRequest(f"w{i}", (5,), 1, {})))
+                 for i in range(3)]
+        await asyncio.sleep(0.01)
+        assert adapter.router_outstanding(gen) == 3
+        assert sum((adapter.router_rank_load(gen) or {}).values()) == 0
+        for event in (ShardEvent.ASLEEP, ShardEvent.WAKE, ShardEvent.ACTIVATE):
+            store.apply([0], event)
+        await asyncio.sleep(0.05)
+        engines[0].release()
+        await asyncio.gather(*tasks)
+        assert adapter.router_outstanding(gen) == 0
+
+    asyncio.run(run())
+    assert adapter.router_outstanding(object()) is None

@@ -126,3 +126,25 @@ def test_job_kind_is_validated() -> None:
         _job(0, kind="nemo")
     with pytest.raises(ValueError, match="redispatch_prefill_s"):
         replace(_job(0, kind="async"), redispatch_prefill_s=-1.0)
+
+
+def test_async_pipelines_report_outstanding_work_beyond_the_oldest_batch() -> None:
+    """The async model reports ``outstanding`` (every admitted, unfinished request, any step)
+    and the planner sees more than the oldest batch's remaining while the next step runs."""
+    wl = _overlap("async")
+    planner = DemandSharePlanner()
+    seen: list[tuple[int, int]] = []  # (remaining of the oldest batch, outstanding)
+    inner = planner.plan
+
+    def plan(state: SchedulerState, now: float) -> Plan:
+        for pid in state.pipelines:
+            out, rem = state.outstanding(pid), state.demand(pid)
+            if out is not None and rem is not None:
+                seen.append((rem, out))
+        return inner(state, now)
+
+    planner.plan = plan  # type: ignore[method-assign]
+    run_policy(wl, "ours", seed=1, config=EngineConfig(record_tenures=False), planner=planner)
+    job = wl.jobs[0]
+    assert seen and all(0 <= out <= job.batch * (job.max_age + 1) for _, out in seen)
+    assert any(out > rem for rem, out in seen), "the next step's requests are outstanding too"

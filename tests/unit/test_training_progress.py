@@ -121,3 +121,59 @@ def test_hooks_sink_forwards_to_the_hook_protocol() -> None:
         "adapter_id": "lora1",
     }
     assert calls[-1]["collected"] == 10 and calls[-1]["new_batch"] is False
+
+
+def test_outstanding_rides_from_the_tracker_through_hooks_sink_to_the_report() -> None:
+    """ProgressTracker -> outstanding_sink -> hooks_sink -> CoordinatorHooks: the report the
+    scheduler receives carries the ``outstanding`` metric read at report time."""
+    from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
+    from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport
+    from rlix_plugins.settings import load_settings
+    from rlix_plugins.training.progress import outstanding_sink
+
+    sent: list[ProgressReport] = []
+    hooks = CoordinatorHooks("ft_a", load_settings({}), heartbeat=False)
+    hooks._call = lambda method, report: sent.append(report)  # type: ignore[method-assign]
+    count = iter([40, 30])
+    t = ProgressTracker("ft_a", outstanding_sink(hooks_sink(hooks), lambda: next(count)))
+    t.begin_batch(step=1, step_target=10, weight_version=1)
+    t.record(5, weight_version=1)
+    assert [(r.completed, (r.metrics or {})[OUTSTANDING_METRIC]) for r in sent] == [(0, 40), (5, 30)]
+
+
+def test_a_failing_outstanding_reader_drops_only_the_metric() -> None:
+    from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport
+    from rlix_plugins.training.progress import outstanding_sink, with_outstanding
+
+    got: list[ProgressReport] = []
+
+    def broken() -> int:
+        raise RuntimeError("router gone")
+
+    t = ProgressTracker("p", outstanding_sink(got.append, broken))
+    t.begin_batch(step=0, step_target=4, weight_version=0)
+    assert len(got) == 1 and OUTSTANDING_METRIC not in (got[0].metrics or {})
+    t2 = ProgressTracker("p", outstanding_sink(got.append, lambda: -1))  # invalid count
+    t2.begin_batch(step=0, step_target=4, weight_version=0)
+    assert len(got) == 2 and OUTSTANDING_METRIC not in (got[1].metrics or {})
+    with pytest.raises(ValueError, match="outstanding must be >= 0"):
+        with_outstanding(got[0], -1)
+    assert with_outstanding(got[0], None) is got[0]
+
+
+def test_hooks_without_the_outstanding_keyword_still_work() -> None:
+    """Hooks written against the four-method protocol before ``outstanding`` existed get no
+    such keyword from hooks_sink when the report does not carry it."""
+    calls: list[int] = []
+
+    class OldHooks(NoOpRLixHooks):
+        def report_progress(  # type: ignore[override]
+            self, *, step_target_trajectories: int, collected: int, current_train_step: int,
+            new_batch: bool = False, mode: str = "train", adapter_id: str | None = None,
+        ) -> None:
+            calls.append(collected)
+
+    t = ProgressTracker("p", hooks_sink(OldHooks()))
+    t.begin_batch(step=0, step_target=4, weight_version=0)
+    t.record(4, weight_version=0)
+    assert calls == [0, 4]

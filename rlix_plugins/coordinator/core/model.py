@@ -116,6 +116,10 @@ class PolicyConfig:
     #: Rebalancing takes the donor rank carrying the least work: lowest ``rank_load`` the
     #: pipeline reported (optional progress metric), then the most recently activated.
     prefer_idle_donors: bool = True
+    #: A pipeline's demand is ``max(remaining, outstanding)`` when it reports the optional
+    #: ``outstanding`` metric: an async pipeline already generating for its next step needs
+    #: GPUs for those requests too, not only for what is left of its oldest batch.
+    count_outstanding: bool = True
 
     def __post_init__(self) -> None:
         if self.aging_s <= 0 or self.min_hold_s < 0 or not 0 <= self.rebalance_threshold <= 1:

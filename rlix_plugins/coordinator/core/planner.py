@@ -159,6 +159,8 @@ class _Cycle:
             if pending_seq is None and not active and not _collecting(state, spec.pipeline_id):
                 continue
             demand = state.demand(spec.pipeline_id) or 0
+            if self.config.count_outstanding:
+                demand = max(demand, state.outstanding(spec.pipeline_id) or 0)
             weight = state.pipelines[spec.pipeline_id].weight
             gens[cid] = _Gen(
                 cid, spec.gpus, spec.tp, spec.dp_size, weight, demand, pending_seq, active

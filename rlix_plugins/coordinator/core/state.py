@@ -28,7 +28,7 @@ from rlix_plugins.errors import (
     UnknownPipelineError,
 )
 from rlix_plugins.protocol.names import parse_cluster_id
-from rlix_plugins.protocol.types import Priority, ProgressReport
+from rlix_plugins.protocol.types import OUTSTANDING_METRIC, Priority, ProgressReport
 
 StreamKey = tuple[str, str | None]
 
@@ -112,6 +112,21 @@ class SchedulerState:
         if pending is not None and pending.step_target_estimate is not None:
             return pending.step_target_estimate
         return self.estimates.get(pipeline_id)
+
+    def outstanding(self, pipeline_id: str) -> int | None:
+        """Requests a pipeline has admitted and not finished, over every step its staleness
+        bound lets it generate (``outstanding`` progress metric); None when it reports none.
+
+        An async pipeline generates for the next step while the oldest is still open, so its
+        GPU need can exceed the oldest step's ``remaining``. Malformed values are ignored.
+        """
+        total: int | None = None
+        for report in (self.progress.get(pipeline_id) or {}).values():
+            raw = (report.metrics or {}).get(OUTSTANDING_METRIC)
+            if isinstance(raw, bool) or not isinstance(raw, int | float) or raw < 0:
+                continue
+            total = (total or 0) + int(raw)
+        return total
 
     def idle_gpus(self) -> list[int]:
         return [g for g, o in enumerate(self.owner) if o is None]
