@@ -127,7 +127,7 @@ def test_outstanding_rides_from_the_tracker_through_hooks_sink_to_the_report() -
     """ProgressTracker -> outstanding_sink -> hooks_sink -> CoordinatorHooks: the report the
     scheduler receives carries the ``outstanding`` metric read at report time."""
     from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
-    from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport
+    from rlix_plugins.protocol import OUTSTANDING_METRIC
     from rlix_plugins.settings import load_settings
     from rlix_plugins.training.progress import outstanding_sink
 
@@ -138,11 +138,12 @@ def test_outstanding_rides_from_the_tracker_through_hooks_sink_to_the_report() -
     t = ProgressTracker("ft_a", outstanding_sink(hooks_sink(hooks), lambda: next(count)))
     t.begin_batch(step=1, step_target=10, weight_version=1)
     t.record(5, weight_version=1)
-    assert [(r.completed, (r.metrics or {})[OUTSTANDING_METRIC]) for r in sent] == [(0, 40), (5, 30)]
+    got = [(r.completed, (r.metrics or {})[OUTSTANDING_METRIC]) for r in sent]
+    assert got == [(0, 40), (5, 30)]
 
 
 def test_a_failing_outstanding_reader_drops_only_the_metric() -> None:
-    from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport
+    from rlix_plugins.protocol import OUTSTANDING_METRIC
     from rlix_plugins.training.progress import outstanding_sink, with_outstanding
 
     got: list[ProgressReport] = []
