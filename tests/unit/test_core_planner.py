@@ -11,6 +11,7 @@ from rlix_plugins.coordinator.core import (
     Plan,
     PolicyConfig,
     RankMove,
+    SchedulerState,
     ShrinkReason,
     check_plan,
 )
@@ -20,13 +21,13 @@ from rlix_plugins.errors import (
     RequestStateError,
     UnknownClusterError,
 )
-from rlix_plugins.protocol import Priority
+from rlix_plugins.protocol import OUTSTANDING_METRIC, Priority, ProgressReport
 from tests.core_builders import cycle, new_state, progress, register
 
 GEN = Priority.GENERATION
 
 
-def active(state, pid: str) -> set[int]:  # type: ignore[no-untyped-def]
+def active(state: SchedulerState, pid: str) -> set[int]:
     return set(state.active_ranks[f"{pid}_actor_infer"])
 
 
@@ -233,9 +234,9 @@ def test_check_plan_rejects_double_assignment_and_unjustified_preemption() -> No
         check_plan(state, Plan(state.revision, shrinks=(shrink, shrink)))
 
 
-def _load_report(state, pid: str, target: int, completed: int, load: dict[int, int]) -> None:  # type: ignore[no-untyped-def]
-    from rlix_plugins.protocol import ProgressReport
-
+def _load_report(
+    state: SchedulerState, pid: str, target: int, completed: int, load: dict[int, int]
+) -> None:
     metrics = {"completed": completed, "mode": "train", "rank_load": load}
     state.report_progress(ProgressReport(pid, target, None, metrics))
 
@@ -281,9 +282,9 @@ def test_malformed_rank_load_is_ignored() -> None:
     assert len(plan.shrinks) == 1
 
 
-def _outstanding_report(state, pid: str, target: int, completed: int, outstanding: object) -> None:  # type: ignore[no-untyped-def]
-    from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport
-
+def _outstanding_report(
+    state: SchedulerState, pid: str, target: int, completed: int, outstanding: object
+) -> None:
     metrics = {"completed": completed, "mode": "train", OUTSTANDING_METRIC: outstanding}
     state.report_progress(ProgressReport(pid, target, None, metrics))
 
@@ -318,8 +319,6 @@ def test_malformed_outstanding_is_ignored(bad: object) -> None:
 
 
 def test_state_outstanding_sums_streams_and_is_none_without_reports() -> None:
-    from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport
-
     state = new_state(1, 2)
     register(state, "ft_a", infer=[0, 1])
     assert state.outstanding("ft_a") is None
