@@ -51,9 +51,12 @@ class ExclusivePlacer:
 class SpanPlacer:
     """Shared deployment: training on the least-used aligned block, inference on a span.
 
-    The inference span is ``span_factor`` x the job's exclusive footprint (node-aligned, whole
-    cluster at most) and contains the training block (partial overlap), as calibration.md
-    describes RLix deployments. Every job is admitted at once.
+    "Least-used": the fewest training clusters on the block's busiest GPU, then the fewest
+    over the whole block (a block half free beats one fully covered by another job's
+    training), then the lowest index. The inference span is ``span_factor`` x the job's
+    exclusive footprint (node-aligned, whole cluster at most) and contains the training block
+    (partial overlap), as calibration.md describes RLix deployments. Every job is admitted at
+    once.
     """
 
     def __init__(self, num_gpus: int, gpus_per_node: int, span_factor: float) -> None:
@@ -67,13 +70,14 @@ class SpanPlacer:
         gpn = self.gpus_per_node
         size = job.train_gpus
         align = max(job.infer_tp, 1)
-        best: tuple[int, int] | None = None
+        best: tuple[int, int, int] | None = None
         for start in range(0, self.num_gpus - size + 1, align):
-            load = max(self.train_use[start : start + size])
-            if best is None or load < best[0]:
-                best = (load, start)
+            block = self.train_use[start : start + size]
+            key = (max(block), sum(block), start)
+            if best is None or key < best:
+                best = key
         assert best is not None
-        start = best[1]
+        start = best[2]
         train = tuple(range(start, start + size))
         for g in train:
             self.train_use[g] += 1
