@@ -70,14 +70,12 @@ class SpanPlacer:
         gpn = self.gpus_per_node
         size = job.train_gpus
         align = max(job.infer_tp, 1)
-        best: tuple[int, int, int] | None = None
-        for start in range(0, self.num_gpus - size + 1, align):
-            block = self.train_use[start : start + size]
-            key = (max(block), sum(block), start)
-            if best is None or key < best:
-                best = key
-        assert best is not None
-        start = best[2]
+        use = self.train_use
+
+        def load(s: int) -> tuple[int, int, int]:
+            return max(use[s : s + size]), sum(use[s : s + size]), s
+
+        start = min(range(0, self.num_gpus - size + 1, align), key=load)
         train = tuple(range(start, start + size))
         for g in train:
             self.train_use[g] += 1
