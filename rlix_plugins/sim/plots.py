@@ -212,6 +212,52 @@ def size_sweep(
     plt.close(fig)
 
 
+def cluster_scale(points: list[dict[str, Any]], deployments: tuple[str, ...], path: Path) -> None:
+    """Across cluster sizes (log x): GPU-h/step saving vs exclusive per deployment (left),
+    mean slowdown per deployment (middle) and the planner's mean / max cycle time (right).
+
+    ``points``: one per cluster size, with ``gpus``, ``saving`` and ``mean_slowdown``
+    (deployment -> value) and ``plan_ms_mean`` / ``plan_ms_max`` (deployment -> ms).
+    """
+    plt = _plt()
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
+    xs = [pt["gpus"] for pt in points]
+    for deployment in sorted(deployments, key=_order):
+        if deployment != "exclusive":
+            left.plot(xs, [pt["saving"][deployment] for pt in points], marker="o", label=deployment)
+        mid.plot(
+            xs, [pt["mean_slowdown"][deployment] for pt in points], marker="o", label=deployment
+        )
+        (line,) = right.plot(
+            xs,
+            [pt["plan_ms_mean"][deployment] for pt in points],
+            marker="o",
+            label=f"{deployment} mean",
+        )
+        right.plot(
+            xs,
+            [pt["plan_ms_max"][deployment] for pt in points],
+            marker="x",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{deployment} max",
+        )
+    left.axhline(0.0, color="grey", linewidth=0.8)
+    left.set_ylabel("GPU-h/step saving vs exclusive")
+    mid.set_ylabel("mean slowdown (JCT / alone)")
+    right.set_ylabel("planner cycle, ms (wall)")
+    right.set_yscale("log")
+    for ax in (left, mid, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:,}" for x in xs])
+        ax.set_xlabel("cluster GPUs")
+        ax.legend(fontsize=6, ncol=2 if ax is right else 1)
+    fig.suptitle("RollMux-shaped mixed trace across cluster sizes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _order(deployment: str) -> int:
     known = ("plexrl", "rlix", "rlix_async", "rlix_async_migr", "ours_roll", "ours_nomigr", "ours")
     return known.index(deployment) if deployment in known else len(known)

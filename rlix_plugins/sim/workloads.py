@@ -401,6 +401,7 @@ def rollmux_trace(
     load: float = 1.0,
     seed: int = 0,
     kind: str = "async",
+    sizes: tuple[str, ...] = ("S", "M", "L"),
 ) -> Workload:
     """RollMux-like trace: Poisson arrivals, per-job phase durations from Table 6.
 
@@ -410,15 +411,27 @@ def rollmux_trace(
     step's rollout lasts ``D``). Training time ``U(range)`` is split 15/10/75% over
     old/ref log-probs and the update. Mean inter-arrival time is set so the offered load on the
     exclusive cluster is ``load`` (RollMux's 580 h trace is compressed, its Poisson shape kept).
+    ``sizes`` are the job sizes drawn from (uniformly); a cluster smaller than the largest
+    size's exclusive footprint is refused (a job that can never be placed would never finish).
     """
     if profile not in (*ROLLMUX_RANGES, "mixed"):
-        raise ValueError(f"unknown RollMux profile {profile!r}")
-    rng = np.random.default_rng(seed)
+        raise ValueError(
+            f"unknown RollMux profile {profile!r}; valid: {', '.join((*ROLLMUX_RANGES, 'mixed'))}"
+        )
+    if not sizes or any(z not in _SIZE_GPUS for z in sizes):
+        raise ValueError(f"RollMux sizes {sizes!r}: need one or more of {', '.join(_SIZE_GPUS)}")
     gpn = 8
+    largest = max(sum(_SIZE_GPUS[z][:2]) for z in sizes)
+    if largest > nodes * gpn:
+        raise ValueError(
+            f"RollMux sizes {sizes!r} need {largest} GPUs per job under exclusive allocation; "
+            f"the cluster has {nodes * gpn} ({nodes} nodes of {gpn}): add nodes or drop sizes"
+        )
+    rng = np.random.default_rng(seed)
     specs: list[tuple[str, str]] = []
     for _ in range(num_jobs):
         prof = profile if profile != "mixed" else str(rng.choice(list(ROLLMUX_RANGES)))
-        specs.append((prof, str(rng.choice(["S", "M", "L"]))))
+        specs.append((prof, str(rng.choice(list(sizes)))))
     draws: list[tuple[float, float]] = []
     work = 0.0
     for prof, size in specs:
@@ -469,7 +482,8 @@ def rollmux_trace(
         span_factor=4.0,
         sources=(ROLLMUX,),
         assumptions=(
-            "sizes S/M/L = 4+4 (tp1) / 8+8 (tp2) / 16+16 (tp4) GPUs; synchronous jobs",
+            "sizes S/M/L = 4+4 (tp1) / 8+8 (tp2) / 16+16 (tp4) GPUs; synchronous jobs; "
+            f"drawn from {'/'.join(sizes)}",
             "step = 64 single-turn trajectories, lognormal median 0.35 D capped at D",
             "trace compressed: Poisson arrivals with mean gap giving the stated offered load",
             "weight sync 5 s; optimizer reload 5 s per 4 training GPUs",
