@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster_efficiency.run import RESULTS, _workloads  # noqa: E402
+from rlix_plugins.sim.bounds import makespan_lower_bound  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.runner import run_policy  # noqa: E402
 from rlix_plugins.sim.workloads import Workload  # noqa: E402
@@ -51,6 +52,7 @@ def run_figures(wl: Workload, policy: str, seed: int, cfg: EngineConfig) -> dict
     its abort / migration counts (shared by this script and ``hosts.py``)."""
     r = run_policy(wl, policy, seed=seed, config=cfg)
     return {
+        "makespan_s": r.makespan,
         "gpu_hours_per_step": r.num_gpus * r.makespan / 3600.0 / max(1, len(r.steps)),
         "throughput_per_h": r.trajectories / r.makespan * 3600.0,
         "migrated": r.migrated,
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(",")) if args.only else None
     started = time.perf_counter()
     per: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    #: long-tail workloads: the makespan lower bound (sim.bounds) per seed
+    bounds: dict[str, dict[str, dict[str, float]]] = {}
     for _, wl, config, _ in families:
         if only is not None and wl.name not in only:
             continue
@@ -78,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
             for policy in POLICIES:
                 row[policy] = run_figures(wl, policy, seed, cfg)
             per.setdefault(wl.name, {})[str(seed)] = row
+            if wl.name.startswith("long_tail"):
+                bound = makespan_lower_bound(wl, seed).makespan_s
+                ex, ours_mk = row["exclusive"]["makespan_s"], row["ours"]["makespan_s"]
+                bounds.setdefault(wl.name, {})[str(seed)] = {
+                    "bound_makespan_s": round(bound, 1),
+                    "bound_throughput_x_exclusive": round(ex / bound, 4),
+                    "ours_fraction_of_bound": round(bound / ours_mk, 4),
+                }
             ours = row["ours"]["gpu_hours_per_step"]
             print(
                 f"{wl.name} seed {seed}: "
@@ -100,16 +112,22 @@ def main(argv: list[str] | None = None) -> int:
             entry[f"{p}_throughput_x_exclusive"] = _spread(
                 [r[p]["throughput_per_h"] / r["exclusive"]["throughput_per_h"] for r in rows], par
             )
+        if name in bounds:
+            for key in ("bound_throughput_x_exclusive", "ours_fraction_of_bound"):
+                entry[key] = _spread([b[key] for b in bounds[name].values()], 0.0)
         summary[name] = entry
     out = {
         "seeds": list(range(1, args.seeds + 1)),
         "policies": list(POLICIES),
         "note": "GPU-h/step saving = 1 - ours / baseline (positive: ours ahead; above_par counts "
         "seeds > 0); throughput x exclusive: above_par counts seeds above 3 (long tail) or 1; "
-        "same workload builders and engine settings as run.py; seed 7 is run.py's",
+        "bounds (long tail): the makespan no schedule can beat (sim.bounds), the throughput x "
+        "exclusive it allows and bound / ours' makespan; same workload builders and engine "
+        "settings as run.py; seed 7 is run.py's",
         "wall_s": round(time.perf_counter() - started, 1),
         "summary": summary,
         "runs": per,
+        "bounds": bounds,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")

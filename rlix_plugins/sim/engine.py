@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-
-import numpy as np
 
 from rlix_plugins.coordinator.core import (
     ImmediateGrant,
@@ -38,7 +35,7 @@ from rlix_plugins.sim.physics import GpuLedger, PhysicsViolation, TrajectoryCoun
 from rlix_plugins.sim.pipeline_model import SimPipeline
 from rlix_plugins.sim.placement import Placer
 from rlix_plugins.sim.records import CycleStats, JobRecord, StepRecord, TenureRecord
-from rlix_plugins.sim.workloads import RESIDENT_COSTS, JobSpec, SwitchCosts
+from rlix_plugins.sim.workloads import RESIDENT_COSTS, JobSpec, SwitchCosts, job_rng
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +382,7 @@ class SimCluster:
                 weight=job.weight,
             )
             self.state.register(spec)
-            rng = np.random.default_rng([self.seed, zlib.crc32(job.name.encode())])
+            rng = job_rng(self.seed, job.name)
             kind = "roll" if self.config.resident else (self.config.pipeline_kind or job.kind)
             cls = AsyncOverlapPipeline if kind == "async" else SimPipeline
             pipe = cls(

@@ -217,34 +217,35 @@ def cluster_scale(points: list[dict[str, Any]], deployments: tuple[str, ...], pa
     mean slowdown per deployment (middle) and the planner's mean / max cycle time (right).
 
     ``points``: one per cluster size, with ``gpus``, ``saving`` and ``mean_slowdown``
-    (deployment -> value) and ``plan_ms_mean`` / ``plan_ms_max`` (deployment -> ms).
+    (deployment -> value) and ``plan_ms_mean`` / ``plan_ms_max`` (deployment -> ms); a
+    deployment missing from a point (not run at that size) leaves a gap in its line.
     """
     plt = _plt()
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
-    xs = [pt["gpus"] for pt in points]
+
+    def series(key: str, deployment: str) -> tuple[list[int], list[float]]:
+        pts = [(pt["gpus"], pt[key][deployment]) for pt in points if deployment in pt[key]]
+        return [x for x, _ in pts], [y for _, y in pts]
+
     for deployment in sorted(deployments, key=_order):
         if deployment != "exclusive":
-            left.plot(xs, [pt["saving"][deployment] for pt in points], marker="o", label=deployment)
-        mid.plot(
-            xs, [pt["mean_slowdown"][deployment] for pt in points], marker="o", label=deployment
-        )
+            left.plot(*series("saving", deployment), marker="o", label=deployment)
+        mid.plot(*series("mean_slowdown", deployment), marker="o", label=deployment)
         (line,) = right.plot(
-            xs,
-            [pt["plan_ms_mean"][deployment] for pt in points],
-            marker="o",
-            label=f"{deployment} mean",
+            *series("plan_ms_mean", deployment), marker="o", label=f"{deployment} mean"
         )
         right.plot(
-            xs,
-            [pt["plan_ms_max"][deployment] for pt in points],
+            *series("plan_ms_max", deployment),
             marker="x",
             linestyle="--",
             color=line.get_color(),
             label=f"{deployment} max",
         )
+    xs = [pt["gpus"] for pt in points]
     left.axhline(0.0, color="grey", linewidth=0.8)
     left.set_ylabel("GPU-h/step saving vs exclusive")
     mid.set_ylabel("mean slowdown (JCT / alone)")
+    mid.set_yscale("log")
     right.set_ylabel("planner cycle, ms (wall)")
     right.set_yscale("log")
     for ax in (left, mid, right):

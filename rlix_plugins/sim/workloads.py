@@ -9,6 +9,7 @@ parameter was chosen to make a benchmark target pass.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -178,6 +179,12 @@ class Workload:
 
 
 # ----------------------------------------------------------------------------- builders
+def job_rng(seed: int, job_name: str) -> np.random.Generator:
+    """A job's own random stream (its trajectory lengths), keyed by (seed, job name): the same
+    job draws the same lengths under every deployment, alone or in any mix."""
+    return np.random.default_rng([seed, zlib.crc32(job_name.encode())])
+
+
 def _pid(i: int) -> str:
     return f"ft_{i:012x}"
 

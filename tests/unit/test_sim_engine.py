@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from rlix_plugins.coordinator.core import Plan
 from rlix_plugins.sim import simulate_cli as command
+from rlix_plugins.sim.bounds import makespan_lower_bound
 from rlix_plugins.sim.clock_queue import ClockQueue
 from rlix_plugins.sim.engine import EngineConfig
 from rlix_plugins.sim.metrics import jain, summarize
@@ -201,11 +202,12 @@ def test_physics_hold_on_random_small_scenarios(
         )
         for i in range(n_jobs)
     )
-    r = run_policy(
-        _workload(jobs, nodes=2), policy, seed=seed, config=EngineConfig(util_bin_s=10.0)
-    )
+    wl = _workload(jobs, nodes=2)
+    r = run_policy(wl, policy, seed=seed, config=EngineConfig(util_bin_s=10.0))
     assert r.trajectories == n_jobs * steps * batch
     assert all(v <= r.num_gpus * r.util_bin_s + 1e-6 for v in r.util_bins)
+    # No deployment beats the relaxed lower bound on the same draws.
+    assert r.makespan >= makespan_lower_bound(wl, seed).makespan_s - 1e-6
 
 
 def test_scenario_loader_runs_a_gate2_like_config(tmp_path: Path) -> None:
