@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.cluster_efficiency.run import RESULTS, _workloads  # noqa: E402
 from rlix_plugins.sim.bounds import makespan_lower_bound  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
+from rlix_plugins.sim.metrics import final_drain  # noqa: E402
 from rlix_plugins.sim.runner import run_policy  # noqa: E402
 from rlix_plugins.sim.workloads import Workload  # noqa: E402
 
@@ -51,8 +52,13 @@ def run_figures(wl: Workload, policy: str, seed: int, cfg: EngineConfig) -> dict
     """One deployment's run on ``wl``: GPU-h per step, trajectories per hour of makespan, and
     its abort / migration counts (shared by this script and ``hosts.py``)."""
     r = run_policy(wl, policy, seed=seed, config=cfg)
+    drain = final_drain(r)
     return {
         "makespan_s": r.makespan,
+        # the end of the run below 50% utilisation, and idle cluster-seconds in it / before it
+        "final_drain_s": round(drain.length_s, 1),
+        "idle_in_drain_s": round(drain.idle_in_s, 1),
+        "idle_before_drain_s": round(drain.idle_before_s, 1),
         "gpu_hours_per_step": r.num_gpus * r.makespan / 3600.0 / max(1, len(r.steps)),
         "throughput_per_h": r.trajectories / r.makespan * 3600.0,
         "migrated": r.migrated,
@@ -115,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         if name in bounds:
             for key in ("bound_throughput_x_exclusive", "ours_fraction_of_bound"):
                 entry[key] = _spread([b[key] for b in bounds[name].values()], 0.0)
+            for key in ("final_drain_s", "idle_in_drain_s", "idle_before_drain_s"):
+                entry[f"ours_{key}"] = _spread([r["ours"][key] for r in rows], 0.0)
         summary[name] = entry
     out = {
         "seeds": list(range(1, args.seeds + 1)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from rlix_plugins.sim.engine import RunResult
@@ -124,3 +125,37 @@ def first_crossing(points: list[tuple[float, float]], level: float) -> float | N
     if points and points[-1][1] >= level:
         return points[-1][0]
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class FinalDrain:
+    """The end of a run where the cluster stays under-used: from the first utilisation bin after
+    which every bin is below ``level`` of the cluster, to the makespan."""
+
+    start_s: float
+    length_s: float
+    #: idle cluster-seconds (idle GPU-seconds / GPUs) inside the drain and before it
+    idle_in_s: float
+    idle_before_s: float
+
+
+def final_drain(result: RunResult, level: float = 0.5) -> FinalDrain:
+    """Split a run's idle time into the final drain and the rest (see :class:`FinalDrain`).
+    Bins cover ``[0, makespan)``; the last one is partial and counted up to the makespan."""
+    if not 0.0 < level <= 1.0:
+        raise ValueError(f"level is a fraction of the cluster in (0, 1], got {level}")
+    width, gpus = result.util_bin_s, result.num_gpus
+    n = math.ceil(result.makespan / width)
+    useful = [*result.util_bins[:n], *([0.0] * (n - len(result.util_bins)))]
+    spans = [min(width, result.makespan - i * width) for i in range(n)]
+    k = n
+    while k > 0 and useful[k - 1] < level * gpus * spans[k - 1]:
+        k -= 1
+    idle = [max(0.0, gpus * s - u) / gpus for s, u in zip(spans, useful, strict=True)]
+    start = min(k * width, result.makespan)
+    return FinalDrain(
+        start_s=start,
+        length_s=result.makespan - start,
+        idle_in_s=sum(idle[k:]),
+        idle_before_s=sum(idle[:k]),
+    )

@@ -1,5 +1,5 @@
-"""The makespan lower bound: exact on a hand-computed case, and below every deployment's
-makespan on the long-tail workload (the random-scenario physics test checks it too)."""
+"""Yardsticks of a run: the makespan lower bound (exact on a hand-computed case, below every
+deployment's makespan; the random-scenario physics test checks it too) and the final drain."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from rlix_plugins.sim.bounds import makespan_lower_bound
 from rlix_plugins.sim.engine import EngineConfig
+from rlix_plugins.sim.metrics import final_drain
 from rlix_plugins.sim.runner import run_policy
 from rlix_plugins.sim.workloads import LengthDistribution, PhaseTimes, Workload, long_tail_agentic
 
@@ -57,3 +58,21 @@ def test_every_deployment_is_above_the_bound_on_the_long_tail() -> None:
     for policy in ("exclusive", "rlix_async", "ours"):
         r = run_policy(wl, policy, seed=5, config=EngineConfig(record_tenures=False))
         assert r.makespan >= bound.makespan_s
+
+
+def test_final_drain_splits_idle_time_at_the_last_busy_bin() -> None:
+    wl = long_tail_agentic(num_jobs=1, nodes=2, steps=1)
+    run = run_policy(wl, "ours", seed=1, config=EngineConfig(record_tenures=False))
+    # 2 GPUs, bins of 100 s, makespan 250 s: busy, then 30% and 10% of the cluster (the last bin
+    # is 50 s long), then nothing recorded up to the makespan.
+    run = replace(run, num_gpus=2, makespan=250.0, util_bin_s=100.0, util_bins=(200.0, 60.0, 10.0))
+    drain = final_drain(run)
+    assert (drain.start_s, drain.length_s) == (100.0, 150.0)
+    assert drain.idle_in_s == pytest.approx(70.0 + 45.0)
+    assert drain.idle_before_s == 0.0
+    # Bins missing at the end count as idle; at a level of 4% the last bin (10%) is busy enough.
+    short = final_drain(replace(run, util_bins=(200.0,)))
+    assert (short.start_s, short.idle_in_s) == (100.0, pytest.approx(100.0 + 50.0))
+    assert final_drain(run, level=0.04).length_s == 0.0
+    with pytest.raises(ValueError, match="fraction of the cluster"):
+        final_drain(run, level=0.0)
