@@ -242,6 +242,21 @@ def cluster_scale(points: list[dict[str, Any]], deployments: tuple[str, ...], pa
             label=f"{deployment} max",
         )
     xs = [pt["gpus"] for pt in points]
+    # A collapsed deployment (e.g. -150%) would flatten the others: clip and label it instead.
+    floor = -0.3
+    for pt in points:
+        for deployment, value in pt["saving"].items():
+            if value < floor:
+                left.annotate(
+                    f"{deployment} {value:.0%}",
+                    (pt["gpus"], floor),
+                    xytext=(0, 8),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=7,
+                    arrowprops={"arrowstyle": "->"},
+                )
+    left.set_ylim(bottom=floor)
     left.axhline(0.0, color="grey", linewidth=0.8)
     left.set_ylabel("GPU-h/step saving vs exclusive")
     mid.set_ylabel("mean slowdown (JCT / alone)")
