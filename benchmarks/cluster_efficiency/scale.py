@@ -23,6 +23,7 @@ GPU, utilisation <= 100%, every trajectory generated and consumed once) run in e
     python benchmarks/cluster_efficiency/scale.py                  # results/scale.{json,png}
     python benchmarks/cluster_efficiency/scale.py --max-gpus 512   # skip the 4,096-GPU point
     python benchmarks/cluster_efficiency/scale.py --plot-only      # redraw from scale.json
+    python benchmarks/cluster_efficiency/scale.py --half           # shared on half the GPUs
 """
 
 from __future__ import annotations
@@ -59,10 +60,16 @@ class ScalePoint:
     #: deployments not run at this size, and why
     skipped: tuple[str, ...] = ()
     skip_reason: str = ""
+    #: nodes of the time-shared deployments (None: the same cluster as exclusive allocation)
+    shared_nodes: int | None = None
 
     @property
     def gpus(self) -> int:
         return self.nodes * 8
+
+    @property
+    def shared_gpus(self) -> int:
+        return (self.shared_nodes or self.nodes) * 8
 
     @property
     def deployments(self) -> tuple[str, ...]:
@@ -85,6 +92,12 @@ POINTS = (
     ScalePoint(64, 64, ("S", "M", "L")),
     ScalePoint(512, 300, ("S", "M", "L"), skipped=("rlix",), skip_reason=_RLIX_CHURN),
 )
+#: ``--half``: the two large traces again, the time-shared deployments on half the GPUs that
+#: exclusive allocation has (where sharing pays at scale: fewer GPUs for the same trace)
+HALF_POINTS = (
+    ScalePoint(64, 64, ("S", "M", "L"), ("rlix",), _RLIX_CHURN, shared_nodes=32),
+    ScalePoint(512, 300, ("S", "M", "L"), ("rlix",), _RLIX_CHURN, shared_nodes=256),
+)
 
 
 def run_point(point: ScalePoint, out: Path) -> dict[str, Any]:
@@ -92,7 +105,14 @@ def run_point(point: ScalePoint, out: Path) -> dict[str, Any]:
     wl = rollmux_trace(
         "mixed", num_jobs=point.jobs, nodes=point.nodes, steps=STEPS, seed=SEED, sizes=point.sizes
     )
-    wl = replace(wl, name=f"rollmux_mixed_{point.gpus}gpus")
+    if point.shared_nodes is None:
+        wl = replace(wl, name=f"rollmux_mixed_{point.gpus}gpus")
+    else:
+        wl = replace(
+            wl,
+            name=f"rollmux_mixed_{point.gpus}gpus_shared{point.shared_gpus}",
+            shared_nodes=point.shared_nodes,
+        )
     t0 = time.perf_counter()
     comp = compare(
         wl,
@@ -108,8 +128,10 @@ def run_point(point: ScalePoint, out: Path) -> dict[str, Any]:
     summaries = {s.policy: s for s in comp.summaries}
     shared = [p for p in point.deployments if p != "exclusive"]
     bases = [b for b in BASES if b in point.deployments]
+    ex = summaries["exclusive"].makespan_s
     return {
         "gpus": point.gpus,
+        "shared_gpus": point.shared_gpus,
         "jobs": point.jobs,
         "job_sizes": list(point.sizes),
         "steps_per_job": STEPS,
@@ -118,6 +140,7 @@ def run_point(point: ScalePoint, out: Path) -> dict[str, Any]:
         "saving": {p: round(ratios[f"{p}_gpu_hours_saving_vs_exclusive"], 4) for p in shared},
         "ours_saving_vs": {b: round(ratios[f"ours_gpu_hours_saving_vs_{b}"], 4) for b in bases},
         "makespan_s": {p: round(s.makespan_s, 1) for p, s in summaries.items()},
+        "makespan_x_exclusive": {p: round(s.makespan_s / ex, 4) for p, s in summaries.items()},
         "gpu_utilisation": {p: round(s.gpu_utilisation, 4) for p, s in summaries.items()},
         "mean_jct_s": {p: round(s.mean_jct_s, 1) for p, s in summaries.items()},
         "mean_slowdown": {p: round(s.mean_slowdown, 3) for p, s in summaries.items()},
@@ -137,14 +160,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plot-only", action="store_true", help="redraw scale.png from an existing scale.json"
     )
+    parser.add_argument(
+        "--half",
+        action="store_true",
+        help="the 512- and 4,096-GPU traces with the shared deployments on half the GPUs "
+        "(results/scale_half.json)",
+    )
     args = parser.parse_args(argv)
     if args.plot_only:
         saved = json.loads((args.out / "scale.json").read_text())
         plots.cluster_scale(saved["points"], tuple(saved["deployments"]), args.out / "scale.png")
         return 0
-    points = [p for p in POINTS if p.gpus <= args.max_gpus]
+    candidates = HALF_POINTS if args.half else POINTS
+    points = [p for p in candidates if p.gpus <= args.max_gpus]
     if not points:
-        valid = ", ".join(str(p.gpus) for p in POINTS)
+        valid = ", ".join(str(p.gpus) for p in candidates)
         parser.error(f"--max-gpus {args.max_gpus} leaves no cluster size; sizes are {valid}")
     started = time.perf_counter()
     rows = [run_point(p, args.out / "scale") for p in points]
@@ -153,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": "rollmux_trace('mixed', load 1.0), per-size jobs and sizes as listed",
         "deployments": list(BENCH_POLICIES),
         "engine": "EngineConfig defaults (cycle batching 0.2 s, tick 10 s), as run.py",
+        "shared_cluster": "half of exclusive's GPUs (shared_gpus)" if args.half else "the same",
         "note": "saving = 1 - GPU-h/step / exclusive's (cluster GPUs x makespan / steps); "
         "ours_saving_vs = the same against each RLix baseline (positive: ours ahead); "
         "plan_ms = wall time of one planner cycle on this shared 2-core box",
@@ -160,12 +191,18 @@ def main(argv: list[str] | None = None) -> int:
         "points": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(result, indent=2))
-    plots.cluster_scale(rows, BENCH_POLICIES, args.out / "scale.png")
+    name = "scale_half" if args.half else "scale"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    if not args.half:
+        plots.cluster_scale(rows, BENCH_POLICIES, args.out / "scale.png")
     for row in rows:
         margins = ", ".join(f"vs {b} {v:+.1%}" for b, v in row["ours_saving_vs"].items())
-        print(f"{row['gpus']:>5} GPUs: ours saving {row['saving']['ours']:+.1%} ({margins})")
-    print(f"results in {args.out}/scale.json ({result['wall_s']:.0f} s)")
+        print(
+            f"{row['gpus']:>5} GPUs (shared on {row['shared_gpus']}): ours saving "
+            f"{row['saving']['ours']:+.1%}, makespan x{row['makespan_x_exclusive']['ours']:.2f} "
+            f"({margins})"
+        )
+    print(f"results in {args.out}/{name}.json ({result['wall_s']:.0f} s)")
     return 0
 
 
