@@ -76,10 +76,8 @@ class ScalePoint:
         return tuple(p for p in BENCH_POLICIES if p not in self.skipped)
 
 
-#: RLix as deployed (ROLL call sequence + RLix's eager preemption) churns at scale: at 512 GPUs
-#: it made 602,597 preemption shrinks (51,780 of them freed GPUs nobody took that cycle)
-#: and its makespan was 2.5x exclusive's; at 4,096 GPUs its run had reached 3,200 s of
-#: virtual time after 7 minutes of wall time, so it is not run there.
+#: Why RLix as deployed is not run at 4,096 GPUs nor by --half (the 512-GPU figures are this
+#: script's own; the 4,096-GPU observation is from the run stopped on 2026-11-24).
 _RLIX_CHURN = (
     "rlix (ROLL sequence + eager preemption) churns at this size: at 512 GPUs 602,597 "
     "preemption shrinks, makespan 2.5x exclusive; at 4,096 GPUs its simulation reached "
