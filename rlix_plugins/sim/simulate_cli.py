@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from rlix_plugins.sim.calibrate import calibrate_lengths
@@ -14,6 +15,7 @@ from rlix_plugins.sim.scenario import load_scenario
 from rlix_plugins.sim.workloads import (
     PLEXRL_TABLE2,
     ROLLMUX_RANGES,
+    ROLLMUX_SIZES,
     Workload,
     long_tail_agentic,
     plexrl_two_jobs,
@@ -37,35 +39,48 @@ def build_workload(
     nodes: int | None,
     seed: int,
     shared_gpus: int | None = None,
+    job_sizes: tuple[str, ...] | None = None,
 ) -> Workload:
     """A named workload from :mod:`rlix_plugins.sim.workloads` (PlexRL ones calibrated).
 
-    ``shared_gpus`` (PlexRL workloads only) sizes the time-shared cluster, e.g. ``T + R`` to
-    run both jobs on one job's exclusive GPUs (the default is PlexRL's ``T + 2R``).
+    ``shared_gpus`` sizes the time-shared cluster (exclusive allocation keeps its own): for
+    PlexRL e.g. ``T + R`` runs both jobs on one job's exclusive GPUs (the default is PlexRL's
+    ``T + 2R``); for the other workloads a whole number of nodes that holds the largest job.
+    ``job_sizes`` (RollMux only): the sizes drawn, out of S, M, L.
     """
-    if shared_gpus is not None and not name.startswith("plexrl-"):
-        raise ValueError(
-            f"shared_gpus applies to the PlexRL workloads "
-            f"{tuple(w for w in WORKLOADS if w.startswith('plexrl-'))}, not {name!r}"
-        )
-    if name == "long-tail":
-        return long_tail_agentic(num_jobs=jobs or 16, nodes=nodes or 8, steps=steps or 4)
+    if job_sizes is not None and not name.startswith("rollmux-"):
+        raise ValueError(f"job sizes apply to the RollMux workloads, not {name!r}")
     if name.startswith("plexrl-"):
         row = next(r for r in PLEXRL_TABLE2 if r.model == name.removeprefix("plexrl-"))
         probe = plexrl_two_jobs(row, steps=steps or 8)
         scale = calibrate_lengths(probe, row.cycle_s, seed=seed)
-        return plexrl_two_jobs(
-            row, steps=steps or 8, length_scale=scale, shared_gpus=shared_gpus
-        )
-    if name.startswith("rollmux-"):
-        return rollmux_trace(
+        return plexrl_two_jobs(row, steps=steps or 8, length_scale=scale, shared_gpus=shared_gpus)
+    if name == "long-tail":
+        wl = long_tail_agentic(num_jobs=jobs or 16, nodes=nodes or 8, steps=steps or 4)
+    elif name.startswith("rollmux-"):
+        wl = rollmux_trace(
             name.removeprefix("rollmux-"),
             num_jobs=jobs or 16,
             nodes=nodes or 8,
             steps=steps or 10,
             seed=seed,
+            sizes=ROLLMUX_SIZES if job_sizes is None else job_sizes,
         )
-    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+    else:
+        raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+    return wl if shared_gpus is None else _shared_on(wl, shared_gpus)
+
+
+def _shared_on(wl: Workload, gpus: int) -> Workload:
+    """``wl`` with its time-shared deployments on ``gpus`` GPUs (whole nodes, every job fits)."""
+    gpn = wl.gpus_per_node
+    largest = max(j.train_gpus + j.infer_gpus for j in wl.jobs)
+    if gpus % gpn or gpus < largest:
+        raise ValueError(
+            f"shared GPUs {gpus}: need a multiple of {gpn} (whole nodes) and at least {largest} "
+            f"(the largest job's train + rollout GPUs)"
+        )
+    return replace(wl, name=f"{wl.name}_shared{gpus}", shared_nodes=gpus // gpn)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shared-gpus",
         type=int,
-        help="PlexRL workloads: GPUs of the time-shared cluster (default T + 2R, PlexRL's; "
-        "T + R runs both jobs on one job's exclusive GPUs; the plexrl deployment needs T + 2R)",
+        help="GPUs of the time-shared cluster (exclusive keeps its own). PlexRL: default T + 2R, "
+        "PlexRL's; T + R runs both jobs on one job's exclusive GPUs; the plexrl deployment needs "
+        "T + 2R. long-tail / rollmux: whole nodes holding the largest job, e.g. half the cluster",
+    )
+    parser.add_argument(
+        "--job-sizes", help="rollmux: comma-separated job sizes out of S,M,L (default all)"
     )
     parser.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="directory for JSON + PNG results"
@@ -112,12 +131,17 @@ def run(args: argparse.Namespace) -> int:
                 nodes=args.nodes,
                 seed=args.seed,
                 shared_gpus=args.shared_gpus,
+                job_sizes=None
+                if args.job_sizes is None
+                else tuple(z.strip() for z in str(args.job_sizes).split(",") if z.strip()),
             )
         except ValueError as exc:
             print(f"error: {exc}")
             return 2
-        if args.shared_gpus is not None and workload.pool_placements is None and (
-            "plexrl" in policies
+        if (
+            args.shared_gpus is not None
+            and workload.pool_placements is None
+            and ("plexrl" in policies)
         ):
             print(
                 "error: the plexrl deployment keeps a rollout pool per job and needs PlexRL's "

@@ -398,6 +398,7 @@ ROLLMUX_RANGES: dict[str, dict[str, tuple[tuple[float, float], tuple[float, floa
     },
 }
 _SIZE_GPUS = {"S": (4, 4, 1), "M": (8, 8, 2), "L": (16, 16, 4)}  # train, rollout, tp
+ROLLMUX_SIZES = tuple(_SIZE_GPUS)
 
 
 def rollmux_trace(
@@ -408,7 +409,7 @@ def rollmux_trace(
     load: float = 1.0,
     seed: int = 0,
     kind: str = "async",
-    sizes: tuple[str, ...] = ("S", "M", "L"),
+    sizes: tuple[str, ...] = ROLLMUX_SIZES,
 ) -> Workload:
     """RollMux-like trace: Poisson arrivals, per-job phase durations from Table 6.
 

@@ -297,15 +297,34 @@ def test_simulate_command_right_sizes_plexrl_and_rejects_bad_sizes(
     assert command.run(args) == 0
     saved = json.loads((tmp_path / "plexrl_7B_S16.json").read_text())
     assert {s["policy"]: s["num_gpus"] for s in saved["summaries"]} == {"exclusive": 32, "ours": 16}
-    # PlexRL-style needs its T + 2R GPUs; a size off the node grid or on another workload fails
+    # PlexRL-style needs its T + 2R GPUs; a size off the node grid, a cluster smaller than a
+    # job, or job sizes on a workload without them fail with a message
     for argv in (
         ["--workload", "plexrl-7B", "--shared-gpus", "16", "--policies", "plexrl"],
         ["--workload", "plexrl-7B", "--shared-gpus", "12"],
-        ["--workload", "long-tail", "--shared-gpus", "16"],
+        ["--workload", "long-tail", "--shared-gpus", "12"],
+        ["--workload", "long-tail", "--shared-gpus", "8"],
+        ["--workload", "long-tail", "--job-sizes", "S"],
+        ["--workload", "rollmux-mixed", "--nodes", "1"],
+        ["--workload", "rollmux-mixed", "--job-sizes", "XL"],
     ):
         capsys.readouterr()
         assert command.run(parser.parse_args([*argv, *common])) == 2
         assert "error:" in capsys.readouterr().out
+
+
+def test_simulate_command_shares_half_the_gpus_and_small_job_sizes(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    common = ["--steps", "1", "--out", str(tmp_path), "--no-plots", "--policies", "exclusive,ours"]
+    argv = ["--workload", "long-tail", "--jobs", "2", "--nodes", "4", "--shared-gpus", "16"]
+    assert command.run(parser.parse_args([*argv, *common])) == 0
+    saved = json.loads((tmp_path / "long_tail_agentic_shared16.json").read_text())
+    assert {s["policy"]: s["num_gpus"] for s in saved["summaries"]} == {"exclusive": 32, "ours": 16}
+    argv = ["--workload", "rollmux-mixed", "--jobs", "3", "--nodes", "1", "--job-sizes", "S"]
+    assert command.run(parser.parse_args([*argv, *common])) == 0
+    saved = json.loads((tmp_path / "rollmux_mixed.json").read_text())
+    assert {s["num_gpus"] for s in saved["summaries"]} == {8}
 
 
 def test_workloads_are_deterministic_per_seed() -> None:
