@@ -485,17 +485,15 @@ def _chart_rows(comparisons: list[tuple[str, Comparison]]) -> list[dict[str, Any
     return rows
 
 
-def _bound_figures(comp: Comparison, bound: MakespanBound) -> dict[str, object]:
-    """The makespan lower bound beside a run: the throughput x exclusive no schedule can beat
-    and how close ours comes (bound / ours' makespan)."""
+def bound_figures(bound: MakespanBound, exclusive_s: float, ours_s: float) -> dict[str, float]:
+    """The makespan lower bound beside a run (``run.py`` and ``seeds.py``): the throughput x
+    exclusive no schedule can beat and how close ours comes (bound / ours' makespan)."""
     return {
         "bound_makespan_s": round(bound.makespan_s, 1),
         "bound_work_s": round(bound.work_s, 1),
         "bound_critical_path_s": round(bound.critical_path_s, 1),
-        "bound_throughput_x_exclusive": round(
-            comp.get("exclusive").makespan_s / bound.makespan_s, 3
-        ),
-        "ours_fraction_of_bound": round(bound.makespan_s / comp.get("ours").makespan_s, 3),
+        "bound_throughput_x_exclusive": round(exclusive_s / bound.makespan_s, 4),
+        "ours_fraction_of_bound": round(bound.makespan_s / ours_s, 4),
     }
 
 
@@ -531,7 +529,13 @@ def evaluate(
             k: round(v, 3) for k, v in r.items() if "throughput_x_exclusive" in k
         }
         if head.workload in bounds:
-            measured.update(_bound_figures(head, bounds[head.workload]))
+            measured.update(
+                bound_figures(
+                    bounds[head.workload],
+                    head.get("exclusive").makespan_s,
+                    head.get("ours").makespan_s,
+                )
+            )
         out.append(
             _target(
                 f"{head.workload}: ours >= {LONG_TAIL_X}x rollout throughput vs exclusive "

@@ -44,7 +44,7 @@ from benchmarks.cluster_efficiency.run import BENCH_POLICIES, RESULTS, SEED  # n
 from rlix_plugins.sim import plots  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.report import compare, format_table  # noqa: E402
-from rlix_plugins.sim.workloads import rollmux_trace  # noqa: E402
+from rlix_plugins.sim.workloads import rollmux_trace, shared_on  # noqa: E402
 
 STEPS = 10
 BASES = ("rlix", "rlix_async", "rlix_async_migr")
@@ -103,14 +103,9 @@ def run_point(point: ScalePoint, out: Path) -> dict[str, Any]:
     wl = rollmux_trace(
         "mixed", num_jobs=point.jobs, nodes=point.nodes, steps=STEPS, seed=SEED, sizes=point.sizes
     )
-    if point.shared_nodes is None:
-        wl = replace(wl, name=f"rollmux_mixed_{point.gpus}gpus")
-    else:
-        wl = replace(
-            wl,
-            name=f"rollmux_mixed_{point.gpus}gpus_shared{point.shared_gpus}",
-            shared_nodes=point.shared_nodes,
-        )
+    wl = replace(wl, name=f"rollmux_mixed_{point.gpus}gpus")
+    if point.shared_nodes is not None:
+        wl = shared_on(wl, point.shared_gpus)
     t0 = time.perf_counter()
     comp = compare(
         wl,

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster_efficiency.run import RESULTS, _workloads  # noqa: E402
+from benchmarks.cluster_efficiency.run import RESULTS, _workloads, bound_figures  # noqa: E402
 from rlix_plugins.sim.bounds import makespan_lower_bound  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.metrics import final_drain  # noqa: E402
@@ -89,13 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                 row[policy] = run_figures(wl, policy, seed, cfg)
             per.setdefault(wl.name, {})[str(seed)] = row
             if wl.name.startswith("long_tail"):
-                bound = makespan_lower_bound(wl, seed).makespan_s
-                ex, ours_mk = row["exclusive"]["makespan_s"], row["ours"]["makespan_s"]
-                bounds.setdefault(wl.name, {})[str(seed)] = {
-                    "bound_makespan_s": round(bound, 1),
-                    "bound_throughput_x_exclusive": round(ex / bound, 4),
-                    "ours_fraction_of_bound": round(bound / ours_mk, 4),
-                }
+                bounds.setdefault(wl.name, {})[str(seed)] = bound_figures(
+                    makespan_lower_bound(wl, seed),
+                    row["exclusive"]["makespan_s"],
+                    row["ours"]["makespan_s"],
+                )
             ours = row["ours"]["gpu_hours_per_step"]
             print(
                 f"{wl.name} seed {seed}: "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 from rlix_plugins.sim.calibrate import calibrate_lengths
@@ -20,6 +19,7 @@ from rlix_plugins.sim.workloads import (
     long_tail_agentic,
     plexrl_two_jobs,
     rollmux_trace,
+    shared_on,
 )
 
 log = logging.getLogger(__name__)
@@ -68,19 +68,7 @@ def build_workload(
         )
     else:
         raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
-    return wl if shared_gpus is None else _shared_on(wl, shared_gpus)
-
-
-def _shared_on(wl: Workload, gpus: int) -> Workload:
-    """``wl`` with its time-shared deployments on ``gpus`` GPUs (whole nodes, every job fits)."""
-    gpn = wl.gpus_per_node
-    largest = max(j.train_gpus + j.infer_gpus for j in wl.jobs)
-    if gpus % gpn or gpus < largest:
-        raise ValueError(
-            f"shared GPUs {gpus}: need a multiple of {gpn} (whole nodes) and at least {largest} "
-            f"(the largest job's train + rollout GPUs)"
-        )
-    return replace(wl, name=f"{wl.name}_shared{gpus}", shared_nodes=gpus // gpn)
+    return wl if shared_gpus is None else shared_on(wl, shared_gpus)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -185,6 +185,19 @@ def job_rng(seed: int, job_name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(job_name.encode())])
 
 
+def shared_on(workload: Workload, gpus: int) -> Workload:
+    """``workload`` with its time-shared deployments on ``gpus`` GPUs (exclusive allocation
+    keeps its own cluster): whole nodes, at least the largest job's train + rollout GPUs."""
+    gpn = workload.gpus_per_node
+    largest = max(j.train_gpus + j.infer_gpus for j in workload.jobs)
+    if gpus % gpn or gpus < largest:
+        raise ValueError(
+            f"shared GPUs {gpus}: need a multiple of {gpn} (whole nodes) and at least {largest} "
+            f"(the largest job's train + rollout GPUs)"
+        )
+    return replace(workload, name=f"{workload.name}_shared{gpus}", shared_nodes=gpus // gpn)
+
+
 def _pid(i: int) -> str:
     return f"ft_{i:012x}"
 
