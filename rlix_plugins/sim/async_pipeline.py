@@ -129,8 +129,9 @@ class AsyncOverlapPipeline(SimPipeline):
             self.infer_cid, Priority.GENERATION, step_target_estimate=self.job.batch
         )
 
-    def on_expand(self, dp_rank: int) -> None:
-        """Wake + selective sync; a shard's first wake starts its engine (model load)."""
+    def on_expand(self, dp_rank: int) -> float:
+        """Wake + selective sync; a shard's first wake starts its engine (model load).
+        Returns when it serves."""
         r = self.ranks[dp_rank]
         first = r.dp_rank not in self._loaded
         self._loaded.add(r.dp_rank)
@@ -140,6 +141,7 @@ class AsyncOverlapPipeline(SimPipeline):
         r.state = "waking"
         wake = load + self.job.phases.sync_weight_s
         r.wake_timer = self.cluster.clock.at(start + wake, lambda: self._activate(r))
+        return start + wake
 
     def _activate(self, r: _Rank) -> None:
         """The shard serves: queued requests first, then (with migration on) running requests

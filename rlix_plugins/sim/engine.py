@@ -69,6 +69,13 @@ class EngineConfig:
     #: as NeMo RL's adapter runs it): its generated work is lost and regenerated, no re-prefill
     #: of partial tokens; False = CONTINUE from the partial tokens (veRL, the gate rehearsals)
     restart_on_abort: bool = False
+    #: the next cycle plans only once the previous cycle's resizes are done (shrunk shards
+    #: asleep, expanded shards serving). RLix's scheduler awaits every ``resize_infer`` of a
+    #: cycle before committing it (rlops/rlix ``_execute_resize_calls``) and our service does
+    #: the same (scheduler_actor.py); False = a cycle may follow 0.2 s later while shards are
+    #: still waking (the results in docs/simulator.md). Modelled as the max over the cycle's
+    #: resizes, not shrinks-then-expands: a slight underestimate of a real cycle's length.
+    blocking_cycles: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +157,8 @@ class SimCluster:
         self._tenure_meta: dict[str, tuple[str, str]] = {}
         self._cycle_timer: object | None = None
         self._last_cycle = -1.0
+        #: blocking cycles: when the last cycle's resize calls have all returned
+        self._resizing_until = 0.0
         self._dirty = False
         self._tick_timer: object | None = None
         self._stats = {"cycles": 0, "preempt": 0, "rebalance": 0, "planned": 0, "idle": 0}
@@ -263,7 +272,11 @@ class SimCluster:
     def _mark_dirty(self) -> None:
         self._dirty = True
         if self._cycle_timer is None:
-            at = max(self.clock.now, self._last_cycle + self.config.cycle_interval_s)
+            at = max(
+                self.clock.now,
+                self._last_cycle + self.config.cycle_interval_s,
+                self._resizing_until,
+            )
             self._cycle_timer = self.clock.at(at, self._cycle)
 
     def _tick(self) -> None:
@@ -271,7 +284,8 @@ class SimCluster:
         if self.pipelines:
             self._dirty = True
             if self._cycle_timer is None:
-                self._cycle_timer = self.clock.after(0.0, self._cycle)
+                at = max(self.clock.now, self._resizing_until)
+                self._cycle_timer = self.clock.at(at, self._cycle)
             self._tick_timer = self.clock.after(self.config.tick_s, self._tick)
 
     def _check(self, plan: Plan) -> int:
@@ -308,6 +322,10 @@ class SimCluster:
         self._cycle_timer = None
         if not self._dirty:
             return
+        if self.clock.now < self._resizing_until:
+            # set while this cycle's timer was pending (an event during the last apply)
+            self._cycle_timer = self.clock.at(self._resizing_until, self._cycle)
+            return
         self._dirty = False
         now = self.clock.now
         self._last_cycle = now
@@ -333,10 +351,12 @@ class SimCluster:
         # Apply: shrinks (abort + sleep) first, then grants and expands.
         touched: set[str] = set()
         release_ready: dict[str, float] = {}
+        resized = now
         for cid, rank in result.shrunk:
             pid = self.state.clusters[cid].pipeline_id
             end = self.pipelines[pid].on_shrink(rank)
             release_ready[cid] = max(release_ready.get(cid, now), end)
+            resized = max(resized, end)
             touched.add(pid)
         for cid in result.released:
             pid = self.state.clusters[cid].pipeline_id
@@ -350,7 +370,9 @@ class SimCluster:
                 pipe.on_grant(cid, gpus)
         for cid, rank in result.expanded:
             pid = self.state.clusters[cid].pipeline_id
-            self.pipelines[pid].on_expand(rank)
+            resized = max(resized, self.pipelines[pid].on_expand(rank))
+        if self.config.blocking_cycles:
+            self._resizing_until = resized
         for pid in touched:
             self.pipelines[pid].redispatch()
         # Planned releases whose ranks were already all gone complete without a shrink.

@@ -446,8 +446,9 @@ class SimPipeline:
             self._reschedule(by_rank[d])
 
     # ------------------------------------------------------------------ resize (from plans)
-    def on_expand(self, dp_rank: int) -> None:
-        """``resize_infer(add)``: wake + selective sync, then the rank serves requests."""
+    def on_expand(self, dp_rank: int) -> float:
+        """``resize_infer(add)``: wake + selective sync, then the rank serves requests.
+        Returns when it serves (the resize call's return, for a blocking cycle)."""
         r = self.ranks[dp_rank]
         wake = self.costs.gen_wake_s + self.job.phases.sync_weight_s
         if r.state == "paused":  # resident shard: weights updated in place, no wake
@@ -457,6 +458,7 @@ class SimPipeline:
             self.cluster.tenure_begin(r.gpus, r.who, start, self.pid, "gen")
         r.state = "waking"
         r.wake_timer = self.cluster.clock.at(start + wake, lambda: self._activate(r))
+        return start + wake
 
     def _activate(self, r: _Rank) -> None:
         r.wake_timer = None
