@@ -3,13 +3,14 @@
 RLix's scheduler awaits every ``resize_infer`` of a cycle (shrinks, then expands, each a
 blocking call into the pipeline) before it commits the cycle and plans the next one (rlops/rlix
 at 6664b0e, ``scheduler.py`` ``_execute_resize_calls``); our service does the same
-(``scheduler_actor.py``: resize RPCs outside the lock, then commit). The simulator's default
-engine plans the next cycle 0.2 s later even while shards are still waking, so RLix's eager
-preemption can hit a rank again before it serves. ``EngineConfig.blocking_cycles`` models the
-blocking calls. This script runs ``run.py``'s workloads (same builders, engine settings and
-seed) and the 512-GPU point of ``scale.py`` under both engines and reports, per deployment,
-GPU-h/step saving vs exclusive, preemptions and cycles, and ours' margin over each RLix
-baseline, so the conclusions can be checked against the engine choice.
+(``scheduler_actor.py``: resize RPCs outside the lock, then commit). The simulator models
+that by default (``EngineConfig.blocking_cycles``, since 2026-11-24); before, it planned the
+next cycle 0.2 s later even while shards were still waking ("overlapping" here), so RLix's
+eager preemption could hit a rank again before it served. This script runs ``run.py``'s
+workloads (same builders, engine settings and seed) and the 512-GPU point of ``scale.py``
+under both engines and reports, per deployment, GPU-h/step saving vs exclusive, preemptions
+and cycles, and ours' margin over each RLix baseline, so the conclusions can be checked
+against the engine choice.
 
     python benchmarks/cluster_efficiency/blocking.py            # results/blocking.{json,png}
     python benchmarks/cluster_efficiency/blocking.py --no-512   # skip the 512-GPU point
@@ -38,7 +39,8 @@ from rlix_plugins.sim.workloads import Workload, rollmux_trace  # noqa: E402
 
 POLICIES = ("exclusive", "rlix", "rlix_async", "rlix_async_migr", "ours")
 BASES = ("rlix", "rlix_async", "rlix_async_migr")
-ENGINES = {"default": False, "blocking": True}
+#: engine -> ``blocking_cycles``; "blocking" is the default every other result uses
+ENGINES = {"blocking": True, "overlapping": False}
 
 
 def _figures(wl: Workload, policy: str, cfg: EngineConfig) -> dict[str, float]:
@@ -59,8 +61,8 @@ def run_workload(wl: Workload, config: EngineConfig) -> dict[str, Any]:
     for engine, blocking in ENGINES.items():
         # Exclusive allocation never resizes: one run serves as the baseline of both engines.
         cfg = replace(config, record_tenures=False, blocking_cycles=blocking)
-        row = {p: _figures(wl, p, cfg) for p in POLICIES if p != "exclusive" or not blocking}
-        row.setdefault("exclusive", out.get("default", {}).get("exclusive"))
+        row = {p: _figures(wl, p, cfg) for p in POLICIES if p != "exclusive" or blocking}
+        row.setdefault("exclusive", out.get("blocking", {}).get("exclusive"))
         ex = row["exclusive"]["gpu_hours_per_step"]
         for p in POLICIES[1:]:
             row[p]["saving_vs_exclusive"] = round(1 - row[p]["gpu_hours_per_step"] / ex, 4)
@@ -112,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         "seed": SEED,
         "policies": list(POLICIES),
         "engines": {
-            "default": "next cycle 0.2 s after the last, resizes still in flight (run.py)",
             "blocking": "next cycle once the last cycle's shrinks sleep and expands serve "
-            "(EngineConfig.blocking_cycles), as RLix's scheduler and our service await them",
+            "(EngineConfig.blocking_cycles, the default: RLix's scheduler and our service "
+            "await them)",
+            "overlapping": "next cycle 0.2 s after the last, resizes still in flight (the "
+            "engine before 2026-11-24)",
         },
         "note": "saving = 1 - deployment / exclusive GPU-h per step (exclusive never resizes: "
         "one run); ours_margin_vs = 1 - ours / baseline GPU-h per step (positive: ours ahead)",
@@ -151,7 +155,7 @@ def _plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
             i += 1
     axes[0].axhline(0, color="black", lw=0.8)
     axes[0].legend(fontsize=7, ncol=3)
-    axes[0].set_title(f"Ours vs RLix's policy, default vs blocking cycles (seed {SEED})")
+    axes[0].set_title(f"Ours vs RLix's policy, blocking vs overlapping cycles (seed {SEED})")
     for j, engine in enumerate(ENGINES):
         vals = [max(1, rows[n][engine]["rlix"]["preemptions"]) for n in names]
         axes[1].bar([x + j * 0.4 for x in range(len(names))], vals, 0.4, label=f"rlix, {engine}")

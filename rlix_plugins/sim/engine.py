@@ -72,10 +72,12 @@ class EngineConfig:
     #: the next cycle plans only once the previous cycle's resizes are done (shrunk shards
     #: asleep, expanded shards serving). RLix's scheduler awaits every ``resize_infer`` of a
     #: cycle before committing it (rlops/rlix ``_execute_resize_calls``) and our service does
-    #: the same (scheduler_actor.py); False = a cycle may follow 0.2 s later while shards are
-    #: still waking (the results in docs/simulator.md). Modelled as the max over the cycle's
-    #: resizes, not shrinks-then-expands: a slight underestimate of a real cycle's length.
-    blocking_cycles: bool = False
+    #: the same (scheduler_actor.py; ``resize_infer`` returns once the shard slept, or woke,
+    #: synced and serves). False: a cycle may follow ``cycle_interval_s`` later while shards
+    #: still wake (results before 2026-11-24, benchmarks/cluster_efficiency/blocking.py).
+    #: Modelled as the max over the cycle's resizes, not shrinks-then-expands: a slight
+    #: underestimate of a real cycle's length.
+    blocking_cycles: bool = True
 
 
 @dataclass(frozen=True, slots=True)

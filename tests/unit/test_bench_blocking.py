@@ -19,14 +19,14 @@ def test_both_engines_on_one_workload(tmp_path: Path) -> None:
     (row,) = saved["workloads"].values()
     assert set(row) == set(blocking.ENGINES)
     # Exclusive never resizes: both engines share its run.
-    assert row["default"]["exclusive"] == row["blocking"]["exclusive"]
+    assert row["blocking"]["exclusive"] == row["overlapping"]["exclusive"]
     for engine in blocking.ENGINES:
         runs = row[engine]
         for base in blocking.BASES:
             margin = 1 - runs["ours"]["gpu_hours_per_step"] / runs[base]["gpu_hours_per_step"]
             assert runs["ours_margin_vs"][base] == round(margin, 4)
     # Blocking cycles wait for resizes: fewer cycles for the same jobs.
-    assert row["blocking"]["ours"]["cycles"] < row["default"]["ours"]["cycles"]
+    assert row["blocking"]["ours"]["cycles"] < row["overlapping"]["ours"]["cycles"]
     assert (tmp_path / "blocking.png").stat().st_size > 0
 
 
