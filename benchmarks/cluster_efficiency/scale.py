@@ -76,25 +76,17 @@ class ScalePoint:
         return tuple(p for p in BENCH_POLICIES if p not in self.skipped)
 
 
-#: Why RLix as deployed is not run at 4,096 GPUs nor by --half (the 512-GPU figures are this
-#: script's own; the 4,096-GPU observation is from the run stopped on 2026-11-24).
-_RLIX_CHURN = (
-    "rlix (ROLL sequence + eager preemption) churns at this size: at 512 GPUs 602,597 "
-    "preemption shrinks, makespan 2.5x exclusive; at 4,096 GPUs its simulation reached "
-    "3,200 s of virtual time in 7 min of wall time and was stopped"
-)
-
 POINTS = (
     ScalePoint(1, 8, ("S",)),
     ScalePoint(8, 16, ("S", "M", "L")),
     ScalePoint(64, 64, ("S", "M", "L")),
-    ScalePoint(512, 300, ("S", "M", "L"), skipped=("rlix",), skip_reason=_RLIX_CHURN),
+    ScalePoint(512, 300, ("S", "M", "L")),
 )
 #: ``--half``: the two large traces again, the time-shared deployments on half the GPUs that
 #: exclusive allocation has (where sharing pays at scale: fewer GPUs for the same trace)
 HALF_POINTS = (
-    ScalePoint(64, 64, ("S", "M", "L"), ("rlix",), _RLIX_CHURN, shared_nodes=32),
-    ScalePoint(512, 300, ("S", "M", "L"), ("rlix",), _RLIX_CHURN, shared_nodes=256),
+    ScalePoint(64, 64, ("S", "M", "L"), shared_nodes=32),
+    ScalePoint(512, 300, ("S", "M", "L"), shared_nodes=256),
 )
 
 
