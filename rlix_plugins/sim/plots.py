@@ -277,3 +277,47 @@ def cluster_scale(points: list[dict[str, Any]], deployments: tuple[str, ...], pa
 def _order(deployment: str) -> int:
     known = ("plexrl", "rlix", "rlix_async", "rlix_async_migr", "ours_roll", "ours_nomigr", "ours")
     return known.index(deployment) if deployment in known else len(known)
+
+
+def run_length(
+    curves: dict[str, list[tuple[int, float, float, float]]],
+    bound: list[tuple[int, float]],
+    drain: list[tuple[int, float]],
+    target: float,
+    path: Path,
+) -> None:
+    """Rollout throughput x exclusive against steps per job (left: mean over seeds with the
+    min..max range, one line per deployment, the makespan bound dashed), and the share of ours'
+    makespan spent in the final drain (right).
+
+    ``curves``: deployment -> [(steps, mean, min, max)]; ``bound``: [(steps, mean bound x
+    exclusive)]; ``drain``: [(steps, mean final-drain share of ours' makespan)].
+    """
+    plt = _plt()
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for deployment, pts in sorted(curves.items(), key=lambda kv: _order(kv[0])):
+        pts = sorted(pts)
+        xs = [p[0] for p in pts]
+        means = [p[1] for p in pts]
+        low = [p[1] - p[2] for p in pts]
+        high = [p[3] - p[1] for p in pts]
+        ax.errorbar(xs, means, yerr=[low, high], marker="o", capsize=3, label=deployment)
+    if bound:
+        ax.plot(
+            [b[0] for b in bound], [b[1] for b in bound], "k--", label="bound (any schedule)"
+        )
+    ax.axhline(target, color="red", linestyle=":", label=f"target {target:g}x (RLix RFC)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([p[0] for p in bound] or [])
+    ax.set_xticklabels([str(p[0]) for p in bound])
+    ax.set_xlabel("training steps per job")
+    ax.set_ylabel("rollout throughput x exclusive")
+    ax.set_title("long-tail 24 jobs: throughput vs run length (seeds: mean, min..max)")
+    ax.legend(fontsize=7, loc="lower right")
+    right.bar([str(d[0]) for d in drain], [d[1] for d in drain], color="tab:grey")
+    right.set_xlabel("training steps per job")
+    right.set_ylabel("final drain / makespan (ours)")
+    right.set_title("the one-off end of the run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
