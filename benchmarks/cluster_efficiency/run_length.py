@@ -89,29 +89,7 @@ def run_length(steps: int, seeds: int) -> dict[str, Any]:
     return {"steps": steps, "summary": summary, "runs": runs, "bounds": bounds}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--steps", type=_steps, default=DEFAULT_STEPS, help="e.g. 4,8,16")
-    ap.add_argument("--seeds", type=int, default=8, help="seeds 1..N")
-    ap.add_argument("--out", type=Path, default=RESULTS / "run_length.json")
-    args = ap.parse_args(argv)
-    if args.seeds < 1:
-        ap.error(f"--seeds must be >= 1, got {args.seeds}")
-    started = time.perf_counter()
-    lengths = [run_length(s, args.seeds) for s in args.steps]
-    out = {
-        "workload": f"long_tail_agentic, {JOBS} jobs, 64 GPUs (run.py's headline workload)",
-        "seeds": list(range(1, args.seeds + 1)),
-        "policies": list(POLICIES),
-        "note": f"above_par counts seeds above {LONG_TAIL_X:g}x (throughput x exclusive) or "
-        "above 1 (ours / baseline); bound: the "
-        "makespan no schedule can beat (sim.bounds) as throughput x exclusive; final drain: "
-        "the end of ours' run below 50% utilisation (metrics.final_drain) over its makespan",
-        "wall_s": round(time.perf_counter() - started, 1),
-        "lengths": lengths,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+def _plot(lengths: list[dict[str, Any]], path: Path) -> None:
     curves = {
         p: [
             (
@@ -129,8 +107,40 @@ def main(argv: list[str] | None = None) -> int:
         [(ln["steps"], ln["summary"]["bound_throughput_x_exclusive"]["mean"]) for ln in lengths],
         [(ln["steps"], ln["summary"]["ours_final_drain_share"]["mean"]) for ln in lengths],
         LONG_TAIL_X,
-        args.out.with_suffix(".png"),
+        path,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--steps", type=_steps, default=DEFAULT_STEPS, help="e.g. 4,8,16")
+    ap.add_argument("--seeds", type=int, default=8, help="seeds 1..N")
+    ap.add_argument("--out", type=Path, default=RESULTS / "run_length.json")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
+    args = ap.parse_args(argv)
+    if args.seeds < 1:
+        ap.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.plot_only:
+        if not args.out.exists():
+            ap.error(f"--plot-only needs {args.out} (run without --plot-only first)")
+        _plot(json.loads(args.out.read_text())["lengths"], args.out.with_suffix(".png"))
+        return 0
+    started = time.perf_counter()
+    lengths = [run_length(s, args.seeds) for s in args.steps]
+    out = {
+        "workload": f"long_tail_agentic, {JOBS} jobs, 64 GPUs (run.py's headline workload)",
+        "seeds": list(range(1, args.seeds + 1)),
+        "policies": list(POLICIES),
+        "note": f"above_par counts seeds above {LONG_TAIL_X:g}x (throughput x exclusive) or "
+        "above 1 (ours / baseline); bound: the "
+        "makespan no schedule can beat (sim.bounds) as throughput x exclusive; final drain: "
+        "the end of ours' run below 50% utilisation (metrics.final_drain) over its makespan",
+        "wall_s": round(time.perf_counter() - started, 1),
+        "lengths": lengths,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    _plot(lengths, args.out.with_suffix(".png"))
     for ln in lengths:
         s = ln["summary"]
         print(

@@ -313,7 +313,7 @@ def run_length(
     ax.set_xlabel("training steps per job")
     ax.set_ylabel("rollout throughput x exclusive")
     ax.set_title("long-tail 24 jobs: throughput vs run length (seeds: mean, min..max)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper right", bbox_to_anchor=(1.0, 0.86))
     right.bar([str(d[0]) for d in drain], [d[1] for d in drain], color="tab:grey")
     right.set_xlabel("training steps per job")
     right.set_ylabel("final drain / makespan (ours)")

@@ -35,6 +35,16 @@ def test_summary_follows_the_saved_runs(tmp_path: Path) -> None:
         share = row["ours"]["final_drain_s"] / row["ours"]["makespan_s"]
         assert s["ours_final_drain_share"]["mean"] == round(share, 4)
     assert out.with_suffix(".png").stat().st_size > 0
+    # The plot can be redrawn from the JSON alone.
+    out.with_suffix(".png").unlink()
+    assert run_length.main(["--plot-only", "--out", str(out)]) == 0
+    assert out.with_suffix(".png").exists()
+
+
+def test_plot_only_without_results_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run_length.main(["--plot-only", "--out", str(tmp_path / "none.json")])
+    assert exc.value.code == 2
 
 
 @pytest.mark.parametrize("bad", ["0", "4,x", ""])
