@@ -23,6 +23,7 @@ ENV_RESIZE_TIMEOUT_S = "RLIX_RESIZE_TIMEOUT_S"
 ENV_LEASE_S = "RLIX_LEASE_S"
 ENV_TRACE_DIR = "RLIX_TRACE_DIR"
 ENV_VLLM_SLEEP_LEVEL = "RLIX_VLLM_SLEEP_LEVEL"
+ENV_BACKGROUND_EXPANDS = "RLIX_BACKGROUND_EXPANDS"
 ENV_PIPELINE_ID = "PIPELINE_ID"
 ENV_ROLL_RAY_NAMESPACE = "ROLL_RAY_NAMESPACE"
 
@@ -46,6 +47,9 @@ class Settings:
     trace_dir: Path | None = None
     #: vLLM sleep level of a preempted shard (2 frees weights and KV cache; 0/1 keep weights)
     vllm_sleep_level: int = 2
+    #: the scheduler commits a cycle once its shrinks are done and lets expands (wake + sync)
+    #: finish in the background, so one slow wake does not hold every other grant
+    background_expands: bool = False
     pipeline_id: str | None = None
     ray_namespace: str | None = None
 
@@ -101,6 +105,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             f"{ENV_VLLM_SLEEP_LEVEL}={env.get(ENV_VLLM_SLEEP_LEVEL)!r} is not valid; "
             "expected 0, 1 or 2"
         )
+    raw_bg = (env.get(ENV_BACKGROUND_EXPANDS) or "").strip() or "0"
+    if raw_bg not in ("0", "1"):
+        raise SettingsError(
+            f"{ENV_BACKGROUND_EXPANDS}={env.get(ENV_BACKGROUND_EXPANDS)!r} is not valid; "
+            "expected 0 (a cycle waits for its expands) or 1 (expands finish in the background)"
+        )
     lease = _positive_float(env, ENV_LEASE_S, 10.0)
     return Settings(
         control_plane=plane,
@@ -110,6 +120,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         lease_s=lease,
         trace_dir=Path(trace) if trace else None,
         vllm_sleep_level=int(raw_level),
+        background_expands=raw_bg == "1",
         pipeline_id=_nonempty(env, ENV_PIPELINE_ID, None),
         ray_namespace=_nonempty(env, ENV_ROLL_RAY_NAMESPACE, None),
     )

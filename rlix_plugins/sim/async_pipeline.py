@@ -140,6 +140,7 @@ class AsyncOverlapPipeline(SimPipeline):
         self.cluster.tenure_begin(r.gpus, r.who, start, self.pid, "init" if first else "gen")
         r.state = "waking"
         wake = load + self.job.phases.sync_weight_s
+        r.serves_at = start + wake
         r.wake_timer = self.cluster.clock.at(start + wake, lambda: self._activate(r))
         return start + wake
 

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from rlix_plugins.coordinator.core import (
     ImmediateGrant,
@@ -78,6 +79,12 @@ class EngineConfig:
     #: Modelled as the max over the cycle's resizes, not shrinks-then-expands: a slight
     #: underestimate of a real cycle's length.
     blocking_cycles: bool = True
+    #: with blocking cycles, a cycle waits only for its shrinks; its expands finish in the
+    #: background and a later shrink of a rank still waking waits for its wake: our service
+    #: with ``RLIX_BACKGROUND_EXPANDS=1`` (``ServiceConfig.background_expands``). RLix's
+    #: scheduler always awaits its expands, so ``runner.run_policy`` applies this to our
+    #: deployments only.
+    background_expands: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +345,8 @@ class SimCluster:
         self._plan_wall_max = max(self._plan_wall_max, wall)
         self._stats["cycles"] += 1
         idle = self._check(plan)
-        result = self.state.commit(plan, now=now)
+        background = self.config.blocking_cycles and self.config.background_expands
+        result = self.state.commit(plan, now=now, expands_pending=background)
         check_state(self.state)
         self._stats["idle"] += idle
         for m in plan.shrinks:
@@ -372,13 +380,22 @@ class SimCluster:
                 pipe.on_grant(cid, gpus)
         for cid, rank in result.expanded:
             pid = self.state.clusters[cid].pipeline_id
-            resized = max(resized, self.pipelines[pid].on_expand(rank))
+            serves = self.pipelines[pid].on_expand(rank)
+            if background:
+                # the expand RPC returns: the service tells the core the rank serves
+                self.clock.at(serves, partial(self._expand_done, cid, rank))
+            else:
+                resized = max(resized, serves)
         if self.config.blocking_cycles:
             self._resizing_until = resized
         for pid in touched:
             self.pipelines[pid].redispatch()
         # Planned releases whose ranks were already all gone complete without a shrink.
         if self._dirty and self._cycle_timer is None:
+            self._mark_dirty()
+
+    def _expand_done(self, cid: str, rank: int) -> None:
+        if cid in self.state.clusters and self.state.expand_done(cid, rank, now=self.clock.now):
             self._mark_dirty()
 
     # ------------------------------------------------------------------ jobs

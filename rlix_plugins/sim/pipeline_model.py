@@ -74,6 +74,7 @@ class _Rank:
         "gpus",
         "last_t",
         "running",
+        "serves_at",
         "service",
         "state",
         "timer",
@@ -93,6 +94,8 @@ class _Rank:
         self.last_t = 0.0
         self.timer: object | None = None
         self.wake_timer: object | None = None
+        #: when the last wake (expand) completes and the rank serves
+        self.serves_at = 0.0
 
 
 class SimPipeline:
@@ -457,6 +460,7 @@ class SimPipeline:
             start = self.cluster.ledger.ready_time(r.gpus, self.now)
             self.cluster.tenure_begin(r.gpus, r.who, start, self.pid, "gen")
         r.state = "waking"
+        r.serves_at = start + wake
         r.wake_timer = self.cluster.clock.at(start + wake, lambda: self._activate(r))
         return start + wake
 
@@ -471,9 +475,15 @@ class SimPipeline:
         """``resize_infer(remove)``: abort (or pause, if resident) and sleep; returns free time."""
         r = self.ranks[dp_rank]
         self._advance(r)
+        # With blocking cycles a rank can still be waking here only under background expands:
+        # the service sends the shrink once the expand returned, so the wake completes first.
+        # The overlapping engine aborts the wake at once.
+        wake_done = self.now
         if r.wake_timer is not None:
             r.wake_timer.cancel()  # type: ignore[attr-defined]
             r.wake_timer = None
+            if self.cluster.config.blocking_cycles:
+                wake_done = max(self.now, r.serves_at)
         if r.timer is not None:
             r.timer.cancel()  # type: ignore[attr-defined]
             r.timer = None
@@ -491,7 +501,7 @@ class SimPipeline:
         r.finish_heap.clear()
         opened = self.cluster.ledger.current[r.gpus[0]]
         begin = opened.start if opened is not None else self.now
-        end = max(self.now, begin) + self.costs.gen_sleep_s
+        end = max(wake_done, begin) + self.costs.gen_sleep_s
         self.cluster.tenure_end(r.gpus, r.who, end)
         r.state = "off"
         # Redispatch happens after the whole plan is applied (the engine calls redispatch()).

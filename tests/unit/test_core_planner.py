@@ -14,6 +14,7 @@ from rlix_plugins.coordinator.core import (
     SchedulerState,
     ShrinkReason,
     check_plan,
+    check_state,
 )
 from rlix_plugins.errors import (
     OwnershipError,
@@ -328,3 +329,48 @@ def test_state_outstanding_sums_streams_and_is_none_without_reports() -> None:
         state.report_progress(ProgressReport(
             "ft_a", 10, None, {"completed": 0, "adapter_id": adapter, OUTSTANDING_METRIC: n}))
     assert state.outstanding("ft_a") == 12
+
+
+def test_a_warming_rank_is_no_rebalance_donor_but_yields_to_training() -> None:
+    """Background expands: a rank committed before its wake finished is not taken to
+    rebalance generation (the wake would be thrown away) until it serves; training still
+    preempts it. ``expand_done`` starts its hold time; ``abandon_expand`` frees its GPUs."""
+    state = new_state(1, 2)
+    register(state, "ft_a", train=[0], infer=[0, 1])
+    register(state, "ft_b", infer=[0, 1])
+    state.submit_request("ft_a_actor_infer", GEN, now=0, step_target_estimate=64)
+    plan = DemandSharePlanner().plan(state, 0)
+    check_plan(state, plan)
+    state.commit(plan, now=0, expands_pending=True)
+    assert state.warming == {("ft_a_actor_infer", 0), ("ft_a_actor_infer", 1)}
+    # ft_b now needs half the budget and has no rank (starving, which overrides min_hold_s);
+    # ft_a's ranks are still waking: neither is taken.
+    state.submit_request("ft_b_actor_infer", GEN, now=100, step_target_estimate=64)
+    progress(state, "ft_a", 64, 0)
+    progress(state, "ft_b", 64, 0)
+    assert DemandSharePlanner().plan(state, 100).shrinks == ()
+    # Rank 1 serves: its hold time starts now, and the starving ft_b may take it (not rank 0).
+    assert state.expand_done("ft_a_actor_infer", 1, now=100)
+    assert state.active_ranks["ft_a_actor_infer"][1] == 100
+    plan = DemandSharePlanner().plan(state, 100)
+    assert [(m.cluster_id, m.dp_rank, m.reason) for m in plan.shrinks] == [
+        ("ft_a_actor_infer", 1, ShrinkReason.REBALANCE)
+    ]
+    # Training preempts a warming rank (the service's shrink waits for the wake).
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=107)
+    plan = DemandSharePlanner().plan(state, 107)
+    assert ("ft_a_actor_infer", 0, ShrinkReason.PREEMPT) in {
+        (m.cluster_id, m.dp_rank, m.reason) for m in plan.shrinks
+    }
+    state.cancel_request("ft_a_actor_train")
+    assert state.abandon_expand("ft_a_actor_infer", 0)
+    assert state.owner[0] is None and set(state.active_ranks["ft_a_actor_infer"]) == {1}
+    assert not state.abandon_expand("ft_a_actor_infer", 0)
+
+
+def test_check_state_catches_a_warming_rank_that_is_not_active() -> None:
+    state = new_state(1, 2)
+    register(state, "ft_a", infer=[0, 1])
+    state.warming.add(("ft_a_actor_infer", 0))
+    with pytest.raises(InvariantViolation, match="S6"):
+        check_state(state)

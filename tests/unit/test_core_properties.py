@@ -42,6 +42,7 @@ def observable(state: SchedulerState) -> object:
             state.planned_releases,
             state.progress,
             state.estimates,
+            state.warming,
         )
     )
 
@@ -138,17 +139,46 @@ class SchedulerMachine(RuleBasedStateMachine):
         fail=st.lists(st.sampled_from(CLUSTERS), max_size=2),
         fail_expand=st.booleans(),
         repeat=st.integers(1, 3),
+        background=st.booleans(),
     )
-    def cycle(self, dt: float, fail: list[str], fail_expand: bool, repeat: int) -> None:
+    def cycle(
+        self, dt: float, fail: list[str], fail_expand: bool, repeat: int, background: bool
+    ) -> None:
+        # ``background``: the service commits before its expands ran (ranks warm up).
         for _ in range(repeat):
             self.now += dt
             plan = self.planner.plan(self.state, self.now)
             check_plan(self.state, plan)
             failed_expands = fail if fail_expand else []
             self.state.commit(
-                plan, now=self.now, failed_shrinks=fail, failed_expands=failed_expands
+                plan,
+                now=self.now,
+                failed_shrinks=fail,
+                failed_expands=failed_expands,
+                expands_pending=background,
             )
             fail = []
+
+    @rule(data=st.data(), served=st.booleans())
+    def expand_returns(self, data: st.DataObject, served: bool) -> None:
+        """A background expand returns: the rank serves, or it never reached the pipeline."""
+        if not self.state.warming:
+            return
+        cid, rank = data.draw(st.sampled_from(sorted(self.state.warming)))
+        if served:
+            assert self.state.expand_done(cid, rank, now=self.now)
+            assert (cid, rank) not in self.state.warming
+            assert self.state.active_ranks[cid][rank] == self.now
+        else:
+            gpus = self.state.clusters[cid].rank_gpus(rank)
+            assert self.state.abandon_expand(cid, rank)
+            assert rank not in self.state.active_ranks[cid]
+            assert all(self.state.owner[g] is None for g in gpus)
+        # Returning twice is a no-op (the task may race a shrink or an unregistration).
+        before = observable(self.state)
+        assert not self.state.expand_done(cid, rank, now=self.now)
+        assert not self.state.abandon_expand(cid, rank)
+        assert observable(self.state) == before
 
     @invariant()
     def consistent(self) -> None:

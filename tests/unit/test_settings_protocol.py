@@ -40,6 +40,7 @@ def test_control_plane_values() -> None:
         ({"RLIX_RESIZE_TIMEOUT_S": "inf"}, "out of range"),
         ({"RLIX_NAMESPACE": " "}, "RLIX_NAMESPACE is set but empty"),
         ({"RLIX_VLLM_SLEEP_LEVEL": "3"}, "expected 0, 1 or 2"),
+        ({"RLIX_BACKGROUND_EXPANDS": "yes"}, r"RLIX_BACKGROUND_EXPANDS='yes'.*expected 0 .* or 1"),
     ],
 )
 def test_other_settings_are_validated(env: dict[str, str], needle: str) -> None:
@@ -52,6 +53,8 @@ def test_settings_values() -> None:
     assert (s.lease_s, str(s.trace_dir), s.pipeline_id) == (2.5, "/tmp/t", "ft_1")
     assert s.vllm_sleep_level == 2
     assert load_settings({"RLIX_VLLM_SLEEP_LEVEL": "1"}).vllm_sleep_level == 1
+    assert not s.background_expands
+    assert load_settings({"RLIX_BACKGROUND_EXPANDS": "1"}).background_expands
 
 
 def test_names_match_rlix() -> None:

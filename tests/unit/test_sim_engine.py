@@ -191,6 +191,27 @@ def test_blocking_cycles_wait_for_their_resizes(policy: str) -> None:
     assert gaps[False]  # the check can fail: unblocked cycles do overlap resizes
 
 
+def test_background_expands_pace_cycles_by_shrinks_only() -> None:
+    """``background_expands`` (our service with RLIX_BACKGROUND_EXPANDS=1): the next cycle
+    waits for the last cycle's shrinks but not for its expands, and RLix's deployments keep
+    waiting for both (``runner.OUR_SERVICE``); a shrink of a still-waking rank frees its GPUs
+    only after the wake (checked by the ledger: no GPU has two tenants)."""
+    wl = _workload(tuple(_job(i, kind="async", arrival=3.0 * i) for i in range(3)))
+    sync = wl.jobs[0].phases.sync_weight_s
+    for policy, paced_by_expands in (("ours", False), ("rlix_async", True)):
+        rec = _Recording(make_planner(policy))
+        config = EngineConfig(background_expands=True)
+        r = run_policy(wl, policy, seed=5, config=config, planner=rec)
+        assert r.trajectories == 3 * 2 * 16
+        short_of_shrinks = short_of_expands = 0
+        for (t0, shrinks, expands), (t1, _, _) in itertools.pairwise(rec.cycles):
+            gap = t1 - t0 + 1e-9
+            short_of_shrinks += bool(shrinks) and gap < FAST.gen_sleep_s
+            short_of_expands += bool(expands) and gap < FAST.gen_wake_s + sync
+        assert short_of_shrinks == 0
+        assert (short_of_expands == 0) == paced_by_expands, (policy, short_of_expands)
+
+
 def test_jain_and_summary() -> None:
     assert jain([1.0, 1.0]) == pytest.approx(1.0)
     assert jain([1.0, 0.0]) == pytest.approx(0.5)
@@ -214,6 +235,7 @@ def test_jain_and_summary() -> None:
     seed=st.integers(0, 1000),
     kind=st.sampled_from(["roll", "async"]),
     blocking=st.booleans(),
+    background=st.booleans(),
 )
 def test_physics_hold_on_random_small_scenarios(
     n_jobs: int,
@@ -227,6 +249,7 @@ def test_physics_hold_on_random_small_scenarios(
     seed: int,
     kind: str,
     blocking: bool,
+    background: bool,
 ) -> None:
     """Every run ends with every job done, every trajectory generated exactly once, no GPU
     shared, utilisation <= 100%, and the core's invariants checked on every cycle (the
@@ -245,7 +268,9 @@ def test_physics_hold_on_random_small_scenarios(
         for i in range(n_jobs)
     )
     wl = _workload(jobs, nodes=2)
-    config = EngineConfig(util_bin_s=10.0, blocking_cycles=blocking)
+    config = EngineConfig(
+        util_bin_s=10.0, blocking_cycles=blocking, background_expands=background
+    )
     r = run_policy(wl, policy, seed=seed, config=config)
     assert r.trajectories == n_jobs * steps * batch
     assert all(v <= r.num_gpus * r.util_bin_s + 1e-6 for v in r.util_bins)

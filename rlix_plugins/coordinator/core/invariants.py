@@ -7,6 +7,7 @@ State invariants
   S3  idle GPUs + allocated GPUs = all GPUs (no GPU lost, none counted twice)
   S4  a cluster is never both a whole-cluster holding and has active generation ranks
   S5  at most one pending request per cluster, and never for a cluster that already has it
+  S6  a warming rank (committed, its expand still running) is an active rank
 
 Plan invariants
   P1  a shrink names an active rank; an expand names an inactive rank of a generation cluster;
@@ -62,7 +63,7 @@ def _expected_owners(state: SchedulerState) -> dict[int, tuple[str, int | None]]
 
 
 def check_state(state: SchedulerState) -> None:
-    """Raise :class:`InvariantViolation` if the state breaks S1-S5."""
+    """Raise :class:`InvariantViolation` if the state breaks S1-S6."""
     expected = _expected_owners(state)
     owned = 0
     for g, o in enumerate(state.owner):
@@ -86,6 +87,9 @@ def check_state(state: SchedulerState) -> None:
             raise InvariantViolation("S5", f"pending request {req} filed under {cid}")
         if cid in state.holdings:
             raise InvariantViolation("S5", f"{cid} has a pending request and holds its GPUs")
+    for cid, rank in state.warming:
+        if rank not in state.active_ranks.get(cid, {}):
+            raise InvariantViolation("S6", f"warming rank ({cid}, {rank}) is not active")
 
 
 def check_plan(state: SchedulerState, plan: Plan) -> None:

@@ -13,7 +13,8 @@ One cycle:
      A pipeline with a pending request and no active rank always gets one rank if any can be
      made free (no starvation). Ranks are moved from pipelines above target only outside a
      hysteresis band and never when activated less than ``min_hold_s`` ago, so shards do not
-     flip-flop. Leftover idle GPUs go to pipelines with remaining demand (work conserving).
+     flip-flop; a rank still waking (``state.warming``) is never moved to another pipeline.
+     Leftover idle GPUs go to pipelines with remaining demand (work conserving).
 A pipeline that never reported progress is still visible: its demand is the estimate of its
 last GENERATION request, and its ranks can be given to others.
 """
@@ -309,6 +310,10 @@ class _Cycle:
             assert o.dp_rank is not None
             d = gens.get(o.cluster_id)
             if d is None or o.dp_rank in d.fresh:
+                return False
+            if (o.cluster_id, o.dp_rank) in self.state.warming:
+                # Its wake + sync still runs: taking it would wait for the wake and then throw
+                # it away (also for a starving receiver: the GPUs are no sooner free).
                 return False
             activated = self.state.active_ranks.get(o.cluster_id, {}).get(o.dp_rank)
             held_briefly = activated is not None and self.now - activated < self.config.min_hold_s

@@ -70,6 +70,12 @@ class SchedulerState:
         #: step_target_estimate of a pipeline's last granted GENERATION request: its demand
         #: until it reports progress (so a pipeline that never reports is still visible).
         self.estimates: dict[str, int] = {}
+        #: active ranks committed while their expand (wake + sync) still runs, when the
+        #: service commits a cycle once its shrinks are done and lets expands finish in the
+        #: background (:meth:`commit` ``expands_pending``). Such a rank may be preempted for a
+        #: training request (the shrink then waits for the wake) but is not a rebalance donor
+        #: until it serves (:meth:`expand_done`).
+        self.warming: set[tuple[str, int]] = set()
         self.revision = 0
         self._seq = 0
 
@@ -159,6 +165,7 @@ class SchedulerState:
                 self.owner[g] = None
             self.clusters.pop(c.cluster_id, None)
             self.active_ranks.pop(c.cluster_id, None)
+            self._forget_warming(c.cluster_id)
             self.holdings.pop(c.cluster_id, None)
             self.planned_releases.pop(c.cluster_id, None)
             if self.pending.pop(c.cluster_id, None) is not None:
@@ -261,9 +268,14 @@ class SchedulerState:
         self.holdings.pop(cluster_id, None)
         if cluster_id in self.active_ranks:
             self.active_ranks[cluster_id] = {}
+        self._forget_warming(cluster_id)
         self.planned_releases.pop(cluster_id, None)
         self._bump()
         return freed
+
+    def _forget_warming(self, cluster_id: str) -> None:
+        if self.warming:
+            self.warming = {k for k in self.warming if k[0] != cluster_id}
 
     def plan_release(self, cluster_id: str, *, now: float) -> bool:
         """``await_release_gpus``: shrink every active rank of a generation cluster.
@@ -280,6 +292,32 @@ class SchedulerState:
         self.planned_releases.setdefault(cluster_id, now)
         self._bump()
         return False
+
+    # ------------------------------------------------------------------ background expands
+    def expand_done(self, cluster_id: str, dp_rank: int, *, now: float) -> bool:
+        """A warming rank serves now: it stops warming and its hold time
+        (``PolicyConfig.min_hold_s``) counts from ``now``. False, and no change, when the rank
+        is not warming (shrunk, released or unregistered meanwhile)."""
+        key = (cluster_id, dp_rank)
+        if key not in self.warming:
+            return False
+        self.warming.discard(key)
+        self.active_ranks[cluster_id][dp_rank] = now
+        self._bump()
+        return True
+
+    def abandon_expand(self, cluster_id: str, dp_rank: int) -> bool:
+        """A warming rank whose expand never reached the pipeline (nothing woke): free its
+        GPUs. False, and no change, when the rank is not warming."""
+        key = (cluster_id, dp_rank)
+        if key not in self.warming:
+            return False
+        self.warming.discard(key)
+        del self.active_ranks[cluster_id][dp_rank]
+        for g in self.clusters[cluster_id].rank_gpus(dp_rank):
+            self.owner[g] = None
+        self._bump()
+        return True
 
     # ------------------------------------------------------------------ demand
     def report_progress(self, report: ProgressReport) -> None:
@@ -306,11 +344,15 @@ class SchedulerState:
         now: float,
         failed_shrinks: Iterable[str] = (),
         failed_expands: Iterable[str] = (),
+        expands_pending: bool = False,
     ) -> CommitResult:
         """Apply a plan after its RPCs ran; skip what failed or no longer applies.
 
         A shrink whose RPC failed leaves its ranks owned (the shard's state is unknown, so its
         GPUs must not be handed on); whatever depended on those GPUs waits for a later cycle.
+        With ``expands_pending`` the expands are committed before their RPCs run: each
+        expanded rank is active (its GPUs owned) and warming until :meth:`expand_done` or
+        :meth:`abandon_expand`.
         """
         failed_s = set(failed_shrinks)
         failed_e = set(failed_expands)
@@ -323,6 +365,7 @@ class SchedulerState:
             if ranks is None or spec is None or move.dp_rank not in ranks:
                 continue
             del ranks[move.dp_rank]
+            self.warming.discard((move.cluster_id, move.dp_rank))
             for g in spec.rank_gpus(move.dp_rank):
                 self.owner[g] = None
             shrunk.append((move.cluster_id, move.dp_rank))
@@ -354,6 +397,8 @@ class SchedulerState:
             if move.dp_rank in ranks or any(self.owner[g] is not None for g in gpus):
                 continue
             ranks[move.dp_rank] = now
+            if expands_pending:
+                self.warming.add((move.cluster_id, move.dp_rank))
             for g in gpus:
                 self.owner[g] = GpuOwner(move.cluster_id, move.dp_rank, Priority.GENERATION)
             expanded.append((move.cluster_id, move.dp_rank))

@@ -29,6 +29,11 @@ class ServiceConfig:
     #: None: Ray's internal KV; a path: a JSON file
     state_file: str | None = None
     metrics: bool = True
+    #: commit a cycle once its shrinks are done; expands (wake + sync) finish in the
+    #: background, one at a time per cluster, and a later shrink of a rank still waking waits
+    #: for its wake (RLIX_BACKGROUND_EXPANDS). False: a cycle waits for its expands, as RLix's
+    #: scheduler does.
+    background_expands: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, **overrides: object) -> ServiceConfig:
@@ -40,5 +45,6 @@ class ServiceConfig:
             resize_timeout_s=s.resize_timeout_s,
             lease_s=s.lease_s,
             trace_dir=str(s.trace_dir) if s.trace_dir else None,
+            background_expands=s.background_expands,
         )
         return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]

@@ -9,6 +9,11 @@ Concurrency model (one asyncio event loop, never blocked by ``ray.get``):
   in-flight intent -> ``resize_infer`` RPCs to pipeline coordinators OUTSIDE the lock, shrinks
   (all) before expands, each bounded by ``resize_timeout_s`` -> commit under ``_lock`` ->
   persist -> wake waiters. Cycles are triggered by events and by a periodic tick (aging).
+* With ``background_expands`` a cycle commits once its shrinks are done: its expanded ranks are
+  owned at once (``warming`` in the core) and each cluster's expand RPC runs in a background
+  task, one at a time per cluster (a later shrink of that cluster waits for it), so one slow
+  wake + sync does not hold every other pipeline's grants. A generation request answered by
+  such an expand is answered when the cluster has a rank that serves.
 * One liveness task probes pipeline coordinator actors and checks heartbeat leases.
 
 Failure handling (unlike RLix, nothing here ever shuts Ray down): a pipeline whose actor died,
@@ -25,6 +30,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,7 @@ from rlix_plugins.coordinator.core import (
     ImmediateGrant,
     InvariantViolation,
     Plan,
+    RankMove,
     SchedulerState,
     Topology,
     check_plan,
@@ -58,6 +65,7 @@ from rlix_plugins.errors import (
     ProtocolError,
     RegistrationError,
     RequestTimeoutError,
+    RlixPluginsError,
     UnknownPipelineError,
 )
 from rlix_plugins.protocol.names import GENERATION_CLUSTER, cluster_id, parse_cluster_id
@@ -95,6 +103,8 @@ class SchedulerService:
         self._dead: OrderedDict[str, DeadPipeline] = OrderedDict()
         self._inflight: dict[str, Any] | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
+        #: background expands: the last expand task of each cluster (they run in order)
+        self._expand_tails: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
         self._wake = asyncio.Event()
         self._liveness_wake = asyncio.Event()
@@ -590,7 +600,7 @@ class SchedulerService:
     async def stop(self, *, clear_state: bool = True) -> None:
         """Stop cycles and probes, write the trace, and (by default) forget the saved state."""
         self._stopping = True
-        for t in self._tasks:
+        for t in [*self._tasks, *self._expand_tails.values()]:
             t.cancel()
         self._write_trace(self._now())
         for cid, fut in list(self._waiters.items()):
@@ -642,6 +652,8 @@ class SchedulerService:
             and m.cluster_id in self._state.clusters
             and not any(g in blocked for g in m.gpus)
         )
+        if self.cfg.background_expands:
+            return await self._commit_then_expand(plan, failed_shrinks, sendable, t0)
         to_send = Plan(plan.revision, expands=sendable).expands_by_cluster()
         if to_send:
             async with self._lock:
@@ -676,6 +688,130 @@ class SchedulerService:
             self._metrics.cycle(time.perf_counter() - t0)
         return bool(result.granted or result.shrunk or result.expanded or result.released)
 
+    async def _commit_then_expand(
+        self, plan: Plan, failed_shrinks: set[str], sendable: tuple[RankMove, ...], t0: float
+    ) -> bool:
+        """Background expands: commit the cycle now (its shrinks are done), then start each
+        cluster's expand RPC in its own task (:meth:`_expand`)."""
+        reachable = {
+            cid for cid in {m.cluster_id for m in sendable} if await self._reachable(cid)
+        }
+        async with self._lock:
+            now = self._now()
+            applied = dataclasses.replace(
+                plan,
+                expands=tuple(
+                    m
+                    for m in sendable
+                    if m.cluster_id in reachable
+                    and parse_cluster_id(m.cluster_id)[0] not in self._fencing
+                ),
+            )
+            result = self._state.commit(
+                applied, now=now, failed_shrinks=failed_shrinks, expands_pending=True
+            )
+            self._inflight = None
+            try:
+                check_state(self._state)
+            except InvariantViolation:
+                logger.exception("state invariant broken after commit")
+            self._persist()
+            expanding: dict[str, list[int]] = {}
+            for cid, rank in result.expanded:
+                expanding.setdefault(cid, []).append(rank)
+            self._after_commit(
+                plan, result.granted, result.shrunk, result.expanded, now, defer=set(expanding)
+            )
+            self._settle_release_waiters()
+            for cid, ranks in expanding.items():
+                self._start_expand(cid, sorted(ranks))
+        if self._metrics is not None:
+            self._metrics.cycle(time.perf_counter() - t0)
+        return bool(result.granted or result.shrunk or result.expanded or result.released)
+
+    async def _reachable(self, cid: str) -> bool:
+        """Whether an expand of ``cid`` can be sent now (its pipeline has a coordinator actor).
+        A pipeline seen before and gone now is fenced (as a failed resize would be)."""
+        pid = parse_cluster_id(cid)[0]
+        if pid in self._fencing:
+            return False
+        if await self._coordinator(pid) is not None:
+            return True
+        if pid in self._seen:
+            self._fence(pid, f"expand of {cid}: coordinator actor not found")
+        else:
+            logger.info("expand of %s skipped: the pipeline has no coordinator actor yet", cid)
+        return False
+
+    def _start_expand(self, cid: str, ranks: list[int]) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._expand(cid, ranks, self._expand_tails.get(cid))
+        )
+        self._expand_tails[cid] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._expand_tails.get(cid) is t:
+                del self._expand_tails[cid]
+
+        task.add_done_callback(done)
+
+    async def _expand(self, cid: str, ranks: list[int], after: asyncio.Task[None] | None) -> None:
+        """One background ``resize_infer(add)``; the ranks stop warming when it returns.
+
+        A failed call fences the pipeline and its ranks stay owned until it is confirmed dead
+        (the shard's state is unknown); a call that never reached the pipeline frees them.
+        """
+        if after is not None:
+            await asyncio.wait([after])  # one resize at a time per cluster, in plan order
+        ok = await self._resize_one(cid, ranks, remove=False)
+        async with self._lock:
+            now = self._now()
+            if cid in self._state.clusters:
+                if ok:
+                    for r in ranks:
+                        self._state.expand_done(cid, r, now=now)
+                elif parse_cluster_id(cid)[0] not in self._fencing:
+                    for r in ranks:
+                        self._state.abandon_expand(cid, r)
+                self._persist()
+                self._observe_trace(now)
+            self._settle_deferred(cid, now)
+        self._kick()
+
+    def _settle_deferred(self, cid: str, now: float) -> None:
+        """Answer a generation request whose grant waited for an expand of ``cid``: once a
+        rank serves; re-queued when every expanded rank was abandoned."""
+        fut = self._waiters.get(cid)
+        if fut is None or fut.done() or cid in self._state.pending:
+            return
+        ranks = self._state.active_ranks.get(cid)
+        if ranks is None:
+            return  # unregistered: _drop already failed the waiter
+        if any((cid, r) not in self._state.warming for r in ranks):
+            self._resolve_waiter(cid, self._state.held_gpus(cid), now)
+        elif not ranks:
+            # Nothing woke: ask again (answered at once if another rank serves meanwhile).
+            try:
+                got = self._state.submit_request(cid, Priority.GENERATION, now=now)
+            except RlixPluginsError as exc:  # the cluster changed state meanwhile
+                self._waiters.pop(cid, None)
+                self._requested_at.pop(cid, None)
+                fut.set_exception(exc)
+                return
+            if isinstance(got, ImmediateGrant):
+                self._resolve_waiter(cid, got.gpus, now)
+
+    def _resolve_waiter(self, cid: str, gpus: tuple[int, ...], now: float) -> None:
+        started = self._requested_at.pop(cid, None)
+        fut = self._waiters.pop(cid, None)
+        if self._metrics is not None:
+            req_prio = self._state.holdings.get(cid, Priority.GENERATION).name
+            self._metrics.allocated("grant", req_prio)
+            if started is not None:
+                self._metrics.waited(req_prio, now - started)
+        if fut is not None and not fut.done():
+            fut.set_result(list(gpus))
+
     def _after_commit(
         self,
         plan: Plan,
@@ -683,7 +819,11 @@ class SchedulerService:
         shrunk: tuple[tuple[str, int], ...],
         expanded: tuple[tuple[str, int], ...],
         now: float,
+        defer: Collection[str] = (),
     ) -> None:
+        """Trace, metrics and waiters of a commit. ``defer``: clusters whose expands still run
+        (background expands); a generation grant of such a cluster is answered by
+        :meth:`_settle_deferred` unless one of its ranks already serves."""
         reasons = {(m.cluster_id, m.dp_rank): m for m in plan.shrinks}
         for key in shrunk:
             move = reasons.get(key)
@@ -701,15 +841,11 @@ class SchedulerService:
             self._metrics.allocated("generation_rank", "GENERATION", len(expanded))
         self._observe_trace(now)
         for cid, gpus in granted.items():
-            started = self._requested_at.pop(cid, None)
-            fut = self._waiters.pop(cid, None)
-            if self._metrics is not None:
-                req_prio = self._state.holdings.get(cid, Priority.GENERATION).name
-                self._metrics.allocated("grant", req_prio)
-                if started is not None:
-                    self._metrics.waited(req_prio, now - started)
-            if fut is not None and not fut.done():
-                fut.set_result(list(gpus))
+            if cid in defer and cid not in self._state.holdings:
+                ranks = self._state.active_ranks.get(cid, {})
+                if all((cid, r) in self._state.warming for r in ranks):
+                    continue  # no rank serves yet: answered when one does
+            self._resolve_waiter(cid, gpus, now)
 
     async def _resize_all(self, calls: dict[str, list[int]], *, remove: bool) -> set[str]:
         """Send ``resize_infer`` per cluster concurrently; return the clusters NOT applied.
@@ -729,6 +865,12 @@ class SchedulerService:
     async def _resize_one(self, cid: str, ranks: list[int], *, remove: bool) -> bool:
         pid = parse_cluster_id(cid)[0]
         what = f"resize_infer({'remove' if remove else 'add'}={ranks}) on {cid}"
+        tail = self._expand_tails.get(cid) if remove else None
+        if tail is not None:
+            # A background expand of this cluster is still running: the pipeline must see the
+            # calls in plan order (a shrink overtaking the expand of the same rank would leave
+            # it awake on GPUs handed on).
+            await asyncio.wait([tail])
         if pid in self._fencing:
             return False
         handle = await self._coordinator(pid)

@@ -1,0 +1,174 @@
+"""Background expands (``RLIX_BACKGROUND_EXPANDS=1``): a slow wake does not hold other grants.
+
+Real Ray, real scheduler actor, real pipeline coordinator actors and ``resize_infer`` calls.
+The shards are a named fake (no GPU here): ``GatedShards`` claim their GPUs in the shared
+``GpuLedger`` (the independent witness that no GPU has two users) and an expand blocks until
+the test opens a gate, so "the wake is still running" is a state the test controls, not a
+timing. Each test runs under both cycle modes and checks what differs:
+
+* blocking expands (RLix's cycle, the default): a training request for idle GPUs waits until
+  the slow expand of another pipeline returns;
+* background expands: it is granted while that expand still runs, the slow pipeline's own
+  generation request is answered only once a rank serves, and a shrink of the still-waking
+  rank is sent only after its expand returned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import ray
+
+from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
+from rlix_plugins.protocol.names import cluster_id, pipeline_namespace
+from rlix_plugins.protocol.types import Priority
+from tests.support.roll_pipeline import GpuLedger
+
+pytestmark = pytest.mark.integration
+
+
+@ray.remote(num_cpus=0)
+class Gate:
+    """Opened by the test; expands wait on it."""
+
+    def __init__(self) -> None:
+        self.opened = False
+        self.calls: list[str] = []
+
+    def open(self) -> None:
+        self.opened = True
+
+    def is_open(self) -> bool:
+        return self.opened
+
+    def record(self, call: str) -> None:
+        self.calls.append(call)
+
+    def log(self) -> list[str]:
+        return list(self.calls)
+
+
+class GatedShards:
+    """FAKE shard controller (no GPU): ranks claim their GPUs in the ledger; an expand returns
+    only once the gate is open (a wake + sync that takes as long as the test wants)."""
+
+    def __init__(self, pipeline_id: str, gpus: Sequence[int], ledger: Any, gate: Any) -> None:
+        self.cluster = cluster_id(pipeline_id, "actor_infer")
+        self.gpus = list(gpus)
+        self.ledger = ledger
+        self.gate = gate
+
+    def expand(self, dp_ranks: Sequence[int]) -> None:
+        ray.get(self.gate.record.remote(f"expand {sorted(dp_ranks)} start"))
+        while not ray.get(self.gate.is_open.remote()):
+            time.sleep(0.02)
+        for r in dp_ranks:
+            ray.get(self.ledger.claim.remote(self.cluster, [self.gpus[r]]))
+        ray.get(self.gate.record.remote(f"expand {sorted(dp_ranks)} done"))
+
+    def shrink(self, dp_ranks: Sequence[int]) -> None:
+        ray.get(self.gate.record.remote(f"shrink {sorted(dp_ranks)}"))
+        for r in dp_ranks:
+            ray.get(self.ledger.release.remote(self.cluster, [self.gpus[r]]))
+
+
+class GatedFactory:
+    def __init__(self, gpus: Sequence[int], ledger: Any, gate: Any) -> None:
+        self.gpus, self.ledger, self.gate = list(gpus), ledger, gate
+
+    def __call__(self, pipeline_id: str) -> GatedShards:
+        return GatedShards(pipeline_id, self.gpus, self.ledger, self.gate)
+
+
+def _register(plane: Any, pid: str, maps: dict[str, list[int]]) -> None:
+    ray.get(
+        plane.orchestrator.register_pipeline.remote(
+            pipeline_id=pid,
+            ray_namespace=pipeline_namespace(pid),
+            cluster_tp_configs={name: 1 for name in maps},
+            cluster_device_mappings=maps,
+        )
+    )
+
+
+def _slow_pipeline(plane: Any, ledger: Any, gate: Any, pid: str) -> Any:
+    """A pipeline whose two generation ranks (GPUs 0, 1) wake only when the gate opens."""
+    actor = start_pipeline_coordinator(
+        pid, GatedFactory([0, 1], ledger, gate), control_namespace=plane.namespace
+    )
+    ray.get(actor.__ray_ready__.remote())
+    _register(plane, pid, {"actor_infer": [0, 1]})
+    return actor
+
+
+def _wait_for(gate: Any, entry: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while entry not in ray.get(gate.log.remote()):
+        assert time.monotonic() < deadline, f"{entry!r} not in {ray.get(gate.log.remote())}"
+        time.sleep(0.02)
+
+
+def test_a_slow_wake_holds_other_grants_only_under_blocking_expands(
+    coordinator_any_expands: tuple[Any, bool],
+) -> None:
+    plane, background = coordinator_any_expands
+    ledger, gate = GpuLedger.remote(), Gate.remote()
+    slow, other = "ft_slowwake00001", "ft_otherjob00001"
+    actor = _slow_pipeline(plane, ledger, gate, slow)  # keep the handle: the actor lives on it
+    _register(plane, other, {"actor_train": [2, 3]})
+    sched = plane.scheduler
+    gen = sched.request_gpus.remote(
+        cluster_id=f"{slow}_actor_infer", priority=Priority.GENERATION, step_target_estimate=8
+    )
+    _wait_for(gate, "expand [0, 1] start")
+    train = sched.request_gpus.remote(
+        cluster_id=f"{other}_actor_train", priority=Priority.ACTOR_TRAINING
+    )
+    ready, _ = ray.wait([train], timeout=3.0)
+    if background:
+        assert ready, "training on idle GPUs waited for another pipeline's wake"
+        assert ray.get(train) == [2, 3]
+        # The slow pipeline's own request is answered only once a rank serves.
+        assert ray.wait([gen], timeout=0.5)[0] == []
+    else:
+        assert not ready, "a blocking cycle answered before its expand returned"
+    ray.get(gate.open.remote())
+    assert sorted(ray.get(gen, timeout=30)) == [0, 1]
+    assert ray.get(train, timeout=30) == [2, 3]
+    violations, _, _ = ray.get(ledger.report.remote())
+    assert violations == []
+    del actor
+
+
+def test_a_shrink_of_a_waking_rank_waits_for_its_wake(
+    coordinator_any_expands: tuple[Any, bool],
+) -> None:
+    plane, _ = coordinator_any_expands
+    ledger, gate = GpuLedger.remote(), Gate.remote()
+    slow, trainer = "ft_slowwake00002", "ft_trainer000002"
+    actor = _slow_pipeline(plane, ledger, gate, slow)  # keep the handle: the actor lives on it
+    _register(plane, trainer, {"actor_train": [0]})
+    sched = plane.scheduler
+    gen = sched.request_gpus.remote(
+        cluster_id=f"{slow}_actor_infer", priority=Priority.GENERATION, step_target_estimate=8
+    )
+    _wait_for(gate, "expand [0, 1] start")
+    # Training needs GPU 0, where rank 0 is still waking: granted only after the wake
+    # returned and the rank was shrunk (never two users of GPU 0).
+    train = sched.request_gpus.remote(
+        cluster_id=f"{trainer}_actor_train", priority=Priority.ACTOR_TRAINING
+    )
+    assert ray.wait([train], timeout=1.0)[0] == []
+    ray.get(gate.open.remote())
+    assert ray.get(train, timeout=30) == [0]
+    ray.get(ledger.claim.remote(f"{trainer}_actor_train", [0]))
+    log = ray.get(gate.log.remote())
+    assert log.index("expand [0, 1] done") < log.index("shrink [0]"), log
+    assert ray.get(gen, timeout=30) in ([0, 1], [1])
+    violations, claims, _ = ray.get(ledger.report.remote())
+    assert violations == []
+    assert claims[0] == f"{trainer}_actor_train"
+    del actor
