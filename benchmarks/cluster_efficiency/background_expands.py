@@ -30,10 +30,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster_efficiency.run import RESULTS, SEED, _workloads  # noqa: E402
-from benchmarks.cluster_efficiency.scale import POINTS, STEPS  # noqa: E402
+from benchmarks.cluster_efficiency.scale import POINTS, point_trace  # noqa: E402
 from benchmarks.cluster_efficiency.seeds import _spread, run_figures  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
-from rlix_plugins.sim.workloads import Workload, rollmux_trace  # noqa: E402
+from rlix_plugins.sim.workloads import Workload  # noqa: E402
 
 BASES = ("rlix_async", "rlix_async_migr")
 #: the two runs of ours: the service's cycle waits for its expands, or not
@@ -95,18 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     scale: dict[str, Any] = {}
     if not args.no_scale:
         for point in (p for p in POINTS if p.gpus >= 512):
-            wl = rollmux_trace(
-                "mixed",
-                num_jobs=point.jobs,
-                nodes=point.nodes,
-                steps=STEPS,
-                seed=SEED,
-                sizes=point.sizes,
-            )
+            wl = point_trace(point)
             cfg = EngineConfig(record_tenures=False)
             row = _seed_row(wl, SEED, cfg)
             row["exclusive"] = run_figures(wl, "exclusive", SEED, cfg)
-            scale[f"rollmux_mixed_{point.gpus}gpus"] = {"summary": _summary([row]), "run": row}
+            scale[wl.name] = {"summary": _summary([row]), "run": row}
             print(f"{point.gpus} GPUs: {_summary([row])['gpu_hours_change']['mean']:+.2%}")
     out = {
         "seeds": list(range(1, args.seeds + 1)),

@@ -32,10 +32,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster_efficiency.run import RESULTS, SEED, _workloads  # noqa: E402
-from benchmarks.cluster_efficiency.scale import POINTS, STEPS  # noqa: E402
+from benchmarks.cluster_efficiency.scale import POINTS, point_trace  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.runner import run_policy  # noqa: E402
-from rlix_plugins.sim.workloads import Workload, rollmux_trace  # noqa: E402
+from rlix_plugins.sim.workloads import Workload  # noqa: E402
 
 POLICIES = ("exclusive", "rlix", "rlix_async", "rlix_async_migr", "ours")
 BASES = ("rlix", "rlix_async", "rlix_async_migr")
@@ -92,15 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only matches no workload of run.py: {sorted(only)}")
     if not args.no_512:
         point = next(p for p in POINTS if p.gpus == 512)
-        big = rollmux_trace(
-            "mixed",
-            num_jobs=point.jobs,
-            nodes=point.nodes,
-            steps=STEPS,
-            seed=SEED,
-            sizes=point.sizes,
-        )
-        cases.append((replace(big, name="rollmux_mixed_512gpus"), EngineConfig()))
+        cases.append((point_trace(point), EngineConfig()))
     for wl, config in cases:
         t0 = time.perf_counter()
         rows[wl.name] = run_workload(wl, config)

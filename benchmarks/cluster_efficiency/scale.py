@@ -44,7 +44,7 @@ from benchmarks.cluster_efficiency.run import BENCH_POLICIES, RESULTS, SEED  # n
 from rlix_plugins.sim import plots  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.report import compare, format_table  # noqa: E402
-from rlix_plugins.sim.workloads import rollmux_trace, shared_on  # noqa: E402
+from rlix_plugins.sim.workloads import Workload, rollmux_trace, shared_on  # noqa: E402
 
 STEPS = 10
 BASES = ("rlix", "rlix_async", "rlix_async_migr")
@@ -90,12 +90,18 @@ HALF_POINTS = (
 )
 
 
-def run_point(point: ScalePoint, out: Path) -> dict[str, Any]:
-    """Every deployment on one cluster size; per-size JSON and PNGs go under ``out``."""
+def point_trace(point: ScalePoint) -> Workload:
+    """The RollMux-shaped mixed trace of one cluster size (also used by ``blocking.py`` and
+    ``background_expands.py``)."""
     wl = rollmux_trace(
         "mixed", num_jobs=point.jobs, nodes=point.nodes, steps=STEPS, seed=SEED, sizes=point.sizes
     )
-    wl = replace(wl, name=f"rollmux_mixed_{point.gpus}gpus")
+    return replace(wl, name=f"rollmux_mixed_{point.gpus}gpus")
+
+
+def run_point(point: ScalePoint, out: Path) -> dict[str, Any]:
+    """Every deployment on one cluster size; per-size JSON and PNGs go under ``out``."""
+    wl = point_trace(point)
     if point.shared_nodes is not None:
         wl = shared_on(wl, point.shared_gpus)
     t0 = time.perf_counter()

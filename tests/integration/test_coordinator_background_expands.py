@@ -23,9 +23,9 @@ import pytest
 import ray
 
 from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
-from rlix_plugins.protocol.names import cluster_id, pipeline_namespace
+from rlix_plugins.protocol.names import cluster_id
 from rlix_plugins.protocol.types import Priority
-from tests.support.roll_pipeline import GpuLedger
+from tests.support.roll_pipeline import GpuLedger, register_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -83,24 +83,13 @@ class GatedFactory:
         return GatedShards(pipeline_id, self.gpus, self.ledger, self.gate)
 
 
-def _register(plane: Any, pid: str, maps: dict[str, list[int]]) -> None:
-    ray.get(
-        plane.orchestrator.register_pipeline.remote(
-            pipeline_id=pid,
-            ray_namespace=pipeline_namespace(pid),
-            cluster_tp_configs={name: 1 for name in maps},
-            cluster_device_mappings=maps,
-        )
-    )
-
-
 def _slow_pipeline(plane: Any, ledger: Any, gate: Any, pid: str) -> Any:
     """A pipeline whose two generation ranks (GPUs 0, 1) wake only when the gate opens."""
     actor = start_pipeline_coordinator(
         pid, GatedFactory([0, 1], ledger, gate), control_namespace=plane.namespace
     )
     ray.get(actor.__ray_ready__.remote())
-    _register(plane, pid, {"actor_infer": [0, 1]})
+    register_pipeline(plane, pid, {"actor_infer": [0, 1]})
     return actor
 
 
@@ -111,19 +100,29 @@ def _wait_for(gate: Any, entry: str, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _slow_wake_started(
+    plane: Any, slow: str, other: str, other_train: list[int]
+) -> tuple[Any, Any, Any, Any]:
+    """``slow``'s generation request is being expanded (its wake blocked on the gate) and
+    ``other`` is registered with ``other_train``: (ledger, gate, slow's actor, request ref).
+    Keep the actor handle: the actor lives as long as it does."""
+    ledger, gate = GpuLedger.remote(), Gate.remote()
+    actor = _slow_pipeline(plane, ledger, gate, slow)
+    register_pipeline(plane, other, {"actor_train": other_train})
+    gen = plane.scheduler.request_gpus.remote(
+        cluster_id=f"{slow}_actor_infer", priority=Priority.GENERATION, step_target_estimate=8
+    )
+    _wait_for(gate, "expand [0, 1] start")
+    return ledger, gate, actor, gen
+
+
 def test_a_slow_wake_holds_other_grants_only_under_blocking_expands(
     coordinator_any_expands: tuple[Any, bool],
 ) -> None:
     plane, background = coordinator_any_expands
-    ledger, gate = GpuLedger.remote(), Gate.remote()
-    slow, other = "ft_slowwake00001", "ft_otherjob00001"
-    actor = _slow_pipeline(plane, ledger, gate, slow)  # keep the handle: the actor lives on it
-    _register(plane, other, {"actor_train": [2, 3]})
+    other = "ft_otherjob00001"
+    ledger, gate, actor, gen = _slow_wake_started(plane, "ft_slowwake00001", other, [2, 3])
     sched = plane.scheduler
-    gen = sched.request_gpus.remote(
-        cluster_id=f"{slow}_actor_infer", priority=Priority.GENERATION, step_target_estimate=8
-    )
-    _wait_for(gate, "expand [0, 1] start")
     train = sched.request_gpus.remote(
         cluster_id=f"{other}_actor_train", priority=Priority.ACTOR_TRAINING
     )
@@ -147,15 +146,9 @@ def test_a_shrink_of_a_waking_rank_waits_for_its_wake(
     coordinator_any_expands: tuple[Any, bool],
 ) -> None:
     plane, _ = coordinator_any_expands
-    ledger, gate = GpuLedger.remote(), Gate.remote()
-    slow, trainer = "ft_slowwake00002", "ft_trainer000002"
-    actor = _slow_pipeline(plane, ledger, gate, slow)  # keep the handle: the actor lives on it
-    _register(plane, trainer, {"actor_train": [0]})
+    trainer = "ft_trainer000002"
+    ledger, gate, actor, gen = _slow_wake_started(plane, "ft_slowwake00002", trainer, [0])
     sched = plane.scheduler
-    gen = sched.request_gpus.remote(
-        cluster_id=f"{slow}_actor_infer", priority=Priority.GENERATION, step_target_estimate=8
-    )
-    _wait_for(gate, "expand [0, 1] start")
     # Training needs GPU 0, where rank 0 is still waking: granted only after the wake
     # returned and the rank was shrunk (never two users of GPU 0).
     train = sched.request_gpus.remote(

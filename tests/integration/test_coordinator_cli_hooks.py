@@ -19,9 +19,8 @@ from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from rlix_plugins.errors import PipelineFailedError
 from rlix_plugins.hooks import make_hooks
 from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
-from rlix_plugins.protocol.names import pipeline_namespace
 from rlix_plugins.settings import load_settings
-from tests.support.roll_pipeline import wait_until
+from tests.support.roll_pipeline import register_pipeline, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -29,17 +28,6 @@ pytestmark = pytest.mark.integration
 def _status(plane: Any) -> CoordinatorStatus:
     status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
     return status
-
-
-def _register(plane: Any, pid: str, maps: dict[str, list[int]]) -> None:
-    ray.get(
-        plane.orchestrator.register_pipeline.remote(
-            pipeline_id=pid,
-            ray_namespace=pipeline_namespace(pid),
-            cluster_tp_configs={n: 1 for n in maps},
-            cluster_device_mappings=maps,
-        )
-    )
 
 
 def test_cli_start_status_stop(
@@ -57,7 +45,7 @@ def test_cli_start_status_stop(
         from rlix_plugins.coordinator.service.client import connect
 
         plane = connect(namespace=ns, create_if_missing=False)
-        _register(plane, "ft_cli000000001", {"actor_train": [0, 1], "critic": [1]})
+        register_pipeline(plane, "ft_cli000000001", {"actor_train": [0, 1], "critic": [1]})
         sched = plane.scheduler
         ray.get(sched.request_gpus.remote(cluster_id="ft_cli000000001_actor_train", priority=3))
         waiting = sched.request_gpus.remote(cluster_id="ft_cli000000001_critic", priority=2)
@@ -106,8 +94,8 @@ def test_hooks_block_release_report_and_keep_the_lease(
     monkeypatch.setenv("RLIX_LEASE_S", "1.5")
     settings = load_settings()
     pid, other = "ft_hooks0000001", "ft_hooksother01"
-    _register(coordinator, pid, {"actor_train": [0, 1], "actor_infer": [0, 1, 2, 3]})
-    _register(coordinator, other, {"actor_train": [1]})
+    register_pipeline(coordinator, pid, {"actor_train": [0, 1], "actor_infer": [0, 1, 2, 3]})
+    register_pipeline(coordinator, other, {"actor_train": [1]})
     sched = coordinator.scheduler
     ray.get(sched.request_gpus.remote(cluster_id=f"{other}_actor_train", priority=1))
     hooks = make_hooks(settings, pipeline_id=pid)
@@ -167,8 +155,8 @@ def test_hooks_ride_through_a_recreated_coordinator(
     monkeypatch.setenv("RLIX_NAMESPACE", coordinator.namespace)
     settings = load_settings()
     pid, other = "ft_recreate0001", "ft_recreateoth1"
-    _register(coordinator, pid, {"actor_train": [0]})
-    _register(coordinator, other, {"actor_train": [0]})
+    register_pipeline(coordinator, pid, {"actor_train": [0]})
+    register_pipeline(coordinator, other, {"actor_train": [0]})
     ray.get(
         coordinator.scheduler.request_gpus.remote(cluster_id=f"{other}_actor_train", priority=1)
     )

@@ -10,9 +10,13 @@ import ray
 
 from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from rlix_plugins.errors import PipelineFailedError
-from rlix_plugins.protocol.names import pipeline_namespace
 from rlix_plugins.protocol.types import Priority
-from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver, wait_until
+from tests.support.roll_pipeline import (
+    GpuLedger,
+    RollPipelineDriver,
+    register_pipeline,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -24,17 +28,6 @@ def _status(plane: Any) -> CoordinatorStatus:
 
 def _holds(plane: Any, pipeline_id: str) -> set[int]:
     return {g.gpu for g in _status(plane).gpus if g.owner_pipeline == pipeline_id}
-
-
-def _register(plane: Any, pid: str, **maps: list[int]) -> None:
-    ray.get(
-        plane.orchestrator.register_pipeline.remote(
-            pipeline_id=pid,
-            ray_namespace=pipeline_namespace(pid),
-            cluster_tp_configs={name: 1 for name in maps},
-            cluster_device_mappings=maps,
-        )
-    )
 
 
 def test_killed_pipeline_returns_its_gpus_and_the_other_finishes(coordinator: Any) -> None:
@@ -69,8 +62,8 @@ def test_killed_pipeline_returns_its_gpus_and_the_other_finishes(coordinator: An
 
 def test_lease_expiry_unregisters_and_fails_waiters(coordinator: Any) -> None:
     holder, leased = "ft_holder000001", "ft_leased000001"
-    _register(coordinator, holder, actor_train=[2, 3])
-    _register(coordinator, leased, actor_train=[0, 1], critic=[3])
+    register_pipeline(coordinator, holder, {"actor_train": [2, 3]})
+    register_pipeline(coordinator, leased, {"actor_train": [0, 1], "critic": [3]})
     sched = coordinator.scheduler
     ray.get(sched.request_gpus.remote(cluster_id=f"{holder}_actor_train", priority=1))
     ray.get(sched.heartbeat.remote(leased))
@@ -107,7 +100,7 @@ def test_failed_shrink_fences_the_pipeline_and_only_then_hands_its_gpu_on(
     wait_until(lambda: _holds(coordinator, victim.pipeline_id) == {0, 1, 2, 3}, 10)
     ray.get(victim.coordinator.set_failure.remote("shrink"))
     other = "ft_trainer00001"
-    _register(coordinator, other, actor_train=[2, 3])
+    register_pipeline(coordinator, other, {"actor_train": [2, 3]})
     got = ray.get(
         sched.request_gpus.remote(cluster_id=f"{other}_actor_train", priority=1), timeout=20
     )

@@ -364,6 +364,18 @@ class RollPipelineDriver:
         ray.kill(self.coordinator, no_restart=True)
 
 
+def register_pipeline(plane: Any, pid: str, maps: dict[str, list[int]]) -> None:
+    """Register ``pid`` with tp=1 clusters ``{name: GPUs}`` through the orchestrator."""
+    ray.get(
+        plane.orchestrator.register_pipeline.remote(
+            pipeline_id=pid,
+            ray_namespace=pipeline_namespace(pid),
+            cluster_tp_configs={name: 1 for name in maps},
+            cluster_device_mappings=maps,
+        )
+    )
+
+
 def wait_until(predicate: Any, timeout: float, interval: float = 0.05) -> float:
     """Poll an external condition (e.g. coordinator status) until true; return seconds taken.
 

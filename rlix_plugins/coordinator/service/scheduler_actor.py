@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rlix_plugins.coordinator.core import (
+    CommitResult,
     DemandSharePlanner,
     ImmediateGrant,
     InvariantViolation,
@@ -671,22 +672,40 @@ class SchedulerService:
         unsent = await self._resize_all(to_send, remove=False)
         unsent -= {c for c in unsent if parse_cluster_id(c)[0] in self._fencing}
         async with self._lock:
-            now = self._now()
             applied = dataclasses.replace(
                 plan, expands=tuple(m for m in sendable if m.cluster_id not in unsent)
             )
-            result = self._state.commit(applied, now=now, failed_shrinks=failed_shrinks)
-            self._inflight = None
-            try:
-                check_state(self._state)
-            except InvariantViolation:
-                logger.exception("state invariant broken after commit")
-            self._persist()
-            self._after_commit(plan, result.granted, result.shrunk, result.expanded, now)
-            self._settle_release_waiters()
+            result = self._commit(plan, applied, failed_shrinks, background=False)
         if self._metrics is not None:
             self._metrics.cycle(time.perf_counter() - t0)
         return bool(result.granted or result.shrunk or result.expanded or result.released)
+
+    def _commit(
+        self, plan: Plan, applied: Plan, failed_shrinks: set[str], *, background: bool
+    ) -> CommitResult:
+        """Commit ``applied`` (``plan`` less what was not sent), check, persist, answer
+        waiters; with ``background`` start the expands (under ``_lock``)."""
+        now = self._now()
+        result = self._state.commit(
+            applied, now=now, failed_shrinks=failed_shrinks, expands_pending=background
+        )
+        self._inflight = None
+        try:
+            check_state(self._state)
+        except InvariantViolation:
+            logger.exception("state invariant broken after commit")
+        self._persist()
+        expanding: dict[str, list[int]] = {}
+        if background:
+            for cid, rank in result.expanded:
+                expanding.setdefault(cid, []).append(rank)
+        self._after_commit(
+            plan, result.granted, result.shrunk, result.expanded, now, defer=set(expanding)
+        )
+        self._settle_release_waiters()
+        for cid, ranks in expanding.items():
+            self._start_expand(cid, sorted(ranks))
+        return result
 
     async def _commit_then_expand(
         self, plan: Plan, failed_shrinks: set[str], sendable: tuple[RankMove, ...], t0: float
@@ -697,7 +716,6 @@ class SchedulerService:
             cid for cid in {m.cluster_id for m in sendable} if await self._reachable(cid)
         }
         async with self._lock:
-            now = self._now()
             applied = dataclasses.replace(
                 plan,
                 expands=tuple(
@@ -707,24 +725,7 @@ class SchedulerService:
                     and parse_cluster_id(m.cluster_id)[0] not in self._fencing
                 ),
             )
-            result = self._state.commit(
-                applied, now=now, failed_shrinks=failed_shrinks, expands_pending=True
-            )
-            self._inflight = None
-            try:
-                check_state(self._state)
-            except InvariantViolation:
-                logger.exception("state invariant broken after commit")
-            self._persist()
-            expanding: dict[str, list[int]] = {}
-            for cid, rank in result.expanded:
-                expanding.setdefault(cid, []).append(rank)
-            self._after_commit(
-                plan, result.granted, result.shrunk, result.expanded, now, defer=set(expanding)
-            )
-            self._settle_release_waiters()
-            for cid, ranks in expanding.items():
-                self._start_expand(cid, sorted(ranks))
+            result = self._commit(plan, applied, failed_shrinks, background=True)
         if self._metrics is not None:
             self._metrics.cycle(time.perf_counter() - t0)
         return bool(result.granted or result.shrunk or result.expanded or result.released)
