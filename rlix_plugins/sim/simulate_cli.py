@@ -99,6 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=Path("sim-results"), help="directory for JSON + PNG results"
     )
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--background-expands",
+        action="store_true",
+        help="our deployments' service commits a cycle once its shrinks are done and lets "
+        "expands finish in the background (RLIX_BACKGROUND_EXPANDS=1); RLix's always waits",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
                 "T + 2R GPUs; drop it from --policies or leave --shared-gpus out"
             )
             return 2
-    config = EngineConfig(record_tenures=not args.no_plots)
+    config = EngineConfig(
+        record_tenures=not args.no_plots, background_expands=args.background_expands
+    )
     comparison = compare(
         workload,
         seed=args.seed,

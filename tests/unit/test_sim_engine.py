@@ -395,6 +395,24 @@ def test_simulate_command_shares_half_the_gpus_and_small_job_sizes(tmp_path: Pat
     assert {s["num_gpus"] for s in saved["summaries"]} == {8}
 
 
+def test_simulate_command_background_expands_changes_ours_only(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    argv = ["--workload", "rollmux-mixed", "--jobs", "4", "--nodes", "1", "--steps", "2"]
+    argv += ["--job-sizes", "S"]
+    runs = {}
+    for flag in ([], ["--background-expands"]):
+        out = tmp_path / ("bg" if flag else "default")
+        common = ["--out", str(out), "--no-plots", "--policies", "rlix_async,ours", *flag]
+        assert command.run(parser.parse_args([*argv, *common])) == 0
+        saved = json.loads((out / "rollmux_mixed.json").read_text())
+        runs[bool(flag)] = {s["policy"]: s for s in saved["summaries"]}
+    # RLix's scheduler always waits for its expands: its run is the same either way.
+    a, b = runs[False]["rlix_async"], runs[True]["rlix_async"]
+    assert (a["makespan_s"], a["preemptions"]) == (b["makespan_s"], b["preemptions"])
+    assert runs[False]["ours"]["cycles"] != runs[True]["ours"]["cycles"]
+
+
 def test_workloads_are_deterministic_per_seed() -> None:
     wl = long_tail_agentic(num_jobs=2, steps=1, nodes=4)
     wl = replace(wl, jobs=tuple(replace(j, batch=16) for j in wl.jobs))
