@@ -126,7 +126,9 @@ def test_a_slow_wake_holds_other_grants_only_under_blocking_expands(
     train = sched.request_gpus.remote(
         cluster_id=f"{other}_actor_train", priority=Priority.ACTOR_TRAINING
     )
-    ready, _ = ray.wait([train], timeout=3.0)
+    # The gate stays closed until the test opens it, so waiting long here cannot make the
+    # background case pass for the wrong reason; the blocking case must not answer at all.
+    ready, _ = ray.wait([train], timeout=30.0 if background else 3.0)
     if background:
         assert ready, "training on idle GPUs waited for another pipeline's wake"
         assert ray.get(train) == [2, 3]
