@@ -23,6 +23,7 @@ import pytest
 import ray
 
 from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
+from rlix_plugins.errors import PipelineFailedError
 from rlix_plugins.protocol.names import cluster_id
 from rlix_plugins.protocol.types import Priority
 from tests.support.roll_pipeline import GpuLedger, register_pipeline
@@ -55,16 +56,21 @@ class GatedShards:
     """FAKE shard controller (no GPU): ranks claim their GPUs in the ledger; an expand returns
     only once the gate is open (a wake + sync that takes as long as the test wants)."""
 
-    def __init__(self, pipeline_id: str, gpus: Sequence[int], ledger: Any, gate: Any) -> None:
+    def __init__(
+        self, pipeline_id: str, gpus: Sequence[int], ledger: Any, gate: Any, fail: bool
+    ) -> None:
         self.cluster = cluster_id(pipeline_id, "actor_infer")
         self.gpus = list(gpus)
         self.ledger = ledger
         self.gate = gate
+        self.fail = fail
 
     def expand(self, dp_ranks: Sequence[int]) -> None:
         ray.get(self.gate.record.remote(f"expand {sorted(dp_ranks)} start"))
         while not ray.get(self.gate.is_open.remote()):
             time.sleep(0.02)
+        if self.fail:
+            raise RuntimeError("simulated wake failure")
         for r in dp_ranks:
             ray.get(self.ledger.claim.remote(self.cluster, [self.gpus[r]]))
         ray.get(self.gate.record.remote(f"expand {sorted(dp_ranks)} done"))
@@ -76,17 +82,18 @@ class GatedShards:
 
 
 class GatedFactory:
-    def __init__(self, gpus: Sequence[int], ledger: Any, gate: Any) -> None:
-        self.gpus, self.ledger, self.gate = list(gpus), ledger, gate
+    def __init__(self, gpus: Sequence[int], ledger: Any, gate: Any, fail: bool) -> None:
+        self.gpus, self.ledger, self.gate, self.fail = list(gpus), ledger, gate, fail
 
     def __call__(self, pipeline_id: str) -> GatedShards:
-        return GatedShards(pipeline_id, self.gpus, self.ledger, self.gate)
+        return GatedShards(pipeline_id, self.gpus, self.ledger, self.gate, self.fail)
 
 
-def _slow_pipeline(plane: Any, ledger: Any, gate: Any, pid: str) -> Any:
-    """A pipeline whose two generation ranks (GPUs 0, 1) wake only when the gate opens."""
+def _slow_pipeline(plane: Any, ledger: Any, gate: Any, pid: str, fail: bool = False) -> Any:
+    """A pipeline whose two generation ranks (GPUs 0, 1) wake only when the gate opens (and
+    then fail to, with ``fail``)."""
     actor = start_pipeline_coordinator(
-        pid, GatedFactory([0, 1], ledger, gate), control_namespace=plane.namespace
+        pid, GatedFactory([0, 1], ledger, gate, fail), control_namespace=plane.namespace
     )
     ray.get(actor.__ray_ready__.remote())
     register_pipeline(plane, pid, {"actor_infer": [0, 1]})
@@ -101,13 +108,13 @@ def _wait_for(gate: Any, entry: str, timeout: float = 30.0) -> None:
 
 
 def _slow_wake_started(
-    plane: Any, slow: str, other: str, other_train: list[int]
+    plane: Any, slow: str, other: str, other_train: list[int], fail: bool = False
 ) -> tuple[Any, Any, Any, Any]:
     """``slow``'s generation request is being expanded (its wake blocked on the gate) and
     ``other`` is registered with ``other_train``: (ledger, gate, slow's actor, request ref).
     Keep the actor handle: the actor lives as long as it does."""
     ledger, gate = GpuLedger.remote(), Gate.remote()
-    actor = _slow_pipeline(plane, ledger, gate, slow)
+    actor = _slow_pipeline(plane, ledger, gate, slow, fail)
     register_pipeline(plane, other, {"actor_train": other_train})
     gen = plane.scheduler.request_gpus.remote(
         cluster_id=f"{slow}_actor_infer", priority=Priority.GENERATION, step_target_estimate=8
@@ -166,4 +173,27 @@ def test_a_shrink_of_a_waking_rank_waits_for_its_wake(
     violations, claims, _ = ray.get(ledger.report.remote())
     assert violations == []
     assert claims[0] == f"{trainer}_actor_train"
+    del actor
+
+
+def test_a_failed_wake_fences_its_pipeline_and_keeps_its_gpus_until_it_is_dead(
+    coordinator_any_expands: tuple[Any, bool],
+) -> None:
+    plane, _ = coordinator_any_expands
+    slow, trainer = "ft_failwake00003", "ft_trainer000003"
+    _, gate, actor, gen = _slow_wake_started(plane, slow, trainer, [0], fail=True)
+    train = plane.scheduler.request_gpus.remote(
+        cluster_id=f"{trainer}_actor_train", priority=Priority.ACTOR_TRAINING
+    )
+    ray.get(gate.open.remote())
+    # The waiting generation request fails with the pipeline; GPU 0 (state unknown after the
+    # failed wake) goes to the trainer only once the fenced pipeline is confirmed dead.
+    with pytest.raises(PipelineFailedError):
+        ray.get(gen, timeout=30)
+    status = ray.get(plane.scheduler.get_status.remote())
+    if slow not in {d.pipeline_id for d in status.dead_pipelines}:
+        assert status.owners()[0] == slow, "a fenced pipeline's GPU was handed on before death"
+    assert ray.get(train, timeout=30) == [0]
+    dead = ray.get(plane.scheduler.get_status.remote()).dead_pipelines
+    assert slow in {d.pipeline_id for d in dead}
     del actor

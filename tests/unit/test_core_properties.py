@@ -159,25 +159,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             )
             fail = []
 
-    @rule(data=st.data(), served=st.booleans())
-    def expand_returns(self, data: st.DataObject, served: bool) -> None:
-        """A background expand returns: the rank serves, or it never reached the pipeline."""
+    @rule(data=st.data())
+    def expand_returns(self, data: st.DataObject) -> None:
+        """A background expand returns: the rank serves, its hold time starts now."""
         if not self.state.warming:
             return
         cid, rank = data.draw(st.sampled_from(sorted(self.state.warming)))
-        if served:
-            assert self.state.expand_done(cid, rank, now=self.now)
-            assert (cid, rank) not in self.state.warming
-            assert self.state.active_ranks[cid][rank] == self.now
-        else:
-            gpus = self.state.clusters[cid].rank_gpus(rank)
-            assert self.state.abandon_expand(cid, rank)
-            assert rank not in self.state.active_ranks[cid]
-            assert all(self.state.owner[g] is None for g in gpus)
+        assert self.state.expand_done(cid, rank, now=self.now)
+        assert (cid, rank) not in self.state.warming
+        assert self.state.active_ranks[cid][rank] == self.now
         # Returning twice is a no-op (the task may race a shrink or an unregistration).
         before = observable(self.state)
         assert not self.state.expand_done(cid, rank, now=self.now)
-        assert not self.state.abandon_expand(cid, rank)
         assert observable(self.state) == before
 
     @invariant()

@@ -306,19 +306,6 @@ class SchedulerState:
         self._bump()
         return True
 
-    def abandon_expand(self, cluster_id: str, dp_rank: int) -> bool:
-        """A warming rank whose expand never reached the pipeline (nothing woke): free its
-        GPUs. False, and no change, when the rank is not warming."""
-        key = (cluster_id, dp_rank)
-        if key not in self.warming:
-            return False
-        self.warming.discard(key)
-        del self.active_ranks[cluster_id][dp_rank]
-        for g in self.clusters[cluster_id].rank_gpus(dp_rank):
-            self.owner[g] = None
-        self._bump()
-        return True
-
     # ------------------------------------------------------------------ demand
     def report_progress(self, report: ProgressReport) -> None:
         self.pipeline(report.pipeline_id)
@@ -351,8 +338,8 @@ class SchedulerState:
         A shrink whose RPC failed leaves its ranks owned (the shard's state is unknown, so its
         GPUs must not be handed on); whatever depended on those GPUs waits for a later cycle.
         With ``expands_pending`` the expands are committed before their RPCs run: each
-        expanded rank is active (its GPUs owned) and warming until :meth:`expand_done` or
-        :meth:`abandon_expand`.
+        expanded rank is active (its GPUs owned) and warming until :meth:`expand_done` (or
+        until it is shrunk, released or its pipeline unregistered).
         """
         failed_s = set(failed_shrinks)
         failed_e = set(failed_expands)

@@ -66,7 +66,6 @@ from rlix_plugins.errors import (
     ProtocolError,
     RegistrationError,
     RequestTimeoutError,
-    RlixPluginsError,
     UnknownPipelineError,
 )
 from rlix_plugins.protocol.names import GENERATION_CLUSTER, cluster_id, parse_cluster_id
@@ -759,48 +758,37 @@ class SchedulerService:
     async def _expand(self, cid: str, ranks: list[int], after: asyncio.Task[None] | None) -> None:
         """One background ``resize_infer(add)``; the ranks stop warming when it returns.
 
-        A failed call fences the pipeline and its ranks stay owned until it is confirmed dead
-        (the shard's state is unknown); a call that never reached the pipeline frees them.
+        A call that failed, timed out or could not be sent fences the pipeline, and its ranks
+        stay owned until it is confirmed dead (the shard's state is unknown), as a failed
+        expand of a blocking cycle does.
         """
         if after is not None:
             await asyncio.wait([after])  # one resize at a time per cluster, in plan order
         ok = await self._resize_one(cid, ranks, remove=False)
         async with self._lock:
             now = self._now()
-            if cid in self._state.clusters:
-                if ok:
-                    for r in ranks:
-                        self._state.expand_done(cid, r, now=now)
-                elif parse_cluster_id(cid)[0] not in self._fencing:
-                    for r in ranks:
-                        self._state.abandon_expand(cid, r)
+            pid = parse_cluster_id(cid)[0]
+            if not ok:
+                # _resize_one fenced it already unless the call was never sent (the handle
+                # was resolved before the commit, so that is not expected): fence it too.
+                self._fence(pid, f"resize_infer(add={ranks}) on {cid} was not sent")
+            elif cid in self._state.clusters:
+                for r in ranks:
+                    self._state.expand_done(cid, r, now=now)
                 self._persist()
                 self._observe_trace(now)
-            self._settle_deferred(cid, now)
+                self._settle_deferred(cid, now)
         self._kick()
 
     def _settle_deferred(self, cid: str, now: float) -> None:
-        """Answer a generation request whose grant waited for an expand of ``cid``: once a
-        rank serves; re-queued when every expanded rank was abandoned."""
+        """Answer a generation request whose grant waited for an expand of ``cid`` once one
+        of the cluster's ranks serves (a fenced or dropped pipeline's waiter failed already)."""
         fut = self._waiters.get(cid)
         if fut is None or fut.done() or cid in self._state.pending:
             return
-        ranks = self._state.active_ranks.get(cid)
-        if ranks is None:
-            return  # unregistered: _drop already failed the waiter
+        ranks = self._state.active_ranks.get(cid, {})
         if any((cid, r) not in self._state.warming for r in ranks):
             self._resolve_waiter(cid, self._state.held_gpus(cid), now)
-        elif not ranks:
-            # Nothing woke: ask again (answered at once if another rank serves meanwhile).
-            try:
-                got = self._state.submit_request(cid, Priority.GENERATION, now=now)
-            except RlixPluginsError as exc:  # the cluster changed state meanwhile
-                self._waiters.pop(cid, None)
-                self._requested_at.pop(cid, None)
-                fut.set_exception(exc)
-                return
-            if isinstance(got, ImmediateGrant):
-                self._resolve_waiter(cid, got.gpus, now)
 
     def _resolve_waiter(self, cid: str, gpus: tuple[int, ...], now: float) -> None:
         started = self._requested_at.pop(cid, None)
