@@ -197,3 +197,33 @@ def test_a_failed_wake_fences_its_pipeline_and_keeps_its_gpus_until_it_is_dead(
     dead = ray.get(plane.scheduler.get_status.remote()).dead_pipelines
     assert slow in {d.pipeline_id for d in dead}
     del actor
+
+
+def test_a_scheduler_crash_during_a_background_expand_sends_it_again(
+    background_coordinator: Any,
+) -> None:
+    """The crash loses the expand's answer: the restarted scheduler restores the ranks as
+    warming and sends the expand again (idempotent per rank; the pipeline runs it after the
+    first). The generation request, retried by Ray, is answered only once the ranks serve, and
+    a training request on rank 0's GPU only after the shrink that follows."""
+    plane = background_coordinator
+    slow, trainer = "ft_crashwake0004", "ft_trainer000004"
+    ledger, gate, actor, gen = _slow_wake_started(plane, slow, trainer, [0])
+    sched = plane.scheduler
+    ray.kill(sched, no_restart=False)  # crash; Ray restarts it (max_restarts=-1)
+    ray.get(sched.ping.remote(), timeout=60)
+    owners = ray.get(sched.get_status.remote()).owners()
+    assert owners[0] == owners[1] == slow, "the waking ranks must stay owned across the crash"
+    train = sched.request_gpus.remote(
+        cluster_id=f"{trainer}_actor_train", priority=Priority.ACTOR_TRAINING
+    )
+    assert ray.wait([gen, train], timeout=2.0)[0] == []
+    ray.get(gate.open.remote())
+    assert sorted(ray.get(gen, timeout=60)) in ([0, 1], [1])
+    assert ray.get(train, timeout=60) == [0]
+    log = ray.get(gate.log.remote())
+    assert log.count("expand [0, 1] start") == 2, log  # the first call, and the one re-sent
+    assert log.index("expand [0, 1] done") < log.index("shrink [0]"), log
+    violations, _, _ = ray.get(ledger.report.remote())
+    assert violations == []
+    del actor

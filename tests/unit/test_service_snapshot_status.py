@@ -47,6 +47,16 @@ def test_snapshot_round_trips_through_json() -> None:
     check_state(back)
 
 
+def test_warming_ranks_survive_a_snapshot_and_older_snapshots_have_none() -> None:
+    state = _busy_state()
+    rank = next(iter(state.active_ranks["ft_a_actor_infer"]))
+    state.warming.add(("ft_a_actor_infer", rank))
+    data = json.loads(json.dumps(snapshot(state)))
+    assert restore(data).warming == {("ft_a_actor_infer", rank)}
+    del data["warming"]  # written before background expands existed
+    assert restore(data).warming == set()
+
+
 def test_restore_rejects_other_topology_and_version() -> None:
     data = snapshot(_busy_state())
     with pytest.raises(ProtocolError, match="topology"):

@@ -83,6 +83,7 @@ def snapshot(state: SchedulerState) -> dict[str, Any]:
         },
         "progress": progress,
         "estimates": dict(state.estimates),
+        "warming": sorted([cid, r] for cid, r in state.warming),
     }
 
 
@@ -135,6 +136,13 @@ def restore(data: Mapping[str, Any], topology: Topology | None = None) -> Schedu
             )
             state.progress.setdefault(pid, {})[report.stream_key] = report
     state.estimates.update({k: int(v) for k, v in data["estimates"].items()})
+    # Background expands in flight at the crash (absent from older snapshots): still warming;
+    # the restarted service sends them again (``resize_infer`` is idempotent per rank).
+    state.warming = {
+        (str(cid), int(r))
+        for cid, r in data.get("warming", [])
+        if int(r) in state.active_ranks.get(str(cid), {})
+    }
     # Revisions must keep growing across a restart so a client comparing them is not fooled.
     state.revision = int(data["revision"]) + 1
     check_state(state)

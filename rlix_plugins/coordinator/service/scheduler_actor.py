@@ -125,6 +125,13 @@ class SchedulerService:
             loop.create_task(self._liveness_loop()),
         ]
         self._wake.set()
+        warming: dict[str, list[int]] = {}
+        for cid, rank in self._state.warming:
+            warming.setdefault(cid, []).append(rank)
+        for cid, ranks in warming.items():
+            # Background expands in flight at a crash: their answers are lost, so send them
+            # again (idempotent per rank; the pipeline runs one resize at a time).
+            self._start_expand(cid, sorted(ranks))
         for pid, _reason in list(self._fencing.items()):
             # Fenced before a crash: the kill may not have happened; make sure it does.
             spec = self._state.pipelines[pid]
@@ -433,12 +440,19 @@ class SchedulerService:
             step_target_estimate=step_target_estimate,
             lora_name=lora_name,
         )
-        if isinstance(res, ImmediateGrant):
+        if isinstance(res, ImmediateGrant) and not (
+            prio is Priority.GENERATION and self._all_warming(cid)
+        ):
             self._persist()
             self._observe_trace(now)
             if self._metrics is not None:
                 self._metrics.waited(prio.name, 0.0)
             return list(res.gpus)
+        waiting = self._waiters.get(cid)
+        if isinstance(res, ImmediateGrant) and waiting is not None and not waiting.done():
+            return waiting  # the same generation request again (e.g. retried after a restart)
+        # Pending, or a generation request whose every rank still wakes (background expands):
+        # answered by a cycle, or by _settle_deferred once a rank serves.
         fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self._waiters[cid] = fut
         self._requested_at[cid] = now
@@ -790,6 +804,11 @@ class SchedulerService:
         if any((cid, r) not in self._state.warming for r in ranks):
             self._resolve_waiter(cid, self._state.held_gpus(cid), now)
 
+    def _all_warming(self, cid: str) -> bool:
+        """The cluster has active ranks and every one of them still wakes."""
+        ranks = self._state.active_ranks.get(cid) or {}
+        return bool(ranks) and all((cid, r) in self._state.warming for r in ranks)
+
     def _resolve_waiter(self, cid: str, gpus: tuple[int, ...], now: float) -> None:
         started = self._requested_at.pop(cid, None)
         fut = self._waiters.pop(cid, None)
@@ -830,10 +849,8 @@ class SchedulerService:
             self._metrics.allocated("generation_rank", "GENERATION", len(expanded))
         self._observe_trace(now)
         for cid, gpus in granted.items():
-            if cid in defer and cid not in self._state.holdings:
-                ranks = self._state.active_ranks.get(cid, {})
-                if all((cid, r) in self._state.warming for r in ranks):
-                    continue  # no rank serves yet: answered when one does
+            if cid in defer and cid not in self._state.holdings and self._all_warming(cid):
+                continue  # no rank serves yet: answered when one does
             self._resolve_waiter(cid, gpus, now)
 
     async def _resize_all(self, calls: dict[str, list[int]], *, remove: bool) -> set[str]:
