@@ -185,8 +185,18 @@ def _wait(member: _Member, event: int, deadline: float, what: str) -> None:
 def _send(member: _Member, header: Mapping[str, Any], frames: list[Any], timeout_s: float) -> None:
     import zmq
 
-    _wait(member, zmq.POLLOUT, time.monotonic() + timeout_s, "connection")
-    member.socket.send_multipart([encode(header), *frames], copy=False)
+    deadline = time.monotonic() + timeout_s
+    parts = [encode(header), *frames]
+    while True:
+        _wait(member, zmq.POLLOUT, deadline, "connection")
+        try:
+            # Never a blocking send: a PAIR socket whose peer went away between the poll and
+            # the send blocks forever (a receiver that crashed mid-sync hung the sender).
+            member.socket.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+            return
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                raise _gone(member, "no connection within the ack timeout") from None
 
 
 def _recv(member: _Member, timeout_s: float, what: str) -> dict[str, Any]:
