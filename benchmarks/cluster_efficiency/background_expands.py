@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.cluster_efficiency.run import RESULTS, SEED, _workloads  # noqa: E402
 from benchmarks.cluster_efficiency.scale import POINTS, point_trace  # noqa: E402
 from benchmarks.cluster_efficiency.seeds import _spread, run_figures  # noqa: E402
+from rlix_plugins.sim import plots  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.workloads import Workload  # noqa: E402
 
@@ -76,9 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated run.py workload names")
     ap.add_argument("--no-scale", action="store_true", help="skip the 512 / 4,096-GPU traces")
     ap.add_argument("--out", type=Path, default=RESULTS / "background_expands.json")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
     args = ap.parse_args(argv)
     if args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.plot_only:
+        if not args.out.exists():
+            ap.error(f"--plot-only needs {args.out} (run without --plot-only first)")
+        _plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return 0
     only = set(args.only.split(",")) if args.only else None
     families = _workloads(argparse.Namespace(quick=False, full=False, scale=False))
     cases = [(wl, cfg) for _, wl, cfg, _ in families if only is None or wl.name in only]
@@ -118,36 +125,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(out: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    items = [(n, w["summary"]) for n, w in out["workloads"].items()]
-    items += [(f"{n} (seed {SEED})", w["summary"]) for n, w in out["scale"].items()]
-    names = [n for n, _ in items]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    for j, key in enumerate(("gpu_hours_change", "mean_jct_change")):
-        means = [100 * s[key]["mean"] for _, s in items]
-        low = [100 * (s[key]["mean"] - s[key]["min"]) for _, s in items]
-        high = [100 * (s[key]["max"] - s[key]["mean"]) for _, s in items]
-        ax.bar(
-            [x + j * 0.4 for x in range(len(items))],
-            means,
-            0.4,
-            yerr=[low, high],
-            capsize=2,
-            label={"gpu_hours_change": "GPU-h/step", "mean_jct_change": "mean JCT"}[key],
-        )
-    ax.axhline(0, color="black", lw=0.8)
-    ax.set_ylabel("background / blocking expands - 1 (%)")
-    ax.set_title("Ours with background expands vs waiting for them (mean, min..max over seeds)")
-    ax.set_xticks([x + 0.2 for x in range(len(items))])
-    ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """Mean (min..max) change per workload; the scale traces are one seed each."""
+    rows = {n: w["summary"] for n, w in out["workloads"].items()}
+    rows.update({f"{n} (seed {SEED})": w["summary"] for n, w in out["scale"].items()})
+    changes = {
+        label: {
+            n: (s[key]["mean"], s[key]["min"], s[key]["max"]) for n, s in rows.items()
+        }
+        for label, key in (("GPU-h/step", "gpu_hours_change"), ("mean JCT", "mean_jct_change"))
+    }
+    plots.relative_changes(
+        changes,
+        "background / blocking expands - 1 (%)",
+        "Ours with background expands vs waiting for them (mean, min..max over seeds)",
+        path,
+    )
 
 
 if __name__ == "__main__":

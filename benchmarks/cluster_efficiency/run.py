@@ -534,6 +534,46 @@ def _target(name: str, measured: object, met: bool, reason: str) -> dict[str, ob
     return out
 
 
+def _throughput_targets(
+    c: Comparison,
+    bounds: dict[str, MakespanBound],
+    qualifier: str,
+    reason: str,
+    bases: tuple[str, ...],
+) -> list[dict[str, object]]:
+    """A long-tail workload's targets: ours >= ``LONG_TAIL_X`` rollout throughput vs exclusive
+    (with the makespan bound beside it) and ours ahead of each of ``bases``."""
+    r = c.ratios()
+    measured: dict[str, object] = {
+        k: round(v, 3) for k, v in r.items() if "throughput_x_exclusive" in k
+    }
+    if c.workload in bounds:
+        measured.update(
+            bound_figures(
+                bounds[c.workload], c.get("exclusive").makespan_s, c.get("ours").makespan_s
+            )
+        )
+    out = [
+        _target(
+            f"{c.workload}: ours >= {LONG_TAIL_X}x rollout throughput vs exclusive {qualifier}",
+            measured,
+            r["ours_throughput_x_exclusive"] >= LONG_TAIL_X,
+            reason,
+        )
+    ]
+    for base in bases:
+        x = r[f"ours_throughput_x_{base}"]
+        out.append(
+            _target(
+                f"{c.workload}: ours ahead of {base} on rollout throughput",
+                round(x, 4),
+                x > 1.0,
+                "no throughput gain over this baseline in this run",
+            )
+        )
+    return out
+
+
 def evaluate(
     comparisons: list[tuple[str, Comparison]], bounds: dict[str, MakespanBound]
 ) -> list[dict[str, object]]:
@@ -543,71 +583,27 @@ def evaluate(
     out: list[dict[str, object]] = []
     head = _headline(comparisons)
     if head is not None:
-        r = head.ratios()
         ours = head.get("ours")
-        measured: dict[str, object] = {
-            k: round(v, 3) for k, v in r.items() if "throughput_x_exclusive" in k
-        }
-        if head.workload in bounds:
-            measured.update(
-                bound_figures(
-                    bounds[head.workload],
-                    head.get("exclusive").makespan_s,
-                    head.get("ours").makespan_s,
-                )
-            )
-        out.append(
-            _target(
-                f"{head.workload}: ours >= {LONG_TAIL_X}x rollout throughput vs exclusive "
-                "(RLix RFC)",
-                measured,
-                r["ours_throughput_x_exclusive"] >= LONG_TAIL_X,
-                f"ours keeps the shared cluster {ours.gpu_utilisation:.0%} useful over the "
-                "whole makespan; what is left is the end of the run (the last steps' capped "
-                "3,600 s trajectories with little other work) and switch costs "
-                f"({ours.rebalances} rebalances, {ours.preemptions} preemptions); see "
-                "docs/simulator.md",
-            )
+        out += _throughput_targets(
+            head,
+            bounds,
+            "(RLix RFC)",
+            f"ours keeps the shared cluster {ours.gpu_utilisation:.0%} useful over the "
+            "whole makespan; what is left is the end of the run (the last steps' capped "
+            "3,600 s trajectories with little other work) and switch costs "
+            f"({ours.rebalances} rebalances, {ours.preemptions} preemptions); see "
+            "docs/simulator.md",
+            ("rlix", "rlix_async"),
         )
-        for base in ("rlix", "rlix_async"):
-            x = r[f"ours_throughput_x_{base}"]
-            out.append(
-                _target(
-                    f"{head.workload}: ours ahead of {base} on rollout throughput",
-                    round(x, 4),
-                    x > 1.0,
-                    "no throughput gain over this baseline in this run",
-                )
-            )
     for kind, c in comparisons:
-        if kind != "long_tail_steady":
-            continue
-        r = c.ratios()
-        measured = {k: round(v, 3) for k, v in r.items() if "throughput_x_exclusive" in k}
-        if c.workload in bounds:
-            measured.update(
-                bound_figures(
-                    bounds[c.workload], c.get("exclusive").makespan_s, c.get("ours").makespan_s
-                )
-            )
-        out.append(
-            _target(
-                f"{c.workload}: ours >= {LONG_TAIL_X}x rollout throughput vs exclusive over a "
-                f"run of {STEADY_STEPS} steps per job (RLix RFC; seed spread: run_length.py)",
-                measured,
-                r["ours_throughput_x_exclusive"] >= LONG_TAIL_X,
+        if kind == "long_tail_steady":
+            out += _throughput_targets(
+                c,
+                bounds,
+                f"over a run of {STEADY_STEPS} steps per job (RLix RFC; seed spread: "
+                "run_length.py)",
                 "see results/run_length.json and docs/simulator.md",
-            )
-        )
-        for base in ("rlix", "rlix_async", "rlix_async_migr"):
-            x = r[f"ours_throughput_x_{base}"]
-            out.append(
-                _target(
-                    f"{c.workload}: ours ahead of {base} on rollout throughput",
-                    round(x, 4),
-                    x > 1.0,
-                    "no throughput gain over this baseline in this run",
-                )
+                ("rlix", "rlix_async", "rlix_async_migr"),
             )
     for kind, c in comparisons:
         if kind != "plexrl_sized":

@@ -321,3 +321,32 @@ def run_length(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def relative_changes(
+    changes: dict[str, dict[str, tuple[float, float, float]]],
+    ylabel: str,
+    title: str,
+    path: Path,
+) -> None:
+    """Grouped bars of relative changes (in %), one group per workload, one bar per figure,
+    with min..max error bars. ``changes``: figure -> workload -> (mean, min, max) as ratios."""
+    plt = _plt()
+    names = list(next(iter(changes.values()), {}))
+    width = 0.8 / max(1, len(changes))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for j, (label, per) in enumerate(changes.items()):
+        means = [100 * per[n][0] for n in names]
+        low = [100 * (per[n][0] - per[n][1]) for n in names]
+        high = [100 * (per[n][2] - per[n][0]) for n in names]
+        xs = [x + j * width for x in range(len(names))]
+        ax.bar(xs, means, width, yerr=[low, high], capsize=2, label=label)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_xticks([x + width * (len(changes) - 1) / 2 for x in range(len(names))])
+    ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

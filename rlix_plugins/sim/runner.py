@@ -47,9 +47,9 @@ MIGRATING = frozenset({"ours", "rlix_async_migr"})
 #: (``EngineConfig.restart_on_abort``): NeMo RL's adapter with
 #: ``RLIX_NEMO_RL_REDISPATCH=restart`` (RESTART, migration off)
 RESTARTING = frozenset({"ours_nemo_rl"})
-#: deployments on our service, the only ones ``EngineConfig.background_expands`` applies to
-#: (RLix's scheduler awaits every expand of a cycle)
-OUR_SERVICE = frozenset({"ours", "ours_roll", "ours_nomigr", "ours_nemo_rl"})
+#: deployments scheduled by our service, the only ones ``EngineConfig.background_expands``
+#: applies to (RLix's scheduler awaits every expand of a cycle)
+OUR_SERVICE = frozenset(d for d, (scheduler, _) in DEPLOYMENTS.items() if scheduler == "ours")
 POLICIES = ("exclusive", "rlix", "rlix_async", "ours")
 
 
@@ -83,14 +83,13 @@ def run_policy(
 ) -> RunResult:
     """Simulate ``workload`` under ``policy`` (its own deployment: dedicated or shared)."""
     base = config or EngineConfig()
+    base = replace(base, background_expands=base.background_expands and policy in OUR_SERVICE)
     gpn = workload.gpus_per_node
     placer: Placer
     if policy == "exclusive":
         topo = Topology(workload.exclusive_nodes, gpn)
         placer = ExclusivePlacer(topo.num_gpus, gpn)
-        cfg = replace(
-            base, resident=True, allows_idle_preemption=False, background_expands=False
-        )
+        cfg = replace(base, resident=True, allows_idle_preemption=False)
     elif policy == "plexrl":
         if workload.pool_placements is None:
             raise ValueError(
@@ -101,9 +100,7 @@ def run_policy(
         placer = StaticPlacer(workload.pool_placements)
         # Not resident: the pool changes hands, so training state is offloaded/onloaded each
         # turn; rollout shards are never shrunk (disjoint pools) and take new weights in place.
-        cfg = replace(
-            base, resident=False, allows_idle_preemption=False, background_expands=False
-        )
+        cfg = replace(base, resident=False, allows_idle_preemption=False)
     else:
         topo = Topology(workload.shared_nodes, gpn)
         if workload.shared_placements is not None:
@@ -118,7 +115,6 @@ def run_policy(
             pipeline_kind=kind if kind is not None else base.pipeline_kind,
             migrate_on_activate=policy in MIGRATING,
             restart_on_abort=policy in RESTARTING,
-            background_expands=base.background_expands and policy in OUR_SERVICE,
         )
     sim = SimCluster(
         topo, planner or make_planner(policy), placer, workload.jobs, seed=seed, config=cfg

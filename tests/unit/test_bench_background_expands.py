@@ -30,6 +30,9 @@ def test_both_modes_on_one_workload(tmp_path: Path) -> None:
             assert s[f"ours_{mode}_margin_vs_{base}"]["mean"] == round(margin, 4)
     assert saved["scale"] == {}
     assert out.with_suffix(".png").stat().st_size > 0
+    out.with_suffix(".png").unlink()
+    assert bx.main(["--plot-only", "--out", str(out)]) == 0  # redrawn from the JSON alone
+    assert out.with_suffix(".png").exists()
 
 
 def test_unknown_workload_is_refused(tmp_path: Path) -> None:

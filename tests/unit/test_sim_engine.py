@@ -14,13 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlix_plugins.coordinator.core import Plan
+from rlix_plugins.coordinator.core import DemandSharePlanner, Plan, Topology
 from rlix_plugins.sim import simulate_cli as command
 from rlix_plugins.sim.bounds import makespan_lower_bound
 from rlix_plugins.sim.clock_queue import ClockQueue
-from rlix_plugins.sim.engine import EngineConfig
+from rlix_plugins.sim.engine import EngineConfig, SimCluster
 from rlix_plugins.sim.metrics import jain, summarize
 from rlix_plugins.sim.physics import GpuLedger, PhysicsViolation, TrajectoryCounter
+from rlix_plugins.sim.placement import SpanPlacer
 from rlix_plugins.sim.rlix_policy import RlixPlanner, round_half_up
 from rlix_plugins.sim.runner import make_planner, run_policy
 from rlix_plugins.sim.scenario import ScenarioError, load_scenario
@@ -194,8 +195,7 @@ def test_blocking_cycles_wait_for_their_resizes(policy: str) -> None:
 def test_background_expands_pace_cycles_by_shrinks_only() -> None:
     """``background_expands`` (our service with RLIX_BACKGROUND_EXPANDS=1): the next cycle
     waits for the last cycle's shrinks but not for its expands, and RLix's deployments keep
-    waiting for both (``runner.OUR_SERVICE``); a shrink of a still-waking rank frees its GPUs
-    only after the wake (checked by the ledger: no GPU has two tenants)."""
+    waiting for both (``runner.OUR_SERVICE``)."""
     wl = _workload(tuple(_job(i, kind="async", arrival=3.0 * i) for i in range(3)))
     sync = wl.jobs[0].phases.sync_weight_s
     for policy, paced_by_expands in (("ours", False), ("rlix_async", True)):
@@ -210,6 +210,27 @@ def test_background_expands_pace_cycles_by_shrinks_only() -> None:
             short_of_expands += bool(expands) and gap < FAST.gen_wake_s + sync
         assert short_of_shrinks == 0
         assert (short_of_expands == 0) == paced_by_expands, (policy, short_of_expands)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_shrink_of_a_waking_rank_frees_its_gpus_after_the_wake(blocking: bool) -> None:
+    """Under background expands the service sends a shrink of a still-waking rank only once
+    its expand returned, so the GPUs are free after the wake plus the sleep; the overlapping
+    engine (no waiting at all) aborts the wake and frees them after the sleep alone."""
+    wl = _workload((_job(0, kind="async"),))
+    config = EngineConfig(blocking_cycles=blocking, background_expands=True)
+    sim = SimCluster(
+        Topology(1, 8), DemandSharePlanner(), SpanPlacer(8, 8, wl.span_factor), wl.jobs,
+        seed=1, config=config,
+    )
+    sim._arrive(0)  # registers the job and starts its pipeline at t=0
+    pipe = sim.pipelines[wl.jobs[0].name]
+    rank = pipe.ranks[-1].dp_rank  # its GPU is not a training GPU: idle at t=0
+    serves = pipe.on_expand(rank)
+    assert serves > sim.clock.now
+    freed = pipe.on_shrink(rank)
+    woke = serves if blocking else sim.clock.now
+    assert freed == pytest.approx(woke + pipe.costs.gen_sleep_s)
 
 
 def test_jain_and_summary() -> None:

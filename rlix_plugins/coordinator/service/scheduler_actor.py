@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +125,10 @@ class SchedulerService:
             loop.create_task(self._liveness_loop()),
         ]
         self._wake.set()
-        warming: dict[str, list[int]] = {}
-        for cid, rank in self._state.warming:
-            warming.setdefault(cid, []).append(rank)
-        for cid, ranks in warming.items():
+        for cid, ranks in _by_cluster(self._state.warming).items():
             # Background expands in flight at a crash: their answers are lost, so send them
             # again (idempotent per rank; the pipeline runs one resize at a time).
-            self._start_expand(cid, sorted(ranks))
+            self._start_expand(cid, ranks)
         for pid, _reason in list(self._fencing.items()):
             # Fenced before a crash: the kill may not have happened; make sure it does.
             spec = self._state.pipelines[pid]
@@ -440,19 +437,18 @@ class SchedulerService:
             step_target_estimate=step_target_estimate,
             lora_name=lora_name,
         )
-        if isinstance(res, ImmediateGrant) and not (
-            prio is Priority.GENERATION and self._all_warming(cid)
-        ):
-            self._persist()
-            self._observe_trace(now)
-            if self._metrics is not None:
-                self._metrics.waited(prio.name, 0.0)
-            return list(res.gpus)
-        waiting = self._waiters.get(cid)
-        if isinstance(res, ImmediateGrant) and waiting is not None and not waiting.done():
-            return waiting  # the same generation request again (e.g. retried after a restart)
-        # Pending, or a generation request whose every rank still wakes (background expands):
-        # answered by a cycle, or by _settle_deferred once a rank serves.
+        if isinstance(res, ImmediateGrant):
+            if not (prio is Priority.GENERATION and self._all_warming(cid)):
+                self._persist()
+                self._observe_trace(now)
+                if self._metrics is not None:
+                    self._metrics.waited(prio.name, 0.0)
+                return list(res.gpus)
+            # Every rank still wakes (background expands): answered by _settle_deferred once
+            # one serves; the same request again (retried after a restart) shares the wait.
+            waiting = self._waiters.get(cid)
+            if waiting is not None and not waiting.done():
+                return waiting
         fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self._waiters[cid] = fut
         self._requested_at[cid] = now
@@ -667,7 +663,17 @@ class SchedulerService:
             and not any(g in blocked for g in m.gpus)
         )
         if self.cfg.background_expands:
-            return await self._commit_then_expand(plan, failed_shrinks, sendable, t0)
+            result = await self._commit_then_expand(plan, failed_shrinks, sendable)
+        else:
+            result = await self._expand_then_commit(plan, failed_shrinks, sendable)
+        if self._metrics is not None:
+            self._metrics.cycle(time.perf_counter() - t0)
+        return bool(result.granted or result.shrunk or result.expanded or result.released)
+
+    async def _expand_then_commit(
+        self, plan: Plan, failed_shrinks: set[str], sendable: tuple[RankMove, ...]
+    ) -> CommitResult:
+        """The default cycle (as RLix's): send the expands, wait for them, then commit."""
         to_send = Plan(plan.revision, expands=sendable).expands_by_cluster()
         if to_send:
             async with self._lock:
@@ -688,10 +694,7 @@ class SchedulerService:
             applied = dataclasses.replace(
                 plan, expands=tuple(m for m in sendable if m.cluster_id not in unsent)
             )
-            result = self._commit(plan, applied, failed_shrinks, background=False)
-        if self._metrics is not None:
-            self._metrics.cycle(time.perf_counter() - t0)
-        return bool(result.granted or result.shrunk or result.expanded or result.released)
+            return self._commit(plan, applied, failed_shrinks, background=False)
 
     def _commit(
         self, plan: Plan, applied: Plan, failed_shrinks: set[str], *, background: bool
@@ -708,21 +711,18 @@ class SchedulerService:
         except InvariantViolation:
             logger.exception("state invariant broken after commit")
         self._persist()
-        expanding: dict[str, list[int]] = {}
-        if background:
-            for cid, rank in result.expanded:
-                expanding.setdefault(cid, []).append(rank)
+        expanding = _by_cluster(result.expanded) if background else {}
         self._after_commit(
             plan, result.granted, result.shrunk, result.expanded, now, defer=set(expanding)
         )
         self._settle_release_waiters()
         for cid, ranks in expanding.items():
-            self._start_expand(cid, sorted(ranks))
+            self._start_expand(cid, ranks)
         return result
 
     async def _commit_then_expand(
-        self, plan: Plan, failed_shrinks: set[str], sendable: tuple[RankMove, ...], t0: float
-    ) -> bool:
+        self, plan: Plan, failed_shrinks: set[str], sendable: tuple[RankMove, ...]
+    ) -> CommitResult:
         """Background expands: commit the cycle now (its shrinks are done), then start each
         cluster's expand RPC in its own task (:meth:`_expand`)."""
         reachable = {
@@ -738,24 +738,26 @@ class SchedulerService:
                     and parse_cluster_id(m.cluster_id)[0] not in self._fencing
                 ),
             )
-            result = self._commit(plan, applied, failed_shrinks, background=True)
-        if self._metrics is not None:
-            self._metrics.cycle(time.perf_counter() - t0)
-        return bool(result.granted or result.shrunk or result.expanded or result.released)
+            return self._commit(plan, applied, failed_shrinks, background=True)
 
     async def _reachable(self, cid: str) -> bool:
-        """Whether an expand of ``cid`` can be sent now (its pipeline has a coordinator actor).
-        A pipeline seen before and gone now is fenced (as a failed resize would be)."""
+        """Whether an expand of ``cid`` can be sent now (see :meth:`_resize_handle`)."""
+        return await self._resize_handle(cid, f"expand of {cid}", remove=False) is not None
+
+    async def _resize_handle(self, cid: str, what: str, *, remove: bool) -> Any:
+        """The coordinator actor to send ``what`` to, or None: the pipeline is fenced, or has
+        no actor (fenced too if it had one, or if ``what`` is a shrink)."""
         pid = parse_cluster_id(cid)[0]
         if pid in self._fencing:
-            return False
-        if await self._coordinator(pid) is not None:
-            return True
-        if pid in self._seen:
-            self._fence(pid, f"expand of {cid}: coordinator actor not found")
-        else:
-            logger.info("expand of %s skipped: the pipeline has no coordinator actor yet", cid)
-        return False
+            return None
+        handle = await self._coordinator(pid)
+        if handle is None:
+            if remove or pid in self._seen:
+                self._fence(pid, f"{what}: coordinator actor not found")
+            else:
+                # Registered before its coordinator actor exists: not an error, just not yet.
+                logger.info("%s skipped: the pipeline has no coordinator actor yet", what)
+        return handle
 
     def _start_expand(self, cid: str, ranks: list[int]) -> None:
         task = asyncio.get_running_loop().create_task(
@@ -800,8 +802,7 @@ class SchedulerService:
         fut = self._waiters.get(cid)
         if fut is None or fut.done() or cid in self._state.pending:
             return
-        ranks = self._state.active_ranks.get(cid, {})
-        if any((cid, r) not in self._state.warming for r in ranks):
+        if self._state.active_ranks.get(cid) and not self._all_warming(cid):
             self._resolve_waiter(cid, self._state.held_gpus(cid), now)
 
     def _all_warming(self, cid: str) -> bool:
@@ -877,15 +878,8 @@ class SchedulerService:
             # calls in plan order (a shrink overtaking the expand of the same rank would leave
             # it awake on GPUs handed on).
             await asyncio.wait([tail])
-        if pid in self._fencing:
-            return False
-        handle = await self._coordinator(pid)
+        handle = await self._resize_handle(cid, what, remove=remove)
         if handle is None:
-            if remove or pid in self._seen:
-                self._fence(pid, f"{what}: coordinator actor not found")
-            else:
-                # Registered before its coordinator actor exists: not an error, just not yet.
-                logger.info("%s skipped: the pipeline has no coordinator actor yet", what)
             return False
 
         async def call() -> Any:
@@ -962,6 +956,14 @@ class SchedulerService:
         if verdict is Liveness.DEAD:
             self._handles.pop(pipeline_id, None)
         return verdict
+
+
+def _by_cluster(ranks: Iterable[tuple[str, int]]) -> dict[str, list[int]]:
+    """``(cluster, rank)`` pairs as sorted ranks per cluster (one resize call per cluster)."""
+    out: dict[str, list[int]] = {}
+    for cid, rank in ranks:
+        out.setdefault(cid, []).append(rank)
+    return {cid: sorted(r) for cid, r in out.items()}
 
 
 def cluster_id_of(pipeline_id: str, name: str = GENERATION_CLUSTER) -> str:
