@@ -29,7 +29,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster_efficiency.run import RESULTS, SEED, _workloads  # noqa: E402
+from benchmarks.cluster_efficiency.run import (  # noqa: E402
+    RESULTS,
+    SEED,
+    _workloads,
+    saved_results,
+)
 from benchmarks.cluster_efficiency.scale import POINTS, point_trace  # noqa: E402
 from benchmarks.cluster_efficiency.seeds import _spread, run_figures  # noqa: E402
 from rlix_plugins.sim import plots  # noqa: E402
@@ -82,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.plot_only:
-        if not args.out.exists():
-            ap.error(f"--plot-only needs {args.out} (run without --plot-only first)")
-        _plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        _plot(saved_results(ap, args.out), args.out.with_suffix(".png"))
         return 0
     only = set(args.only.split(",")) if args.only else None
     families = _workloads(argparse.Namespace(quick=False, full=False, scale=False))

@@ -92,6 +92,14 @@ SIZE_FACTORS = (2.0, 1.5, 1.0, 0.5, 0.0)
 SIZE_POLICIES = ("exclusive", "rlix_async", "ours")
 
 
+def saved_results(ap: argparse.ArgumentParser, out: Path) -> dict[str, Any]:
+    """``--plot-only``: the JSON a previous run wrote to ``out`` (a usage error without it)."""
+    if not out.exists():
+        ap.error(f"--plot-only needs {out} (run without --plot-only first)")
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
 def _plexrl(
     row_index: int, steps: int, train_gpus: int | None = None, shared_gpus: int | None = None
 ) -> Workload:

@@ -28,7 +28,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster_efficiency.run import LONG_TAIL_X, RESULTS, bound_figures  # noqa: E402
+from benchmarks.cluster_efficiency.run import (  # noqa: E402
+    LONG_TAIL_X,
+    RESULTS,
+    bound_figures,
+    saved_results,
+)
 from benchmarks.cluster_efficiency.seeds import _spread, run_figures  # noqa: E402
 from rlix_plugins.sim import plots  # noqa: E402
 from rlix_plugins.sim.bounds import makespan_lower_bound  # noqa: E402
@@ -121,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.plot_only:
-        if not args.out.exists():
-            ap.error(f"--plot-only needs {args.out} (run without --plot-only first)")
-        _plot(json.loads(args.out.read_text())["lengths"], args.out.with_suffix(".png"))
+        _plot(saved_results(ap, args.out)["lengths"], args.out.with_suffix(".png"))
         return 0
     started = time.perf_counter()
     lengths = [run_length(s, args.seeds) for s in args.steps]
