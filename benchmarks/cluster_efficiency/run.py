@@ -148,11 +148,19 @@ def _workloads(args: argparse.Namespace) -> list[Family]:
     for i in range(len(PLEXRL_TABLE2)):
         wl = _plexrl(i, steps, shared_gpus=one_footprint(i))
         out.append(("plexrl_sized", wl, cfg, ("exclusive", *SHARED)))
+    half: list[Family] = []
     for profile in ("balanced", "rollout_heavy", "training_heavy", "mixed"):
         wl = rollmux_trace(
             profile, num_jobs=8 if args.quick else 16, steps=5 if args.quick else 10, seed=SEED
         )
         out.append(("rollmux", wl, replace(cfg, record_tenures=args.full), BENCH_POLICIES))
+        # The same trace time-shared on half the GPUs (exclusive keeps all of them): RollMux
+        # asks what serving a trace costs, and on the full cluster the trace's own arrivals
+        # set every shared deployment's makespan (the cluster is mostly idle there).
+        n = wl.shared_nodes // 2
+        name = f"{wl.name}_S{n * wl.gpus_per_node}"
+        half.append(("rollmux_half", replace(wl, name=name, shared_nodes=n), cfg, BENCH_POLICIES))
+    out += half
     if args.scale:
         big = rollmux_trace("mixed", num_jobs=300, nodes=512, steps=3, seed=SEED)
         out.append(

@@ -253,7 +253,7 @@ class SimCluster:
         self._mark_dirty()
 
     def release(self, cid: str) -> None:
-        self.state.release(cid)
+        self.state.release(cid, now=self.clock.now)
         self._mark_dirty()
 
     def release_then_request(
@@ -261,7 +261,7 @@ class SimCluster:
     ) -> None:
         """``notify_release_then_request_gpus`` (atomic: both before the next cycle)."""
         if release_cid is not None:
-            self.state.release(release_cid)
+            self.state.release(release_cid, now=self.clock.now)
         self.state.cancel_request(request_cid)
         self.request(request_cid, Priority.GENERATION, step_target_estimate=step_target_estimate)
 

@@ -71,14 +71,15 @@ def test_blocked_request_reserves_its_gpus_against_backfill_and_aging_wins() -> 
     register(state, "ft_a", train=[0, 1])
     register(state, "ft_b", train=[1, 2])
     register(state, "ft_c", train=[2])
+    reserving = DemandSharePlanner(PolicyConfig(reserve_after_s=0))
     state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=0)
-    cycle(state, 0)
+    cycle(state, 0, reserving)
     state.submit_request("ft_b_actor_train", Priority.ACTOR_TRAINING, now=1)
     state.submit_request("ft_c_actor_train", Priority.VALUE_COMPUTE, now=1)
-    _, res = cycle(state, 1)
+    _, res = cycle(state, 1, reserving)
     assert res.granted == {}  # ft_b blocked by ft_a; ft_c may not backfill ft_b's GPU 2
     state.cancel_request("ft_b_actor_train")
-    _, res = cycle(state, 2)
+    _, res = cycle(state, 2, reserving)
     assert res.granted == {"ft_c_actor_train": (2,)}
     state.release("ft_a_actor_train")
     state.release("ft_c_actor_train")
@@ -88,6 +89,87 @@ def test_blocked_request_reserves_its_gpus_against_backfill_and_aging_wins() -> 
     state.submit_request("ft_b_actor_train", Priority.ACTOR_TRAINING, now=100)
     plan = DemandSharePlanner(config).plan(state, 100)
     assert [g.cluster_id for g in plan.grants] == ["ft_c_actor_train"]
+
+
+def _blocked_behind_a(last_c_hold_s: float | None) -> SchedulerState:
+    """ft_a trains on GPUs 0-1 (granted at t=0, its last holding lasted 100 s); ft_b's
+    training (GPUs 1-2) waits behind it; ft_c (GPU 2) asks at t=50 (its last holding lasted
+    ``last_c_hold_s``)."""
+    state = new_state(1, 4)
+    register(state, "ft_a", train=[0, 1])
+    register(state, "ft_b", train=[1, 2])
+    register(state, "ft_c", train=[2])
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=-200)
+    cycle(state, -200)
+    state.release("ft_a_actor_train", now=-100)
+    if last_c_hold_s is not None:
+        state.submit_request("ft_c_actor_train", Priority.ACTOR_TRAINING, now=-100)
+        cycle(state, -100)
+        state.release("ft_c_actor_train", now=-100 + last_c_hold_s)
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=0)
+    cycle(state, 0)
+    state.submit_request("ft_b_actor_train", Priority.ACTOR_TRAINING, now=0)
+    state.submit_request("ft_c_actor_train", Priority.VALUE_COMPUTE, now=50)
+    return state
+
+
+def test_a_fresh_blocked_request_reserves_nothing() -> None:
+    # ft_b has waited 50 s < reserve_after_s: ft_c takes GPU 2 whatever its duration.
+    state = _blocked_behind_a(None)
+    _, res = cycle(state, 50)
+    assert res.granted == {"ft_c_actor_train": (2,)}
+
+
+@pytest.mark.parametrize(
+    ("last_c_hold_s", "granted"),
+    [
+        (None, False),  # duration unknown: may not backfill
+        (40.0, True),  # ends at 90, before ft_a's expected end at 100 (when ft_b may start)
+        (60.0, False),  # would end at 110: ft_b would wait for it
+    ],
+)
+def test_backfill_only_ends_before_the_reserving_request_may_start(
+    last_c_hold_s: float | None, granted: bool
+) -> None:
+    state = _blocked_behind_a(last_c_hold_s)
+    planner = DemandSharePlanner(PolicyConfig(reserve_after_s=30))
+    _, res = cycle(state, 50, planner)
+    assert res.granted == ({"ft_c_actor_train": (2,)} if granted else {})
+    # Without backfill reserved GPUs are never lent.
+    if granted:
+        state = _blocked_behind_a(last_c_hold_s)
+        strict = DemandSharePlanner(PolicyConfig(reserve_after_s=30, backfill=False))
+        _, res = cycle(state, 50, strict)
+        assert res.granted == {}
+
+
+def test_an_overdue_holding_lets_nothing_backfill() -> None:
+    # ft_a was expected to release at 100; at 150 it still holds, so ft_b may start any moment.
+    state = _blocked_behind_a(40.0)
+    planner = DemandSharePlanner(PolicyConfig(reserve_after_s=30))
+    _, res = cycle(state, 150, planner)
+    assert res.granted == {}
+
+
+def test_release_keeps_the_holding_duration_and_unregister_forgets_it() -> None:
+    state = new_state(1, 4)
+    register(state, "ft_a", train=[0, 1])
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=5)
+    cycle(state, 7)
+    assert state.held_since == {"ft_a_actor_train": 7}
+    state.release("ft_a_actor_train", now=19.5)
+    assert state.last_hold_s == {"ft_a_actor_train": 12.5} and state.held_since == {}
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=20)
+    cycle(state, 20)
+    state.release("ft_a_actor_train")  # no clock given: the last known duration stays
+    assert state.last_hold_s == {"ft_a_actor_train": 12.5}
+    state.unregister("ft_a")
+    assert state.last_hold_s == {} and state.held_since == {}
+
+
+def test_policy_config_refuses_a_negative_reserve_after() -> None:
+    with pytest.raises(ValueError, match="reserve_after_s"):
+        PolicyConfig(reserve_after_s=-1)
 
 
 def test_generation_share_follows_remaining_demand() -> None:

@@ -120,9 +120,22 @@ class PolicyConfig:
     #: ``outstanding`` metric: an async pipeline already generating for its next step needs
     #: GPUs for those requests too, not only for what is left of its oldest batch.
     count_outstanding: bool = True
+    #: A non-generation request that cannot be granted reserves its GPUs against lower-ranked
+    #: requests only once it has waited ``reserve_after_s`` (before that they may take them:
+    #: holding GPUs back for a request that has barely waited costs more than it saves).
+    reserve_after_s: float = 600.0
+    #: A lower-ranked request may still take reserved GPUs when its expected holding (its
+    #: cluster's last one) ends before the reserving request may start (EASY backfilling).
+    backfill: bool = True
 
     def __post_init__(self) -> None:
-        if self.aging_s <= 0 or self.min_hold_s < 0 or not 0 <= self.rebalance_threshold <= 1:
+        if (
+            self.aging_s <= 0
+            or self.min_hold_s < 0
+            or not 0 <= self.rebalance_threshold <= 1
+            or self.reserve_after_s < 0
+        ):
             raise ValueError(
-                "PolicyConfig needs aging_s > 0, min_hold_s >= 0, 0 <= rebalance_threshold <= 1"
+                "PolicyConfig needs aging_s > 0, min_hold_s >= 0, 0 <= rebalance_threshold <= 1, "
+                f"reserve_after_s >= 0; got {self!r}"
             )

@@ -5,8 +5,12 @@ One cycle:
   2. Non-generation requests by effective priority (priority minus one level per ``aging_s``
      waited), FIFO within a level. A request needs its whole mapping. It is granted only when it
      can be satisfied now: every GPU idle or held by a generation rank (which is preempted).
-     A request that cannot be satisfied preempts nothing (unlike RLix) and reserves its GPUs
-     against lower-ranked requests, so it is not starved by backfill.
+     A request that cannot be satisfied preempts nothing (unlike RLix). Once it has waited
+     ``reserve_after_s`` it reserves its GPUs against lower-ranked requests, so it is not
+     starved by backfill; a lower-ranked request still takes reserved GPUs when its expected
+     holding (its cluster's last grant-to-release time) ends before the reserving request may
+     start (EASY backfilling; unknown durations count as ending now, so nothing unknown
+     backfills).
   3. Generation: each eligible pipeline (pending GENERATION request or active ranks) gets a
      target number of TP ranks proportional to ``weight x remaining demand`` over the GPUs
      generation may use (idle + its active ranks). Pipelines furthest below target pick first.
@@ -127,23 +131,64 @@ class _Cycle:
             (r for r in state.pending.values() if r.priority is not Priority.GENERATION),
             key=lambda r: (self._effective_priority(r.priority, self.now - r.submitted_at), r.seq),
         )
-        reserved: set[int] = set()
+        # GPU -> the earliest a blocked request reserving it may start (a backfill must end
+        # by then), and GPU -> the earliest it may be free of holdings and reservations.
+        # Both are lower bounds: an unknown duration counts as ending now.
+        reserved: dict[int, float] = {}
+        free_at: dict[int, float] = {}
         for req in requests:
             spec = state.clusters[req.cluster_id]
-            owner = self.owner
-            if any(
-                g in reserved or ((o := owner[g]) is not None and o.dp_rank is None)
-                for g in spec.gpus
-            ):
-                reserved.update(spec.gpus)
+            expected = state.last_hold_s.get(req.cluster_id)
+            if self._blocked(spec.gpus, reserved, expected):
+                if self.now - req.submitted_at < self.config.reserve_after_s:
+                    continue  # not waited long enough to hold others back
+                start = max(self._free_at(g, free_at) for g in spec.gpus)
+                for g in spec.gpus:
+                    reserved[g] = min(reserved.get(g, math.inf), start)
+                    free_at[g] = start + (expected or 0.0)
                 continue
+            owner = self.owner
             for g in spec.gpus:
                 o = owner[g]
                 if o is not None and o.dp_rank is not None:
                     self._shrink(o.cluster_id, o.dp_rank, ShrinkReason.PREEMPT, req.cluster_id)
             for g in spec.gpus:
                 owner[g] = _TAKEN
+                free_at[g] = self.now + (expected or 0.0)
             self.grants.append(Grant(req.cluster_id, spec.gpus))
+
+    def _blocked(
+        self, gpus: tuple[int, ...], reserved: dict[int, float], expected: float | None
+    ) -> bool:
+        """A request cannot be granted now: a GPU is held whole (or granted this cycle), or
+        reserved by a higher-ranked blocked request that it would not leave before that
+        request may start (backfill needs its own expected duration)."""
+        owner = self.owner
+        for g in gpus:
+            o = owner[g]
+            if o is not None and o.dp_rank is None:
+                return True
+            until = reserved.get(g)
+            if until is not None and (
+                not self.config.backfill or expected is None or self.now + expected > until
+            ):
+                return True
+        return False
+
+    def _free_at(self, gpu: int, free_at: dict[int, float]) -> float:
+        """Earliest time ``gpu`` may be free: a holding ends at its grant time plus the
+        cluster's last holding duration (now when unknown or overdue); a generation rank
+        yields at once."""
+        if gpu in free_at:
+            return free_at[gpu]
+        o = self.owner[gpu]
+        if o is None or o.dp_rank is not None:
+            return self.now
+        since = self.state.held_since.get(o.cluster_id)
+        last = self.state.last_hold_s.get(o.cluster_id)
+        if since is None or last is None:
+            return self.now
+        return max(self.now, since + last)
 
     # -- 3. generation -----------------------------------------------------------------------
     def _eligible(self) -> dict[str, _Gen]:

@@ -63,6 +63,11 @@ class SchedulerState:
         self.active_ranks: dict[str, dict[int, float]] = {}
         #: whole-cluster holdings -> priority they were granted at
         self.holdings: dict[str, Priority] = {}
+        #: whole-cluster holdings -> when they were granted (unknown after a restart)
+        self.held_since: dict[str, float] = {}
+        #: cluster -> how long its last completed holding lasted (grant to release): what the
+        #: planner expects its next holding to last (an RL step repeats the same work)
+        self.last_hold_s: dict[str, float] = {}
         self.pending: dict[str, PendingRequest] = {}
         #: generation clusters whose ranks must all be shrunk (``await_release_gpus``)
         self.planned_releases: dict[str, float] = {}
@@ -167,6 +172,8 @@ class SchedulerState:
             self.active_ranks.pop(c.cluster_id, None)
             self._forget_warming(c.cluster_id)
             self.holdings.pop(c.cluster_id, None)
+            self.held_since.pop(c.cluster_id, None)
+            self.last_hold_s.pop(c.cluster_id, None)
             self.planned_releases.pop(c.cluster_id, None)
             if self.pending.pop(c.cluster_id, None) is not None:
                 cancelled.append(c.cluster_id)
@@ -259,13 +266,20 @@ class SchedulerState:
         self._bump()
         return True
 
-    def release(self, cluster_id: str) -> tuple[int, ...]:
-        """The pipeline released a cluster (its ranks are already asleep): free its GPUs."""
+    def release(self, cluster_id: str, *, now: float | None = None) -> tuple[int, ...]:
+        """The pipeline released a cluster (its ranks are already asleep): free its GPUs.
+
+        With ``now``, a whole-cluster holding's duration is kept as the cluster's expected
+        next holding (:attr:`last_hold_s`, what the planner backfills against).
+        """
         self.cluster(cluster_id)
         freed = self.held_gpus(cluster_id)
         for g in freed:
             self.owner[g] = None
         self.holdings.pop(cluster_id, None)
+        since = self.held_since.pop(cluster_id, None)
+        if since is not None and now is not None:
+            self.last_hold_s[cluster_id] = max(0.0, now - since)
         if cluster_id in self.active_ranks:
             self.active_ranks[cluster_id] = {}
         self._forget_warming(cluster_id)
@@ -372,6 +386,7 @@ class SchedulerState:
             for g in spec.gpus:
                 self.owner[g] = GpuOwner(grant.cluster_id, None, req.priority)
             self.holdings[grant.cluster_id] = req.priority
+            self.held_since[grant.cluster_id] = now
             del self.pending[grant.cluster_id]
             granted[grant.cluster_id] = spec.gpus
         expanded: list[tuple[str, int]] = []

@@ -482,10 +482,11 @@ class SchedulerService:
         self._kick()
 
     def _release(self, cid: str) -> None:
-        freed = self._state.release(cid)
+        now = self._now()
+        freed = self._state.release(cid, now=now)
         self._persist()
         self._settle_release_waiters()
-        self._observe_trace(self._now())
+        self._observe_trace(now)
         logger.debug("released %s: GPUs %s", cid, list(freed))
 
     async def notify_release_then_request_gpus(
