@@ -18,7 +18,6 @@ expands, and ours' margin over RLix's policy under each.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
@@ -33,6 +32,7 @@ from benchmarks.cluster_efficiency.run import (  # noqa: E402
     RESULTS,
     SEED,
     _workloads,
+    save_results,
     saved_results,
 )
 from benchmarks.cluster_efficiency.scale import POINTS, point_trace  # noqa: E402
@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": workloads,
         "scale": scale,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    save_results(out, args.out)
     _plot(out, args.out.with_suffix(".png"))
     return 0
 

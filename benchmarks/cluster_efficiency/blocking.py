@@ -20,7 +20,6 @@ against the engine choice.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster_efficiency.run import RESULTS, SEED, _workloads  # noqa: E402
+from benchmarks.cluster_efficiency.run import RESULTS, SEED, _workloads, save_results  # noqa: E402
 from benchmarks.cluster_efficiency.scale import POINTS, point_trace  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.runner import run_policy  # noqa: E402
@@ -117,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
         "workloads": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    save_results(out, args.out)
     _plot(rows, args.out.with_suffix(".png"))
     return 0
 

@@ -18,7 +18,6 @@ slowdown (JCT over the job's JCT alone on its own GPUs).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster_efficiency.run import RESULTS, saved_results  # noqa: E402
+from benchmarks.cluster_efficiency.run import RESULTS, save_results, saved_results  # noqa: E402
 from benchmarks.cluster_efficiency.seeds import _spread  # noqa: E402
 from rlix_plugins.coordinator.core import DemandSharePlanner, Planner, PolicyConfig  # noqa: E402
 from rlix_plugins.sim import plots  # noqa: E402
@@ -151,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
         "workloads": workloads,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    save_results(out, args.out)
     _plot(out, args.out.with_suffix(".png"))
     return 0
 

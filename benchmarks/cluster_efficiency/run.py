@@ -100,6 +100,12 @@ def saved_results(ap: argparse.ArgumentParser, out: Path) -> dict[str, Any]:
     return data
 
 
+def save_results(out: dict[str, Any], path: Path) -> None:
+    """Write a script's results JSON (what :func:`saved_results` reads back)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+
+
 def _plexrl(
     row_index: int, steps: int, train_gpus: int | None = None, shared_gpus: int | None = None
 ) -> Workload:

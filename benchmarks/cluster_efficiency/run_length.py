@@ -18,7 +18,6 @@ share of ours' makespan.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from benchmarks.cluster_efficiency.run import (  # noqa: E402
     LONG_TAIL_X,
     RESULTS,
     bound_figures,
+    save_results,
     saved_results,
 )
 from benchmarks.cluster_efficiency.seeds import _spread, run_figures  # noqa: E402
@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
         "lengths": lengths,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    save_results(out, args.out)
     _plot(lengths, args.out.with_suffix(".png"))
     for ln in lengths:
         s = ln["summary"]

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster_efficiency.run import RESULTS, _workloads, bound_figures  # noqa: E402
+from benchmarks.cluster_efficiency.run import RESULTS, _workloads, bound_figures, save_results  # noqa: E402
 from rlix_plugins.sim.bounds import makespan_lower_bound  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.metrics import final_drain  # noqa: E402
@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": per,
         "bounds": bounds,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    save_results(out, args.out)
     print(json.dumps(summary, indent=1))
     return 0
 
