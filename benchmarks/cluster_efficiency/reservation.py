@@ -35,6 +35,7 @@ from benchmarks.cluster_efficiency.seeds import _spread  # noqa: E402
 from rlix_plugins.coordinator.core import DemandSharePlanner, Planner, PolicyConfig  # noqa: E402
 from rlix_plugins.sim import plots  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
+from rlix_plugins.sim.metrics import summarize  # noqa: E402
 from rlix_plugins.sim.runner import isolated_jct, run_policy  # noqa: E402
 from rlix_plugins.sim.workloads import ROLLMUX_RANGES, Workload, rollmux_trace  # noqa: E402
 
@@ -50,15 +51,19 @@ VARIANTS = {
 
 
 def _figures(
-    wl: Workload, policy: str, seed: int, cfg: EngineConfig, planner: Planner | None,
+    wl: Workload,
+    policy: str,
+    seed: int,
+    cfg: EngineConfig,
+    planner: Planner | None,
     alone: dict[str, float],
 ) -> dict[str, float]:
-    r = run_policy(wl, policy, seed=seed, config=cfg, planner=planner)
+    s = summarize(policy, run_policy(wl, policy, seed=seed, config=cfg, planner=planner), alone)
     return {
-        "gpu_hours_per_step": r.num_gpus * r.makespan / 3600.0 / max(1, len(r.steps)),
-        "mean_jct_s": statistics.mean(j.finished - j.arrival for j in r.jobs),
-        "max_slowdown": max((j.finished - j.arrival) / alone[j.job] for j in r.jobs),
-        "aborted": r.aborted,
+        "gpu_hours_per_step": s.gpu_hours_per_step,
+        "mean_jct_s": s.mean_jct_s,
+        "max_slowdown": s.max_slowdown,
+        "aborted": s.aborted_trajectories,
     }
 
 

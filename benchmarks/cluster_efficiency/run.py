@@ -596,13 +596,16 @@ def _throughput_targets(
     return out
 
 
-def _idle_trace_note(c: Comparison) -> str:
-    """Why a RollMux trace on its own cluster separates shared deployments so little."""
+def _idle_trace_note(c: Comparison, comparisons: list[tuple[str, Comparison]]) -> str:
+    """Why a RollMux trace on its own cluster separates shared deployments so little, and
+    the workload where the same trace is time-shared on half the GPUs."""
     ours = c.get("ours")
+    twins = [h.workload for k, h in comparisons if k == "rollmux_half"]
+    twin = next((w for w in twins if w.startswith(f"{c.workload}_S")), None)
     return (
         f"; ours keeps the shared cluster {ours.gpu_utilisation:.0%} useful, so the trace's "
-        "last arrival plus that job's own run sets every shared makespan; the same trace "
-        "time-shared on half the GPUs is the rollmux_*_S32 workload"
+        "last arrival plus that job's own run sets every shared makespan"
+        + (f"; the same trace time-shared on half the GPUs is {twin}" if twin else "")
     )
 
 
@@ -693,7 +696,7 @@ def evaluate(
                         "rlix_async": " (our pipelines; RLix's router: no migration)",
                         "rlix_async_migr": " (our pipelines and router: only the policy differs)",
                     }.get(base, "")
-                    + (_idle_trace_note(c) if kind == "rollmux" else ""),
+                    + (_idle_trace_note(c, comparisons) if kind == "rollmux" else ""),
                 )
             )
     return out

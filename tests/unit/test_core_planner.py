@@ -143,12 +143,37 @@ def test_backfill_only_ends_before_the_reserving_request_may_start(
         assert res.granted == {}
 
 
-def test_an_overdue_holding_lets_nothing_backfill() -> None:
-    # ft_a was expected to release at 100; at 150 it still holds, so ft_b may start any moment.
+def test_past_its_expected_end_a_holding_leaves_no_room_to_backfill() -> None:
+    # ft_a was expected to release at 100; at 150 it still holds, so ft_b may start any
+    # moment: the 40 s backfill that fitted at t=50 (test above) no longer does.
     state = _blocked_behind_a(40.0)
     planner = DemandSharePlanner(PolicyConfig(reserve_after_s=30))
     _, res = cycle(state, 150, planner)
     assert res.granted == {}
+
+
+@pytest.mark.parametrize(("last_c_hold_s", "granted"), [(90.0, True), (110.0, False)])
+def test_a_second_reservation_starts_after_the_first_one_ends(
+    last_c_hold_s: float, granted: bool
+) -> None:
+    """ft_a holds GPU 0 until 100 (expected); ft_b (GPUs 0-1, 50 s) waits for it, so it holds
+    GPUs 0-1 until 150; ft_d (GPUs 1-2, 80 s) cannot backfill GPU 1 (50 + 80 > 100) and
+    reserves GPU 2 from 150 on; ft_c (GPU 2) may backfill only if it ends by 150."""
+    state = new_state(1, 4)
+    for pid, gpus in (("ft_a", [0]), ("ft_b", [0, 1]), ("ft_d", [1, 2]), ("ft_c", [2])):
+        register(state, pid, train=gpus)
+    for pid, last in (("ft_b", 50.0), ("ft_d", 80.0), ("ft_c", last_c_hold_s), ("ft_a", 100.0)):
+        state.submit_request(f"{pid}_actor_train", Priority.ACTOR_TRAINING, now=-1000)
+        cycle(state, -1000)
+        state.release(f"{pid}_actor_train", now=-1000 + last)
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=0)
+    cycle(state, 0)
+    state.submit_request("ft_b_actor_train", Priority.ACTOR_TRAINING, now=0)
+    state.submit_request("ft_d_actor_train", Priority.ACTOR_TRAINING, now=1)
+    state.submit_request("ft_c_actor_train", Priority.VALUE_COMPUTE, now=2)
+    planner = DemandSharePlanner(PolicyConfig(reserve_after_s=30))
+    _, res = cycle(state, 50, planner)
+    assert res.granted == ({"ft_c_actor_train": (2,)} if granted else {})
 
 
 def test_release_keeps_the_holding_duration_and_unregister_forgets_it() -> None:

@@ -48,3 +48,23 @@ def test_send_to_a_vanished_receiver_fails_within_the_timeout() -> None:
         sync._send(member, {"kind": "bucket"}, [], timeout_s=0.2)
     assert time.monotonic() - started < 5.0
     assert sock.sends and all(f & zmq.NOBLOCK for f in sock.sends)
+
+
+def test_send_on_a_real_socket_without_a_peer_fails_within_the_timeout() -> None:
+    # The real counterpart (no race to reproduce): a PAIR socket nobody connected to is never
+    # writable, so the send gives up at its timeout instead of queueing or blocking.
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind("inproc://rlix-test-sync-send-no-peer")
+        member = sync._Member(
+            receiver=SimpleNamespace(shard_id="lonely"),  # type: ignore[arg-type]
+            transport=sync.TransportKind.SHM,
+            address="inproc://rlix-test-sync-send-no-peer",
+            socket=sock,
+        )
+        with pytest.raises(ReceiverGoneError, match="shard lonely: no connection"):
+            sync._send(member, {"kind": "bucket"}, [], timeout_s=0.2)
+    finally:
+        sock.close()

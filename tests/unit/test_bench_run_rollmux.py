@@ -1,0 +1,49 @@
+"""run.py's RollMux families: every trace also runs time-shared on half the GPUs (same jobs,
+exclusive keeps its cluster), and a target on the full cluster names that twin."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.cluster_efficiency import run
+from rlix_plugins.sim.report import compare
+
+
+def _families() -> list[run.Family]:
+    return run._workloads(argparse.Namespace(quick=True, full=False, scale=False))
+
+
+def test_each_rollmux_trace_has_a_half_gpu_twin() -> None:
+    fams = _families()
+    full = {wl.name: wl for kind, wl, _, _ in fams if kind == "rollmux"}
+    half = {wl.name: wl for kind, wl, _, _ in fams if kind == "rollmux_half"}
+    assert len(full) == 4 and len(half) == 4
+    for name, wl in full.items():
+        twin = half[f"{name}_S{wl.shared_nodes // 2 * wl.gpus_per_node}"]
+        assert twin.jobs == wl.jobs  # the same trace: jobs, sizes, arrivals
+        assert twin.exclusive_nodes == wl.exclusive_nodes
+        assert twin.shared_nodes == wl.shared_nodes // 2
+
+
+def test_evaluate_judges_both_and_names_the_twin() -> None:
+    picked = [f for f in _families() if f[1].name.startswith("rollmux_mixed")]
+    comparisons = [
+        (kind, compare(wl, seed=run.SEED, out_dir=None, policies=pols, config=cfg, plot=False))
+        for kind, wl, cfg, pols in picked
+    ]
+    targets = run.evaluate(comparisons, {})
+    names = [str(t["target"]) for t in targets]
+    for _, c in comparisons:
+        for base in ("rlix", "rlix_async", "rlix_async_migr"):
+            assert f"{c.workload}: ours ahead of {base} (GPU-h/step margin)" in names
+    full = next(c for kind, c in comparisons if kind == "rollmux")
+    half = next(c for kind, c in comparisons if kind == "rollmux_half")
+    note = run._idle_trace_note(full, comparisons)
+    assert f"is {half.workload}" in note
+    assert f"{full.get('ours').gpu_utilisation:.0%} useful" in note
+    # A missed full-cluster target carries the note; the half-GPU twin's targets do not.
+    for t in targets:
+        if not t["met"] and str(t["target"]).startswith(f"{full.workload}:"):
+            assert note in str(t["reason"])
+        if not t["met"] and str(t["target"]).startswith(f"{half.workload}:"):
+            assert "useful, so the trace" not in str(t["reason"])
