@@ -74,14 +74,18 @@ def build_workload(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``rlix-plugins simulate``."""
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--workload", choices=WORKLOADS, default="long-tail")
+    src.add_argument(
+        "--workload", choices=WORKLOADS, default="long-tail", help="built-in workload (docs)"
+    )
     src.add_argument("--scenario", type=Path, help="scenario file (.json/.toml), see docs")
     parser.add_argument(
         "--policies",
         default=",".join(POLICIES),
         help=f"comma-separated deployments out of {tuple(DEPLOYMENTS)}",
     )
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--seed", type=int, default=1, help="random seed: trace, lengths (same for every policy)"
+    )
     parser.add_argument("--jobs", type=int, help="number of jobs (long-tail, rollmux)")
     parser.add_argument("--steps", type=int, help="training steps per job")
     parser.add_argument("--nodes", type=int, help="nodes of 8 GPUs (long-tail, rollmux)")
@@ -98,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path("sim-results"), help="directory for JSON + PNG results"
     )
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-plots", action="store_true", help="JSON only, no PNG plots")
     parser.add_argument(
         "--background-expands",
         action="store_true",

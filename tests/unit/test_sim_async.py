@@ -19,6 +19,7 @@ from rlix_plugins.sim.workloads import (
     Placement,
     SwitchCosts,
     Workload,
+    rollmux_trace,
 )
 
 FAST = SwitchCosts(1.0, 1.0, 2.0, 1.0, 1.0, 2.0)
@@ -148,3 +149,16 @@ def test_async_pipelines_report_outstanding_work_beyond_the_oldest_batch() -> No
     job = wl.jobs[0]
     assert seen and all(0 <= out <= job.batch * (job.max_age + 1) for _, out in seen)
     assert any(out > rem for rem, out in seen), "the next step's requests are outstanding too"
+
+
+@pytest.mark.parametrize("profile", ["rollout_heavy", "training_heavy"])
+def test_a_job_alone_is_never_slower_under_ours_than_under_rlix_policy(profile: str) -> None:
+    # With nobody to share with, the policy has nothing to trade: ours must give a lone job
+    # every GPU it can use, as RLix's policy does (same pipelines and router, only the policy
+    # differs). This is why the two tie on a nearly idle cluster (docs/simulator.md).
+    trace = rollmux_trace(profile, num_jobs=2, steps=3, seed=5)
+    for job in trace.jobs:
+        alone = replace(trace, jobs=(replace(job, arrival_s=0.0),), shared_nodes=4)
+        ours = run_policy(alone, "ours", seed=5).makespan
+        rlix = run_policy(alone, "rlix_async_migr", seed=5).makespan
+        assert ours <= rlix, (job.name, ours, rlix)
