@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 from rlix_plugins.coordinator.core import (
@@ -71,3 +72,21 @@ def cycle(
 
 def new_state(num_nodes: int = 1, gpus_per_node: int = 8) -> SchedulerState:
     return SchedulerState(Topology(num_nodes, gpus_per_node))
+
+
+def observable(state: SchedulerState) -> object:
+    """A copy of everything a scheduling event can change (compare before and after)."""
+    return copy.deepcopy(
+        (
+            state.pipelines,
+            state.owner,
+            state.active_ranks,
+            state.holdings,
+            state.pending,
+            state.planned_releases,
+            state.progress,
+            state.estimates,
+            state.warming,
+            state.fenced,
+        )
+    )

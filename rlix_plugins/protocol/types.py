@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,17 +38,40 @@ class Priority(enum.IntEnum):
 
 
 def coerce_priority(value: object) -> Priority:
-    """Accept a Priority of any module (RLix's IntEnum pickles by value) or its int value."""
-    try:
-        raw = int(value)  # type: ignore[call-overload]
-        return Priority(raw)
-    except (TypeError, ValueError):
+    """Read a wire priority; raise :class:`ProtocolError` (listing the valid ones) if bad.
+
+    Accepted: a ``Priority`` of any module (RLix's ``rlix.protocol.types.Priority`` unpickles
+    as a different IntEnum class, or as :mod:`rlix_compat`'s stand-in), any other integer
+    (``int``, ``numpy.int64``) or integral float with a valid value, and a priority name
+    (``"GENERATION"``, or an object whose ``name`` is one). Refused: ``bool`` (``True`` would
+    silently mean ACTOR_TRAINING), non-integral or non-finite floats, numeric strings and
+    unknown values or names.
+    """
+    if isinstance(value, Priority):
+        return value
+    raw: int | None = None
+    if isinstance(value, bool):
         pass
-    name = getattr(value, "name", None)
-    if isinstance(name, str) and name in Priority.__members__:
-        return Priority[name]
+    elif isinstance(value, str):
+        if value in Priority.__members__:
+            return Priority[value]
+    elif isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            raw = int(value)
+    else:
+        try:
+            raw = operator.index(value)  # type: ignore[arg-type]  # any int-like, not floats
+        except TypeError:
+            name = getattr(value, "name", None)
+            if isinstance(name, str) and name in Priority.__members__:
+                return Priority[name]
+    if raw is not None and raw in Priority._value2member_map_:
+        return Priority(raw)
     valid = ", ".join(f"{p.name}={p.value}" for p in Priority)
-    raise ProtocolError(f"priority {value!r} is not valid; expected one of {valid}")
+    raise ProtocolError(
+        f"priority {value!r} ({type(value).__name__}) is not valid; expected a Priority, its "
+        f"int value or its name: {valid}"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from rlix_plugins.coordinator.core import (
@@ -23,7 +25,7 @@ from rlix_plugins.errors import (
     UnknownClusterError,
 )
 from rlix_plugins.protocol import OUTSTANDING_METRIC, Priority, ProgressReport
-from tests.core_builders import cycle, new_state, progress, register
+from tests.core_builders import cycle, new_state, observable, progress, register
 
 GEN = Priority.GENERATION
 
@@ -300,20 +302,45 @@ def test_immediate_grants_and_bad_calls_leave_state_unchanged() -> None:
     cycle(state, 0)
     again = state.submit_request("ft_a_actor_train", Priority.OLD_LOG_PROBS, now=1)
     assert again == ImmediateGrant("ft_a_actor_train", (0,))
-    snapshot = (list(state.owner), dict(state.pending), state.revision)
-    with pytest.raises(UnknownClusterError, match="not registered"):
-        state.submit_request("ft_zz_actor_train", Priority.ACTOR_TRAINING, now=1)
-    with pytest.raises(ProtocolError, match="known cluster name"):
-        state.submit_request("ft_a_policy", Priority.ACTOR_TRAINING, now=1)
-    with pytest.raises(RequestStateError, match="only valid for actor_infer"):
-        state.submit_request("ft_a_actor_train", Priority.GENERATION, now=1)
-    with pytest.raises(OwnershipError, match="may not act"):
-        state.check_owner("ft_a_actor_train", "ft_b")
-    state.submit_request("ft_a_actor_infer", GEN, now=1)
-    snapshot = (list(state.owner), dict(state.pending), state.revision)
-    with pytest.raises(RequestStateError, match="already has a pending"):
-        state.submit_request("ft_a_actor_infer", GEN, now=1)
-    assert snapshot == (list(state.owner), dict(state.pending), state.revision)
+
+    def refused(error: type[Exception], match: str, call: Callable[[], object]) -> None:
+        before = (observable(state), state.revision)
+        with pytest.raises(error, match=match):
+            call()
+        assert (observable(state), state.revision) == before, f"refused {match!r} changed state"
+
+    train, infer = "ft_a_actor_train", "ft_a_actor_infer"
+    refused(
+        UnknownClusterError,
+        "not registered",
+        lambda: state.submit_request("ft_zz_actor_train", Priority.ACTOR_TRAINING, now=1),
+    )
+    refused(
+        ProtocolError,
+        "known cluster name",
+        lambda: state.submit_request("ft_a_policy", Priority.ACTOR_TRAINING, now=1),
+    )
+    refused(
+        RequestStateError,
+        "only valid for actor_infer",
+        lambda: state.submit_request(train, Priority.GENERATION, now=1),
+    )
+    refused(OwnershipError, "may not act", lambda: state.check_owner(train, "ft_b"))
+    for bad in (-1, 64.0, True, "8"):
+        for cid, prio in ((infer, GEN), (train, Priority.ACTOR_TRAINING)):
+            refused(
+                RequestStateError,
+                "step_target_estimate",
+                lambda c=cid, p=prio, b=bad: state.submit_request(
+                    c, p, now=1, step_target_estimate=b
+                ),
+            )
+    state.submit_request(infer, GEN, now=1)
+    refused(
+        RequestStateError,
+        "already has a pending",
+        lambda: state.submit_request(infer, GEN, now=1),
+    )
 
 
 def test_unregister_frees_everything() -> None:

@@ -7,8 +7,6 @@ fail at random.
 
 from __future__ import annotations
 
-import copy
-
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -24,27 +22,12 @@ from rlix_plugins.coordinator.core import (
 )
 from rlix_plugins.errors import RlixPluginsError
 from rlix_plugins.protocol import Priority, ProgressReport
+from tests.core_builders import observable
 
 GPN = 4
 TOPO = Topology(num_nodes=2, gpus_per_node=GPN)
 PIDS = [f"ft_{i}" for i in range(4)]
 CLUSTERS = [f"{p}_{c}" for p in PIDS for c in ("actor_train", "actor_infer")]
-
-
-def observable(state: SchedulerState) -> object:
-    return copy.deepcopy(
-        (
-            state.pipelines,
-            state.owner,
-            state.active_ranks,
-            state.holdings,
-            state.pending,
-            state.planned_releases,
-            state.progress,
-            state.estimates,
-            state.warming,
-        )
-    )
 
 
 @st.composite

@@ -19,6 +19,8 @@ Plan invariants
   P5  every shrink is a planned release or frees GPUs that this same plan gives to someone else
       (never preempt for a request that still cannot be satisfied)
   P6  a completed release leaves its cluster with no active rank
+  P7  nothing of a fenced pipeline moves: no grant to it, no expand or shrink of its ranks
+      (its shards cannot be told to sleep; what it holds stays until it is unregistered)
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def check_state(state: SchedulerState) -> None:
 
 
 def check_plan(state: SchedulerState, plan: Plan) -> None:
-    """Raise :class:`InvariantViolation` if applying ``plan`` to ``state`` would break P1-P6."""
+    """Raise :class:`InvariantViolation` if applying ``plan`` to ``state`` would break P1-P7."""
     owner: list[GpuOwner | None] = list(state.owner)
     moved: set[tuple[str, int]] = set()
     active_after = {c: set(r) for c, r in state.active_ranks.items()}
@@ -145,3 +147,11 @@ def check_plan(state: SchedulerState, plan: Plan) -> None:
     for cid in plan.completed_releases:
         if active_after.get(cid):
             raise InvariantViolation("P6", f"release of {cid} completed with ranks still active")
+    if state.fenced:
+        for cid in (
+            *(g.cluster_id for g in plan.grants),
+            *(m.cluster_id for m in (*plan.shrinks, *plan.expands)),
+        ):
+            spec = state.clusters.get(cid)
+            if spec is not None and spec.pipeline_id in state.fenced:
+                raise InvariantViolation("P7", f"plan moves {cid} of fenced {spec.pipeline_id}")

@@ -20,7 +20,8 @@ One cycle:
      flip-flop; a rank still waking (``state.warming``) is never moved to another pipeline.
      Leftover idle GPUs go to pipelines with remaining demand (work conserving).
 A pipeline that never reported progress is still visible: its demand is the estimate of its
-last GENERATION request, and its ranks can be given to others.
+last GENERATION request, and its ranks can be given to others. A fenced pipeline
+(``SchedulerState.fence``) is frozen: its ranks block requests and are never moved (P7).
 """
 
 from __future__ import annotations
@@ -160,13 +161,18 @@ class _Cycle:
     def _blocked(
         self, gpus: tuple[int, ...], reserved: dict[int, float], expected: float | None
     ) -> bool:
-        """A request cannot be granted now: a GPU is held whole (or granted this cycle), or
-        reserved by a higher-ranked blocked request that it would not leave before that
-        request may start (backfill needs its own expected duration)."""
+        """A request cannot be granted now: a GPU is held whole (or granted this cycle) or by
+        a fenced pipeline's rank (which cannot be told to sleep), or reserved by a
+        higher-ranked blocked request that it would not leave before that request may start
+        (backfill needs its own expected duration)."""
         owner = self.owner
+        state = self.state
         for g in gpus:
             o = owner[g]
-            if o is not None and o.dp_rank is None:
+            if o is not None and (
+                o.dp_rank is None
+                or (state.fenced and state.clusters[o.cluster_id].pipeline_id in state.fenced)
+            ):
                 return True
             until = reserved.get(g)
             if until is not None and (
@@ -197,6 +203,8 @@ class _Cycle:
         for cid, active in self.active.items():
             if cid in state.holdings or cid in state.planned_releases:
                 continue
+            if state.clusters[cid].pipeline_id in state.fenced:
+                continue  # frozen: its ranks are neither grown nor given away (P7)
             pending = state.pending.get(cid)
             pending_seq = (
                 pending.seq if pending and pending.priority is Priority.GENERATION else None

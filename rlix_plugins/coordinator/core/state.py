@@ -81,6 +81,10 @@ class SchedulerState:
         #: training request (the shrink then waits for the wake) but is not a rebalance donor
         #: until it serves (:meth:`expand_done`).
         self.warming: set[tuple[str, int]] = set()
+        #: pipelines that failed and whose actors are being killed: what they hold stays as it
+        #: is (nobody can shrink their shards) until they are unregistered, and nothing is
+        #: planned for them (:meth:`fence`)
+        self.fenced: set[str] = set()
         self.revision = 0
         self._seq = 0
 
@@ -180,8 +184,38 @@ class SchedulerState:
         self.pipelines.pop(pipeline_id)
         self.progress.pop(pipeline_id, None)
         self.estimates.pop(pipeline_id, None)
+        self.fenced.discard(pipeline_id)
         self._bump()
         return tuple(sorted(freed)), tuple(cancelled)
+
+    def fence(self, pipeline_id: str) -> tuple[str, ...]:
+        """A pipeline failed: cancel its pending requests and planned releases, forget its
+        demand, and freeze what it holds until it is unregistered (once it is known dead).
+
+        Its shards may still run and cannot be told to sleep, so the planner neither expands
+        its clusters nor shrinks their ranks for anyone (invariant P7). Idempotent. Returns the
+        cluster ids whose pending request was cancelled.
+        """
+        spec = self.pipeline(pipeline_id)
+        if pipeline_id in self.fenced:
+            return ()
+        cancelled: list[str] = []
+        for c in spec.clusters:
+            if self.pending.pop(c.cluster_id, None) is not None:
+                cancelled.append(c.cluster_id)
+            self.planned_releases.pop(c.cluster_id, None)
+        self.progress.pop(pipeline_id, None)
+        self.estimates.pop(pipeline_id, None)
+        self.fenced.add(pipeline_id)
+        self._bump()
+        return tuple(cancelled)
+
+    def _check_not_fenced(self, spec: ClusterSpec, what: str) -> None:
+        if spec.pipeline_id in self.fenced:
+            raise RequestStateError(
+                f"pipeline {spec.pipeline_id!r} has failed (fenced): no {what} for "
+                f"{spec.cluster_id!r} until it is unregistered"
+            )
 
     # ------------------------------------------------------------------ requests
     def check_owner(self, cluster_id: str, caller_pipeline_id: str | None) -> ClusterSpec:
@@ -206,6 +240,7 @@ class SchedulerState:
     ) -> ImmediateGrant | PendingRequest:
         """Queue a request, or answer at once when the cluster already has what it asks for."""
         spec = self.cluster(cluster_id)
+        self._check_not_fenced(spec, "request")
         if priority is Priority.GENERATION and not spec.is_generation:
             raise RequestStateError(
                 f"cluster {cluster_id!r} is not a generation cluster; GENERATION priority is only "
@@ -301,6 +336,7 @@ class SchedulerState:
             raise RequestStateError(
                 f"await_release_gpus is for generation clusters only, got {cluster_id!r}"
             )
+        self._check_not_fenced(spec, "planned release")
         if not self.active_ranks.get(cluster_id):
             return True
         self.planned_releases.setdefault(cluster_id, now)

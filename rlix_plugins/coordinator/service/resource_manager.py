@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from rlix_plugins.coordinator.core.model import Topology
-from rlix_plugins.errors import RlixPluginsError
+from rlix_plugins.errors import ProtocolError, RlixPluginsError
 
 logger = logging.getLogger(__name__)
 
@@ -100,17 +100,21 @@ class RollResourceManagerService:
         self._pgs: list[Any] | None = None
         self._lock = asyncio.Lock()
 
+    async def _get_topology(self) -> Topology:
+        if self._topology is None:
+            self._topology = await asyncio.to_thread(topology_from_ray)
+        return self._topology
+
     async def _ensure(self) -> list[Any]:
         async with self._lock:
             if self._pgs is None:
-                if self._topology is None:
-                    self._topology = await asyncio.to_thread(topology_from_ray)
+                topology = await self._get_topology()
                 from ray.util.placement_group import placement_group
 
-                gpn = self._topology.gpus_per_node
+                gpn = topology.gpus_per_node
                 pgs = [
                     placement_group([{"GPU": float(gpn)}], name=f"rlix_pg_node{i}")
-                    for i in range(self._topology.num_nodes)
+                    for i in range(topology.num_nodes)
                 ]
                 await asyncio.gather(*(pg.ready() for pg in pgs))
                 self._pgs = pgs
@@ -132,15 +136,32 @@ class RollResourceManagerService:
         }
 
     async def nodes_placement_group(self, node_rank: int) -> Any:
+        """The shared placement group of node ``node_rank`` (0 <= node_rank < num_nodes)."""
+        topology = await self._get_topology()
+        if (
+            isinstance(node_rank, bool)
+            or not isinstance(node_rank, int)
+            or not 0 <= node_rank < topology.num_nodes
+        ):
+            raise ProtocolError(
+                f"node_rank must be an int in [0, {topology.num_nodes}) (the cluster has "
+                f"{topology.num_nodes} GPU node(s)), got {node_rank!r}"
+            )
         return (await self._ensure())[node_rank]
 
     async def allocate_placement_group(
         self, world_size: int, device_mapping: list[int] | None = None
     ) -> list[list[dict[str, Any]]]:
-        """Per worker, the placement group (and GPU) of each of its devices (ROLL's layout)."""
+        """Per worker, the placement group (and GPU) of each of its devices (ROLL's layout).
+
+        ``world_size``: an int >= 1. ``device_mapping``: None / empty (CPU workers, spread over
+        the nodes) or global GPU ids in ``[0, num_gpus)``, ``world_size`` workers' worth of
+        equal shares (its length a multiple of ``world_size``).
+        """
+        topology = await self._get_topology()
+        _check_allocation(topology, world_size, device_mapping)
         pgs = await self._ensure()
-        assert self._topology is not None
-        gpn = self._topology.gpus_per_node
+        gpn = topology.gpus_per_node
         address = ray.get_runtime_context().gcs_address
         out: list[list[dict[str, Any]]] = []
         if device_mapping:
@@ -170,11 +191,6 @@ class RollResourceManagerService:
                         }
                     ]
                 )
-        if len(out) != world_size:
-            raise RlixPluginsError(
-                f"device mapping of {len(device_mapping or [])} GPUs does not split into "
-                f"{world_size} workers"
-            )
         return out
 
     async def destroy_placement_group(self) -> None:
@@ -185,3 +201,32 @@ class RollResourceManagerService:
             for pg in self._pgs or []:
                 remove_placement_group(pg)
             self._pgs = None
+
+
+def _check_allocation(topology: Topology, world_size: object, device_mapping: object) -> None:
+    """Refuse an ``allocate_placement_group`` call that cannot be laid out, before any Ray
+    call (ROLL's own resource manager only asserts)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ProtocolError(f"world_size must be an int >= 1, got {world_size!r}")
+    if device_mapping is None:
+        return
+    if not isinstance(device_mapping, (list, tuple)):
+        raise ProtocolError(
+            f"device_mapping must be a list of GPU ids or None, got {type(device_mapping).__name__}"
+        )
+    bad = [
+        g
+        for g in device_mapping
+        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < topology.num_gpus
+    ]
+    if bad:
+        raise ProtocolError(
+            f"device_mapping has GPU ids {bad} outside the topology; valid ids are ints in "
+            f"[0, {topology.num_gpus}) ({topology.num_nodes} node(s) x "
+            f"{topology.gpus_per_node} GPUs)"
+        )
+    if device_mapping and len(device_mapping) % world_size:
+        raise ProtocolError(
+            f"device mapping of {len(device_mapping)} GPUs does not split into {world_size} "
+            f"workers of equal size; its length must be a multiple of world_size"
+        )

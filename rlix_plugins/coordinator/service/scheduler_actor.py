@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
@@ -160,6 +162,8 @@ class SchedulerService:
         # A lease restarts at recovery: the pipeline had no scheduler to beat against meanwhile.
         self._beats = {p: now for p in record.get("leased", []) if p in state.pipelines}
         self._fencing = {p: r for p, r in record.get("fencing", {}).items() if p in state.pipelines}
+        for pid in self._fencing:
+            state.fence(pid)
         logger.warning(
             "scheduler %s: recovered %d pipeline(s), %d GPU(s) owned, revision %d",
             self.cfg.namespace,
@@ -173,6 +177,9 @@ class SchedulerService:
 
     def _persist(self) -> None:
         """Save state (+ in-flight intent) before anyone learns of what it decided."""
+        # After stop() (which may have cleared the store) a late save would bring back a
+        # state that no scheduler serves any more.
+        self._check_running()
         record = {
             "state": snapshot(self._state),
             "inflight": self._inflight,
@@ -191,6 +198,13 @@ class SchedulerService:
     # ================================================================== helpers
     def _now(self) -> float:
         return time.time()
+
+    def _check_running(self) -> None:
+        if self._stopping:
+            raise CoordinatorUnavailableError(
+                f"the coordinator in namespace {self.cfg.namespace!r} is stopping or stopped; "
+                "connect to a running coordinator (rlix-plugins coordinator start)"
+            )
 
     def _check_alive(self, pipeline_id: str) -> None:
         dead = self._dead.get(pipeline_id)
@@ -299,6 +313,7 @@ class SchedulerService:
         weight: float = 1.0,
     ) -> None:
         """Validate and register a pipeline (RLix keyword signature, plus our ``weight``)."""
+        self._check_running()
         spec = validate_registration(
             self._state.topology,
             pipeline_id=pipeline_id,
@@ -320,11 +335,13 @@ class SchedulerService:
 
     async def admit_pipeline(self, *, pipeline_id: str) -> None:
         """Check the pipeline is registered and alive (the orchestrator hands out our handle)."""
+        self._check_running()
         self._check_alive(pipeline_id)
         self._state.pipeline(pipeline_id)
 
     async def unregister_pipeline(self, pipeline_id: str) -> tuple[int, ...]:
         """Forget a pipeline and free its GPUs (the pipeline stopped using them)."""
+        self._check_running()
         freed = self._drop(
             pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered")
         )
@@ -333,6 +350,7 @@ class SchedulerService:
 
     async def kill_pipeline(self, pipeline_id: str) -> None:
         """Fence a pipeline: kill its actors; its GPUs return once Ray confirms it dead."""
+        self._check_running()
         self._state.pipeline(pipeline_id)
         self._fence(pipeline_id, "killed by request")
 
@@ -357,10 +375,9 @@ class SchedulerService:
         logger.warning("pipeline %s failed: %s; fencing it", pipeline_id, reason)
         self._fencing[pipeline_id] = reason
         spec = self._state.pipelines[pipeline_id]
-        for c in spec.clusters:
-            if self._state.cancel_request(c.cluster_id):
-                self._requested_at.pop(c.cluster_id, None)
-        self._state.clear_progress(pipeline_id)
+        # Frozen in the core too (P7): nothing is planned for it, nobody's rank moves for it.
+        for cid in self._state.fence(pipeline_id):
+            self._requested_at.pop(cid, None)
         self._fail_waiters(
             pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} failed: {reason}")
         )
@@ -402,6 +419,7 @@ class SchedulerService:
         pipeline_id: str | None = None,
     ) -> list[int]:
         """Block until the cluster is granted; return its GPUs (generation: >= 1 active rank)."""
+        self._check_running()
         prio = coerce_priority(priority)
         cid = self._resolve_caller(cluster_id, pipeline_id)
         return await self._submit_and_wait(cid, prio, global_step, step_target_estimate, lora_name)
@@ -477,6 +495,7 @@ class SchedulerService:
     ) -> None:
         """The pipeline stopped using the cluster's GPUs (its shards are asleep): free them."""
         del global_step
+        self._check_running()
         cid = self._resolve_caller(cluster_id, pipeline_id)
         self._release(cid)
         self._kick()
@@ -501,8 +520,13 @@ class SchedulerService:
         request_lora_name: str | None = None,
         pipeline_id: str | None = None,
     ) -> list[int]:
-        """Release one cluster and request another atomically (no cycle runs in between)."""
+        """Release one cluster and request another atomically (no cycle runs in between).
+
+        A refused request (bad priority or estimate, a request already pending, ...) raises
+        with nothing released.
+        """
         del release_global_step
+        self._check_running()
         prio = coerce_priority(request_priority)
         rel = self._resolve_caller(release_cluster_id, pipeline_id)
         req = self._resolve_caller(request_cluster_id, pipeline_id)
@@ -511,6 +535,20 @@ class SchedulerService:
                 f"release {rel!r} and request {req!r} belong to different pipelines"
             )
         if rel == req:
+            # The release must come first (the request is for what the release frees), so try
+            # both on a copy: a refusal then raises before the real release. A copy, not a
+            # re-check of the core's rules here, so the two can never disagree.
+            now = self._now()
+            trial = copy.deepcopy(self._state)
+            trial.release(rel, now=now)
+            trial.submit_request(
+                req,
+                prio,
+                now=now,
+                global_step=request_global_step,
+                step_target_estimate=request_step_target_estimate,
+                lora_name=request_lora_name,
+            )
             self._release(rel)
             return await self._submit_and_wait(
                 req, prio, request_global_step, request_step_target_estimate, request_lora_name
@@ -535,8 +573,14 @@ class SchedulerService:
         global_step: int | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        """Shrink every active rank of a generation cluster; return when all are asleep."""
+        """Shrink every active rank of a generation cluster; return when all are asleep.
+
+        ``timeout_s``: a finite number of seconds > 0, or None for the configured
+        ``request_timeout_s``.
+        """
         del global_step
+        self._check_running()
+        limit = _release_timeout(timeout_s, self.cfg.request_timeout_s)
         if cluster_id is None:
             if pipeline_id is None:
                 raise ProtocolError("await_release_gpus needs pipeline_id or cluster_id")
@@ -549,7 +593,6 @@ class SchedulerService:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._release_waiters.setdefault(cid, []).append(fut)
         self._kick()
-        limit = timeout_s if timeout_s is not None else self.cfg.request_timeout_s
         try:
             await asyncio.wait_for(asyncio.shield(fut), limit)
         except asyncio.TimeoutError:
@@ -564,6 +607,7 @@ class SchedulerService:
     # ================================================================== demand
     async def report_progress(self, report: Any) -> None:
         """Record a progress report (any object with RLix's ProgressReport fields)."""
+        self._check_running()
         rep = coerce_progress_report(report)
         self._check_alive(rep.pipeline_id)
         self._state.report_progress(rep)
@@ -571,6 +615,7 @@ class SchedulerService:
 
     async def clear_progress(self, *, pipeline_id: str) -> None:
         """Forget every progress stream of a pipeline (its step's generation is over)."""
+        self._check_running()
         self._check_alive(pipeline_id)
         self._state.clear_progress(pipeline_id)
         self._kick()
@@ -580,6 +625,7 @@ class SchedulerService:
 
         Returns the lease length so a client can pace itself.
         """
+        self._check_running()
         self._check_alive(pipeline_id)
         if pipeline_id not in self._state.pipelines:
             raise UnknownPipelineError(f"pipeline {pipeline_id!r} is not registered")
@@ -592,10 +638,12 @@ class SchedulerService:
     # ================================================================== visibility
     async def get_status(self) -> CoordinatorStatus:
         """Pipelines, clusters, GPU owners and stages, demand and the wait queue."""
+        self._check_running()
         return build_status(self._state, self._now(), dead=tuple(self._dead.values()))
 
     async def ping(self) -> int:
         """Cheap liveness check for clients; returns the state revision."""
+        self._check_running()
         return self._state.revision
 
     async def get_trace(self) -> dict[str, Any]:
@@ -609,16 +657,30 @@ class SchedulerService:
         return str(path) if path else None
 
     async def stop(self, *, clear_state: bool = True) -> None:
-        """Stop cycles and probes, write the trace, and (by default) forget the saved state."""
+        """Stop cycles, probes and background work, fail every waiting call, write the trace,
+        and (by default) forget the saved state. Every later call but the trace's raises
+        :class:`CoordinatorUnavailableError`."""
         self._stopping = True
-        for t in [*self._tasks, *self._expand_tails.values()]:
-            t.cancel()
-        self._write_trace(self._now())
-        for cid, fut in list(self._waiters.items()):
+        # Not the pipelines' fault: clients retry these against the next coordinator.
+        error = CoordinatorUnavailableError(
+            f"the coordinator in namespace {self.cfg.namespace!r} is stopping"
+        )
+        for fut in self._waiters.values():
             if not fut.done():
-                # Not the pipeline's fault: clients retry this against the next coordinator.
-                fut.set_exception(CoordinatorUnavailableError("the coordinator is stopping"))
-            self._waiters.pop(cid, None)
+                fut.set_exception(error)
+        self._waiters.clear()
+        self._requested_at.clear()
+        for futs in self._release_waiters.values():
+            for rfut in futs:
+                if not rfut.done():
+                    rfut.set_exception(error)
+        self._release_waiters.clear()
+        tasks = [*self._tasks, *self._expand_tails.values(), *self._side_tasks]
+        for t in tasks:
+            t.cancel()
+        # Wait for them to end, so none of them touches the state or the store afterwards.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._write_trace(self._now())
         if clear_state:
             self._store.clear()
 
@@ -957,6 +1019,23 @@ class SchedulerService:
         if verdict is Liveness.DEAD:
             self._handles.pop(pipeline_id, None)
         return verdict
+
+
+def _release_timeout(timeout_s: object, default: float) -> float:
+    """``await_release_gpus``'s ``timeout_s`` checked before anything is planned."""
+    if timeout_s is None:
+        return default
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
+        raise ProtocolError(
+            f"timeout_s must be a finite number of seconds > 0, or None for the configured "
+            f"request timeout ({default:g}s); got {timeout_s!r}"
+        )
+    return float(timeout_s)
 
 
 def _by_cluster(ranks: Iterable[tuple[str, int]]) -> dict[str, list[int]]:

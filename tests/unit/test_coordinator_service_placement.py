@@ -1,0 +1,83 @@
+"""ROLL's placement calls on ``rlix:roll_resource_manager`` refuse impossible layouts with a
+typed error, before any placement group exists."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rlix_plugins.coordinator.core import Topology
+from rlix_plugins.coordinator.service import resource_manager
+from rlix_plugins.coordinator.service.resource_manager import RollResourceManagerService
+from rlix_plugins.errors import ProtocolError
+
+
+class FakePlacementGroup:
+    """FAKE Ray placement group: creating a real one needs a running Ray cluster."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def ready(self) -> None:
+        return None
+
+
+@pytest.fixture
+def created(monkeypatch: pytest.MonkeyPatch) -> list[FakePlacementGroup]:
+    """Route placement-group creation to fakes; the list of those created."""
+    # The module, not ray.util's function of the same name (what the service imports from).
+    pg_module = importlib.import_module("ray.util.placement_group")
+    made: list[FakePlacementGroup] = []
+
+    def placement_group(bundles: list[dict[str, float]], name: str) -> FakePlacementGroup:
+        made.append(FakePlacementGroup(name))
+        return made[-1]
+
+    monkeypatch.setattr(pg_module, "placement_group", placement_group)
+    monkeypatch.setattr(
+        resource_manager.ray,
+        "get_runtime_context",
+        lambda: SimpleNamespace(gcs_address="FAKE:6379"),
+    )
+    return made
+
+
+@pytest.mark.parametrize(
+    ("world_size", "mapping", "match"),
+    [
+        (0, [0, 1], "world_size must be an int >= 1"),
+        (True, [0], "world_size must be an int >= 1"),
+        (3, [0, 1], "multiple of world_size"),
+        (2, [0, 1, 2], "multiple of world_size"),
+        (1, [8], r"outside the topology; valid ids are ints in \[0, 8\)"),
+        (1, [-1], "outside the topology"),
+    ],
+    ids=["zero-workers", "bool-workers", "more-workers-than-gpus", "uneven", "gpu-8", "gpu-neg"],
+)
+def test_allocate_placement_group_refuses_impossible_layouts(
+    created: list[FakePlacementGroup], world_size: Any, mapping: list[int], match: str
+) -> None:
+    rm = RollResourceManagerService(Topology(2, 4))
+    with pytest.raises(ProtocolError, match=match):
+        asyncio.run(rm.allocate_placement_group(world_size, mapping))
+    assert created == []  # refused before any placement group was made
+    layout = asyncio.run(rm.allocate_placement_group(2, [4, 5, 6, 7]))
+    assert [[(d["node_rank"], d["gpu_rank"]) for d in w] for w in layout] == [
+        [(1, 0), (1, 1)],
+        [(1, 2), (1, 3)],
+    ]
+
+
+@pytest.mark.parametrize("node_rank", [-1, 2, True, "0"])
+def test_nodes_placement_group_refuses_a_node_outside_the_topology(
+    created: list[FakePlacementGroup], node_rank: Any
+) -> None:
+    rm = RollResourceManagerService(Topology(2, 4))
+    with pytest.raises(ProtocolError, match=r"node_rank must be an int in \[0, 2\)"):
+        asyncio.run(rm.nodes_placement_group(node_rank))
+    assert created == []
+    assert asyncio.run(rm.nodes_placement_group(1)).name == "rlix_pg_node1"
