@@ -8,9 +8,12 @@ a veRL vLLM server handle; the host adapter supplies the implementation.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from rlix_plugins.errors import ProtocolError
 
 #: ``finish_reason`` of a stream that ended because its request was aborted (vLLM's value).
 ABORTED = "abort"
@@ -21,18 +24,77 @@ class GenerationRequest:
     """One generation request in token space.
 
     Attributes:
-        request_id: caller's id; must be unique among requests in flight on this router.
-        prompt_token_ids: the prompt.
-        max_tokens: tokens to generate at most.
+        request_id: caller's id (a non-empty string); must be unique among requests in flight
+            on this router.
+        prompt_token_ids: the prompt: any iterable of non-negative ints (a list, a tuple,
+            numpy ints), stored as a tuple of ``int``. May be empty (a host whose request
+            carries its prompt elsewhere, e.g. NeMo RL's non-token prompts).
+        max_tokens: tokens to generate at most (>= 1).
         sampling: further sampling options, passed to the engine as keyword arguments (for
             vLLM: ``SamplingParams`` fields such as ``temperature``, ``seed``, ``ignore_eos``,
             ``logprobs``). ``max_tokens`` and ``output_kind`` are set by the engine wrapper.
+
+    Raises:
+        ProtocolError: a field is outside the domain above (the message names it).
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     sampling: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ProtocolError(
+                f"GenerationRequest.request_id must be a non-empty str, got {self.request_id!r}"
+            )
+        # Stored as a tuple: the router continues a request by appending partial tokens
+        # (tuple + tuple); a list here used to fail that and lose the request.
+        object.__setattr__(self, "prompt_token_ids",
+                           _token_ids(self.request_id, self.prompt_token_ids))
+        if (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                or self.max_tokens < 1):
+            raise ProtocolError(
+                f"GenerationRequest.max_tokens of {self.request_id} must be an int >= 1, got "
+                f"{self.max_tokens!r}"
+            )
+        if not isinstance(self.sampling, Mapping):
+            raise ProtocolError(
+                f"GenerationRequest.sampling of {self.request_id} must be a mapping of "
+                f"sampling options, got {type(self.sampling).__name__}"
+            )
+
+
+def _token_ids(request_id: str, tokens: Iterable[Any]) -> tuple[int, ...]:
+    """``tokens`` as a tuple of non-negative ints, or :class:`ProtocolError` naming the field."""
+    if isinstance(tokens, tuple) and all(type(t) is int and t >= 0 for t in tokens):
+        return tokens  # the common case: already canonical, no copy
+    where = f"GenerationRequest.prompt_token_ids of {request_id}"
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise ProtocolError(
+            f"{where} must be a sequence of token ids (non-negative ints), got "
+            f"{type(tokens).__name__}"
+        )
+    out: list[int] = []
+    for i, t in enumerate(tokens):
+        tok = _index(t)
+        if tok is None or tok < 0:
+            raise ProtocolError(
+                f"{where} must hold non-negative int token ids; item {i} is {t!r}"
+            )
+        out.append(tok)
+    return tuple(out)
+
+
+def _index(value: Any) -> int | None:
+    # operator.index takes ints and numpy/torch integer scalars, never floats or strings;
+    # a bool is an int to Python but never a token id.
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +109,13 @@ class EngineOutput:
     token_ids: tuple[int, ...]
     finish_reason: str
     logprobs: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # Tuples whatever an engine hands back: the router concatenates partial outputs of
+        # successive attempts (tuple + list would raise and lose the request).
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", tuple(self.logprobs))
 
     @property
     def aborted(self) -> bool:

@@ -9,32 +9,93 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
+#: How long :meth:`LoopThread.close` waits for cancelled tasks to finish, and for the thread.
+_CLOSE_WAIT_S = 10.0
+
 
 class LoopThread:
-    """One event loop running forever on a daemon thread."""
+    """One event loop running forever on a daemon thread, until :meth:`close`."""
 
     def __init__(self, name: str = "rlix-shards", *, default_timeout: float | None = None) -> None:
         self.default_timeout = default_timeout
         self.loop = asyncio.new_event_loop()
+        self._close_lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
         self._thread.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self, coro: Coroutine[Any, Any, Any]) -> None:
+        if self._closed:
+            coro.close()  # never scheduled: close it so Python does not warn "never awaited"
+            raise RuntimeError(f"LoopThread {self._thread.name} is closed; create a new one")
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds, or
-        the default timeout)."""
+        the default timeout).
+
+        If the wait ends without a result (timeout, interrupt) the coroutine is cancelled
+        (at its next await): a caller told the call failed must not see it go ahead later.
+        """
+        self._check_open(coro)
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return future.result(timeout if timeout is not None else self.default_timeout)
+        try:
+            return future.result(timeout if timeout is not None else self.default_timeout)
+        except BaseException:
+            future.cancel()  # no-op when the coroutine itself raised (already done)
+            raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop without waiting."""
+        self._check_open(coro)
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
+        """Cancel every task still on the loop, stop it, join its thread and close the loop
+        (releasing its selector and self-pipe fds). Idempotent; not from the loop's thread."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("LoopThread.close() called on its own loop thread would "
+                               "deadlock; call it from another thread")
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_tasks(), self.loop).result(
+                    _CLOSE_WAIT_S + 1.0)
+            except Exception:
+                logger.warning("loop thread %s: cancelling its tasks failed", self._thread.name,
+                               exc_info=True)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=_CLOSE_WAIT_S)
+        if self._thread.is_alive():
+            # Closing a running loop raises; leave it to the daemon thread's end.
+            logger.warning("loop thread %s did not stop within %.0fs; its loop stays open",
+                           self._thread.name, _CLOSE_WAIT_S)
+            return
+        self.loop.close()
+
+
+async def _cancel_tasks() -> None:
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        # Bounded: a task that swallows its cancellation must not block close() forever.
+        _, pending = await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
+        if pending:
+            logger.warning("%d task(s) ignored cancellation at loop close", len(pending))

@@ -160,16 +160,18 @@ class VllmAsyncShard:
             self._completed_total += 1
         return EngineOutput(token_ids, reason or ABORTED, logprobs)
 
-    def _engine_request_ids(self) -> set[str]:
-        # Requests submitted by host code straight to the engine are aborted too. vLLM keeps
-        # them in its output processor; that is internal, so a moved attribute degrades to
-        # "ours only" and the final sleep(mode="abort") still aborts the rest.
+    def _engine_request_ids(self) -> set[str] | None:
+        """Request ids registered in the engine (ours and those host code submitted straight
+        to it), or None when vLLM's internal map is unavailable (an engine that is not an
+        ``AsyncLLM``, or a vLLM whose output processor moved the attribute)."""
         processor = getattr(self._engine, "output_processor", None)
         external = getattr(processor, "external_req_ids", None)
+        if external is None:
+            return None
         try:
-            return set(external) if external is not None else set()
+            return set(external)
         except Exception:
-            return set()
+            return None
 
     async def abort_all(self) -> int:
         """Close the gate and abort every request on the engine; returns how many.
@@ -177,20 +179,31 @@ class VllmAsyncShard:
         Idempotent; the drain loop calls it again while requests remain, which catches a
         request whose submission was still in flight (not yet registered in the engine, so
         unknown to the first abort) when the gate closed.
+
+        Without the engine's request map only our own requests are aborted (the final
+        ``sleep(mode="abort")`` aborts the rest). As registration cannot be seen then, every
+        call re-sends the abort for our requests whose streams have not ended (vLLM ignores
+        an abort of an unknown or finished id); only first aborts are counted.
         """
         self._accepting = False
         known = self._engine_request_ids()
-        ids = sorted((self._tracked | known) - self._abort_seen)
-        registered = [i for i in ids if i in known]
-        if registered:
-            await self._engine.abort(registered)
-        # An id seen but not yet registered is aborted by a later call, once it registers.
-        self._abort_seen.update(registered)
-        self._aborted_total += len(registered)
-        if ids:
+        if known is None:
+            to_abort = sorted(self._tracked)
+            new = [i for i in to_abort if i not in self._abort_seen]
+            pending = 0
+        else:
+            ids = sorted((self._tracked | known) - self._abort_seen)
+            # An id seen but not yet registered is aborted by a later call, once it registers.
+            to_abort = new = [i for i in ids if i in known]
+            pending = len(ids) - len(new)
+        if to_abort:
+            await self._engine.abort(to_abort)
+        self._abort_seen.update(new)
+        self._aborted_total += len(new)
+        if new or pending:
             logger.debug("shard %s: gate closed, aborted %d request(s), %d still submitting",
-                         self._name, len(registered), len(ids) - len(registered))
-        return len(registered)
+                         self._name, len(new), pending)
+        return len(new)
 
     async def abort_requests(self, request_ids: Sequence[str]) -> tuple[str, ...]:
         """Abort those of ``request_ids`` submitted through this wrapper and registered in the
@@ -201,6 +214,10 @@ class VllmAsyncShard:
         finished is skipped: it completes normally here, which the caller sees.
         """
         known = self._engine_request_ids()
+        if known is None:
+            # The contract is to return exactly the ids aborted, and without the map we
+            # cannot tell whether an abort reached a request still submitting: migrate none.
+            return ()
         ids = tuple(i for i in dict.fromkeys(request_ids) if i in self._tracked and i in known)
         if ids:
             await self._engine.abort(list(ids))
@@ -232,10 +249,17 @@ class VllmAsyncShard:
 
     async def num_running(self) -> int:
         """Unfinished requests: the engine's count plus requests of ours still being
-        submitted or still delivering their final output (0 = idle and every stream ended)."""
+        submitted or still delivering their final output (0 = idle and every stream ended).
+
+        Without the engine's request map ours cannot be split into registered (already in
+        the engine's count) and in transit, so this is the larger of the engine's count and
+        our open streams: never counting one request twice, never 0 while a stream is open.
+        """
+        running = int(self._engine.get_num_unfinished_requests())
         known = self._engine_request_ids()
-        in_transit = len(self._tracked - known)
-        return int(self._engine.get_num_unfinished_requests()) + in_transit
+        if known is None:
+            return max(running, len(self._tracked))
+        return running + len(self._tracked - known)
 
     async def sleep(self, level: int | None = None) -> None:
         """Sleep at ``level`` (default: the configured level); in-flight requests are aborted."""

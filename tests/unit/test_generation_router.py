@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
@@ -13,18 +15,23 @@ from rlix_plugins.generation import (
     PreemptionConfig,
     RayShardState,
     RouterConfig,
+    ShardEvent,
     ShardLifecycle,
     ShardRouter,
     ShardSnapshot,
+    ShardStatus,
+    apply_event,
 )
 
 
 @dataclass
 class FakePicklableEngine:
     """Fake: pickling needs an engine that can cross processes; the real in-process vLLM
-    wrapper refuses to be pickled (checked below), a remote-engine handle would be used."""
+    wrapper refuses to be pickled (checked below), a remote-engine handle would be used.
+    ``running``: what it reports as still running after an abort (never drains if > 0)."""
 
     name: str
+    running: int = 0
 
     async def generate(self, request: GenerationRequest) -> EngineOutput:
         raise NotImplementedError
@@ -33,7 +40,7 @@ class FakePicklableEngine:
         return 0
 
     async def num_running(self) -> int:
-        return 0
+        return self.running
 
     async def sleep(self, level: int | None = None) -> None:
         return None
@@ -43,6 +50,28 @@ class FakePicklableEngine:
 
     async def resume(self) -> None:
         return None
+
+
+@dataclass
+class FakePicklableState:
+    """FAKE ShardStateView that works in this process AND pickles: the real in-process view
+    (LocalShardState) refuses pickling and the picklable one (RayShardState) needs a Ray
+    actor. It applies transitions with the real state machine."""
+
+    snap: ShardSnapshot
+
+    def snapshot(self) -> ShardSnapshot:
+        return self.snap
+
+    async def refresh(self) -> ShardSnapshot:
+        return self.snap
+
+    async def wait_for_update(self, after_version: int, timeout_s: float) -> ShardSnapshot:
+        return self.snap
+
+    async def apply(self, dp_ranks: Iterable[int], event: ShardEvent) -> ShardSnapshot:
+        self.snap = apply_event(self.snap, dp_ranks, event)
+        return self.snap
 
 
 def _ray_view() -> RayShardState:
@@ -57,15 +86,27 @@ def test_router_pickles_wiring_not_runtime_state() -> None:
     router._inflight[0] = 5
     copy = pickle.loads(pickle.dumps(router))
     assert copy.config == router.config
-    assert [e.name for e in copy.engines] == ["a", "b"]  # type: ignore[attr-defined]
+    assert [e.name for e in copy.engines] == ["a", "b"]
     assert copy.inflight == (0, 0) and copy.stats().requests == 0
-    assert copy.state.handle == "HANDLE"  # type: ignore[attr-defined]
+    assert copy.state.handle == "HANDLE"
 
 
 def test_lifecycle_pickles_without_its_lock() -> None:
-    life = ShardLifecycle(_ray_view(), [FakePicklableEngine("a"), FakePicklableEngine("b")])
+    config = PreemptionConfig(drain_timeout_s=0.01)
+    life = ShardLifecycle(FakePicklableState(ShardSnapshot.initial(2)),
+                          [FakePicklableEngine("a"), FakePicklableEngine("b", running=1)], config)
+    # One operation first: the lock is made lazily and the counters start at 0.
+    asyncio.run(life.preempt([1]))
+    assert life._lock is not None and (life.preemptions, life.forced_sleeps) == (1, 1)
     copy = pickle.loads(pickle.dumps(life))
-    assert copy.config == PreemptionConfig() and copy.forced_sleeps == 0
+    # Only wiring travels (__getstate__): the lock and the counters belong to the original.
+    assert copy._lock is None and (copy.preemptions, copy.forced_sleeps) == (0, 0)
+    assert copy.config == config
+    assert [e.name for e in copy._engines] == ["a", "b"]
+    assert copy._state.snapshot().statuses[1] is ShardStatus.SLEEPING
+    # The copy works on a loop of its own.
+    snap = asyncio.run(copy.wake([1]))
+    assert snap.statuses[1] is ShardStatus.WOKEN and copy._lock is not None
 
 
 def test_engine_count_must_match_shards() -> None:

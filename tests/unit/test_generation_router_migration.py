@@ -334,3 +334,33 @@ def test_failing_abort_never_fails_a_request() -> None:
         assert (c.completed, c.lost, c.migrated) == (6, 0, 0)
 
     run(go)
+
+
+@pytest.mark.parametrize("mode", [RedispatchMode.RESTART, RedispatchMode.CONTINUE])
+def test_list_prompts_survive_migration_and_preemption(mode: RedispatchMode) -> None:
+    """A caller's list prompt (the common host form) must continue from partial tokens like
+    a tuple one: the continued attempt's prompt is prompt + partial tokens."""
+
+    async def go() -> None:
+        engines = [FakeAbortableEngine(), FakeAbortableEngine()]
+        s = Setup(engines, RouterConfig(redispatch=mode))
+        await s.put_to_sleep([1])
+        load = [GenerationRequest(f"l{i}", [i + 3, 2 * i + 5, 11], 120)  # type: ignore[arg-type]
+                for i in range(4)]
+        task = asyncio.ensure_future(
+            asyncio.gather(*(s.router.generate(q) for q in load), return_exceptions=True))
+        await wait_until(lambda: len(engines[0].running) == 4
+                         and min(map(len, engines[0].running.values())) >= 3)
+        await s.expand([1])  # migration: continues the moved half from their partial tokens
+        # (or the load ended early: a request failed; the results below show which)
+        await wait_until(lambda: task.done() or (len(engines[1].running) == 2 and min(
+            map(len, engines[1].running.values())) >= 3))
+        # Preempting the moved half: CONTINUE continues them again from prompt + prefix.
+        await s.life.preempt([1])
+        results = await task
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        check_exact(load, results)  # type: ignore[arg-type]
+        c = s.router.counters()
+        assert (c.completed, c.lost, c.migrated, c.redispatched) == (4, 0, 2, 2)
+
+    run(go)

@@ -1,0 +1,113 @@
+"""VllmAsyncShard over an engine that does not expose vLLM's internal request map.
+
+The engine is a FAKE: a unit test cannot start a vLLM engine (the real-engine tests are in
+tests/integration/test_generation_vllm.py). It has ``AsyncLLM``'s generate/abort/sleep/
+get_num_unfinished_requests but no ``output_processor`` (an engine that is not an
+``AsyncLLM``, or a vLLM release that moved the attribute). vLLM itself is imported: the
+wrapper builds real ``SamplingParams``/``TokensPrompt``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rlix_plugins.errors import ShardPreemptedError
+from rlix_plugins.generation import (
+    GenerationRequest,
+    LocalShardState,
+    PreemptionConfig,
+    ShardLifecycle,
+    ShardStateStore,
+    ShardStatus,
+    VllmAsyncShard,
+)
+
+pytest.importorskip("vllm")
+
+
+class FakeEngineWithoutRequestMap:
+    """FAKE engine (see module docstring). A request registers after ``admit_s`` (vLLM's
+    input processing); an abort of an id not registered yet is ignored, as vLLM does."""
+
+    def __init__(self, admit_s: float = 0.0) -> None:
+        self.admit_s = admit_s
+        self.abort_calls: list[list[str]] = []
+        self.unfinished: dict[str, asyncio.Event] = {}
+        self.slept: list[tuple[int, str]] = []
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        await asyncio.sleep(self.admit_s)
+        aborted = self.unfinished[request_id] = asyncio.Event()
+        try:
+            await aborted.wait()  # runs until aborted
+            yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(
+                token_ids=[9, 9], finish_reason="abort", logprobs=None)])
+        finally:
+            del self.unfinished[request_id]
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.abort_calls.append(list(request_ids))
+        for rid in request_ids:
+            if rid in self.unfinished:
+                self.unfinished[rid].set()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.unfinished)
+
+    async def sleep(self, level: int, mode: str) -> None:
+        self.slept.append((level, mode))
+
+
+async def _until(cond: Any, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.001)
+
+
+def test_abort_all_aborts_our_requests_and_counts_each_once() -> None:
+    async def go() -> None:
+        engine = FakeEngineWithoutRequestMap()
+        shard = VllmAsyncShard(engine, name="s0")
+        task = asyncio.ensure_future(shard.generate(GenerationRequest("r1:a1", [1, 2], 8)))  # type: ignore[arg-type]
+        await _until(lambda: "r1:a1" in engine.unfinished)
+        # Registered in the engine AND ours: one request, not two.
+        assert await shard.num_running() == 1
+        assert await shard.abort_all() == 1
+        assert engine.abort_calls == [["r1:a1"]]
+        out = await asyncio.wait_for(task, 5)
+        assert out.aborted and out.token_ids == (9, 9)
+        assert await shard.num_running() == 0 and shard.aborted_total == 1
+        with pytest.raises(ShardPreemptedError):
+            await shard.generate(GenerationRequest("r2:a1", (1,), 8))
+
+    asyncio.run(go())
+
+
+def test_preemption_drains_without_waiting_for_the_drain_timeout() -> None:
+    async def go() -> None:
+        # Admission slower than the first abort: that abort misses it (ignored by the
+        # engine), so abort_all must send it again on the drain loop's next call.
+        engine = FakeEngineWithoutRequestMap(admit_s=0.05)
+        shard = VllmAsyncShard(engine, name="s0")
+        store = ShardStateStore(2)
+        view = LocalShardState(store)
+        life = ShardLifecycle(view, [shard, VllmAsyncShard(FakeEngineWithoutRequestMap())],
+                              PreemptionConfig(drain_timeout_s=10.0))
+        task = asyncio.ensure_future(shard.generate(GenerationRequest("r1:a1", (1, 2), 8)))
+        await asyncio.sleep(0)  # tracked by the wrapper, still being admitted by the engine
+        record = await life.preempt([0])
+        assert record.forced_sleeps == 0 and record.shards[0].drain_s < 5.0
+        assert record.shards[0].aborted_requests == 1  # re-sent aborts are not re-counted
+        assert len(engine.abort_calls) >= 2 and all(c == ["r1:a1"] for c in engine.abort_calls)
+        assert (await asyncio.wait_for(task, 5)).aborted
+        assert engine.slept == [(2, "abort")]
+        assert store.snapshot().statuses[0] is ShardStatus.SLEEPING
+
+    asyncio.run(go())
