@@ -6,7 +6,7 @@ from typing import Any
 
 from rlix_plugins.errors import SettingsError
 from rlix_plugins.hooks.protocol import NoOpRLixHooks, RLixHooks
-from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, load_settings
+from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, settings_if_enabled
 
 
 def make_hooks(
@@ -18,9 +18,9 @@ def make_hooks(
 ) -> RLixHooks:
     """The hooks a host should call: no-ops when the control plane is off, else
     :class:`~rlix_plugins.hooks.coordinator_hooks.CoordinatorHooks` for ``pipeline_id``
-    (default: ``PIPELINE_ID`` from the environment)."""
-    s = settings or load_settings()
-    if not s.enabled:
+    (default: ``PIPELINE_ID`` from the environment). Off, no other variable is read."""
+    s = settings if settings is not None else settings_if_enabled()
+    if s is None or not s.enabled:
         return NoOpRLixHooks()
     pid = pipeline_id or s.pipeline_id
     if not pid:

@@ -32,18 +32,32 @@ class ProgressThrottle:
     """Decides which progress updates are worth a message (pure; one per stream).
 
     Sent when the 2% bucket changes, when nothing remains, or on a new batch; identical
-    repeats of the last sent state are dropped.
+    repeats of the last sent state are dropped. A caller whose send can fail uses
+    :meth:`wants` and records the state with :meth:`mark_sent` only once it was delivered,
+    so a failed send is retried by the next identical update instead of being throttled.
     """
 
     last: tuple[int, int, int] | None = None  # (target, bucket, remaining)
 
-    def should_send(self, *, target: int, completed: int, new_batch: bool) -> bool:
+    @staticmethod
+    def state_of(*, target: int, completed: int) -> tuple[int, int, int]:
         bucket = progress_bucket(completed, target)
         remaining = target - min(max(completed, 0), target)
-        state = (target, bucket, remaining if remaining == 0 else -1)
-        send = new_batch or self.last is None or state != self.last
+        return (target, bucket, remaining if remaining == 0 else -1)
+
+    def wants(self, state: tuple[int, int, int], *, new_batch: bool) -> bool:
+        """Whether ``state`` differs from the last delivered one (or starts a batch)."""
+        return new_batch or self.last is None or state != self.last
+
+    def mark_sent(self, state: tuple[int, int, int]) -> None:
+        self.last = state
+
+    def should_send(self, *, target: int, completed: int, new_batch: bool) -> bool:
+        """:meth:`wants` and, if so, :meth:`mark_sent` at once (for sends that cannot fail)."""
+        state = self.state_of(target=target, completed=completed)
+        send = self.wants(state, new_batch=new_batch)
         if send:
-            self.last = state
+            self.mark_sent(state)
         return send
 
 
@@ -152,9 +166,8 @@ class CoordinatorHooks:
         triggers a report by itself), so our planner sizes an async job by all its work.
         """
         throttle = self._throttles.setdefault((mode, adapter_id), ProgressThrottle())
-        if not throttle.should_send(
-            target=step_target_trajectories, completed=collected, new_batch=new_batch
-        ):
+        state = throttle.state_of(target=step_target_trajectories, completed=collected)
+        if not throttle.wants(state, new_batch=new_batch):
             return
         completed = min(max(collected, 0), step_target_trajectories)
         metrics: dict[str, object] = {
@@ -174,6 +187,8 @@ class CoordinatorHooks:
             metrics=metrics,
         )
         self._call("report_progress", report)
+        # only now: if the call raised, the same state must not be throttled on the retry
+        throttle.mark_sent(state)
 
     def clear_progress(self) -> None:
         """The step's generation is over: forget this pipeline's demand."""

@@ -400,12 +400,20 @@ class BucketCache:
         with self._lock:
             if self._closed:
                 raise WeightCacheError(f"pipeline {self.pipeline_id!r}: the cache is closed")
-            if version in self._building or (
-                version in self._versions and not self._versions[version].retired
-            ):
+            held = self._versions.get(version)
+            if version in self._building or (held is not None and not held.retired):
                 raise WeightCacheError(
                     f"pipeline {self.pipeline_id!r}: weight version {version} is already cached "
                     "or being built; versions are immutable, build a new version number"
+                )
+            if held is not None:
+                # Retired but still pinned: its record must stay under this number until its
+                # syncs end, which is when it is freed; a rebuild would orphan its buckets.
+                raise WeightCacheError(
+                    f"pipeline {self.pipeline_id!r}: weight version {version} was freed but a "
+                    f"sync still uses it ({held.pins} pin(s)); it cannot be rebuilt until that "
+                    "sync ends. Versions are immutable: build a number not in "
+                    f"{sorted(self._versions)} (held or draining)"
                 )
             self._building.add(version)
 

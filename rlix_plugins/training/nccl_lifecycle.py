@@ -551,7 +551,11 @@ class MegatronParallelLifecycle:
         if self.barrier and dist.is_initialized():
             dist.barrier()
         from_globals = groups_in_module(self.ps)
-        self._destroyed_slots = group_slots(self.ps)
+        slots = group_slots(self.ps)
+        if slots or not self._destroyed_slots:
+            self._destroyed_slots = slots
+        # else: a repeated destroy (a retry, nothing re-initialised since) finds the globals
+        # already reset; keep the earlier slots or reinitialize() could not pair old groups.
         self._mapping = None
         world_default = dist.GroupMember.WORLD
         targets: dict[int, Any] = {id(pg): pg for pg in from_globals}

@@ -79,9 +79,14 @@ def valid_count(
 class ProgressTracker:
     """Counts valid trajectories for the current batch and reports in 2% buckets.
 
-    Thread-safe (several collector threads may record). The sink runs outside the tracker's
-    lock so a slow coordinator RPC never blocks recording; each report carries a sequence
-    number (``metrics["seq"]``) so a receiver can drop one that arrives late.
+    Thread-safe (several collector threads may record). The sink runs outside the counting
+    lock, so a slow coordinator RPC never blocks counting or readers; sends are serialised by a
+    second lock and a report older than one already handed to the sink is dropped, so reports
+    reach the sink in order and a stale one never overwrites a newer state (the coordinator
+    keeps the last arrival). Each report carries a sequence number (``metrics["seq"]``).
+
+    A bucket counts as reported only once the sink accepted it: after a failed send the next
+    record (even in the same bucket) reports again.
     """
 
     def __init__(
@@ -103,13 +108,20 @@ class ProgressTracker:
         self.max_age_steps = max_age_steps
         self._clock = clock
         self._lock = threading.Lock()
+        # held while a report is handed to the sink: one send at a time, in seq order
+        self._send_lock = threading.Lock()
         self._target = 0
         self._collected = 0
         self._step = 0
         self._version = 0
         self._batch_ts: float | None = None
+        #: bucket of the last report the sink accepted in the current batch
         self._last_bucket: int | None = None
         self._seq = 0
+        #: highest seq handed to the sink; older reports are stale and dropped
+        self._sent_seq = 0
+        #: reports with a lower seq belong to an earlier batch
+        self._batch_seq = 0
         self._active = False
 
     @property
@@ -135,7 +147,9 @@ class ProgressTracker:
             self._version = weight_version
             self._collected = min(max(0, already_collected), step_target)
             self._batch_ts = self._clock()
+            self._last_bucket = None
             report = self._report_locked(new_batch=True)
+            self._batch_seq = self._seq
         self._emit(report)
         return report
 
@@ -170,16 +184,19 @@ class ProgressTracker:
 
     def end_batch(self) -> None:
         """The batch is consumed by training: clear the pipeline's demand."""
-        with self._lock:
-            self._active = False
-            self._last_bucket = None
-        if self._on_clear is not None:
-            self._on_clear()
+        # Under the send lock: a report in flight reaches the sink before the clear, never
+        # after it (it would bring the cleared demand back).
+        with self._send_lock:
+            with self._lock:
+                self._active = False
+                self._last_bucket = None
+                self._batch_seq = self._seq + 1  # reports built so far are of the old batch
+            if self._on_clear is not None:
+                self._on_clear()
 
     def _report_locked(self, *, new_batch: bool) -> ProgressReport:
         self._seq += 1
         bucket = progress_bucket(self._collected, self._target)
-        self._last_bucket = bucket
         metrics: dict[str, object] = {
             "completed": self._collected,
             "collected": self._collected,
@@ -201,11 +218,25 @@ class ProgressTracker:
         )
 
     def _emit(self, report: ProgressReport) -> None:
-        try:
-            self._sink(report)
-        except Exception:
-            # progress is advisory: a failing sink must not break trajectory collection
-            logger.exception("progress sink failed for pipeline %s", self.pipeline_id)
+        metrics = report.metrics or {}
+        seq, bucket = metrics["seq"], metrics["bucket"]
+        assert isinstance(seq, int) and isinstance(bucket, int)
+        with self._send_lock:
+            with self._lock:
+                if seq <= self._sent_seq or seq < self._batch_seq:
+                    return  # superseded (newer report sent, or its batch is over): stale
+                if seq > self._batch_seq and bucket == self._last_bucket:
+                    return  # another thread's report of this bucket was accepted meanwhile
+                self._sent_seq = seq
+            try:
+                self._sink(report)
+            except Exception:
+                # progress is advisory: a failing sink must not break trajectory collection
+                logger.exception("progress sink failed for pipeline %s", self.pipeline_id)
+                return
+            with self._lock:
+                if self._active and seq >= self._batch_seq:
+                    self._last_bucket = bucket
 
 
 def with_outstanding(report: ProgressReport, outstanding: int | None) -> ProgressReport:

@@ -68,6 +68,8 @@ class _Stats:
     count: int = 0
     total: int = 0
     peak: int = 0
+    #: the sender's "end" arrived after every promised bucket (the whole version was received)
+    ended: bool = False
 
 
 class _Verifier:
@@ -172,6 +174,7 @@ def _bucket_stream(
                     f"shard {offer.shard_id}: got {stats.count} buckets, offer promised "
                     f"{offer.num_buckets}"
                 )
+            stats.ended = True
             return
         if kind != "bucket":
             raise WeightSyncError(f"unexpected control message {header!r}")
@@ -207,6 +210,14 @@ def _run(offer: SyncOffer, consume: Callable[[Iterator[_Received]], object]) -> 
     try:
         transport = open_receiver_transport(offer)
         consume(_bucket_stream(sock, transport, offer, stats))
+        if not stats.ended:
+            # The consumer returned before the stream's end: whatever it did not take was
+            # never applied, so the version must not be reported (or recorded) as applied.
+            raise WeightSyncError(
+                f"shard {offer.shard_id}: the weight loader stopped after {stats.count} of "
+                f"{offer.num_buckets} buckets of weight version {offer.version} (sync "
+                f"{offer.sync_id}); the version is not applied, resync this shard"
+            )
         result = ReceiveResult(
             shard_id=offer.shard_id,
             version=offer.version,
@@ -331,7 +342,12 @@ def receive_weights_streaming(
             del b
 
     def flatten(buckets: Iterator[_Received]) -> None:
-        consume(tensors(buckets))
+        stream = tensors(buckets)
+        consume(stream)
+        # A loader that took every tensor but never asked past the last one has not seen the
+        # stream end yet; one more step acks the last bucket and reads the sender's "end".
+        # A tensor coming out of it was never applied: _run then reports the sync failed.
+        next(stream, None)
 
     return _run(offer, flatten)
 

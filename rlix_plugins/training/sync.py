@@ -76,15 +76,36 @@ class SyncOptions:
     """Timeouts and addressing of a sync.
 
     ``ack_timeout_s`` bounds the wait for any single ack (one bucket applied); a receiver that
-    is silent that long is declared gone. ``transports`` forces a transport per shard id.
+    is silent that long is declared gone. ``transports`` forces a transport per shard id, as a
+    :class:`TransportKind` or its value (``"zmq"``); values are converted here, and an unknown
+    one raises :class:`TransportUnavailableError` naming the valid kinds.
     ``advertise_host`` is the address remote receivers use to reach this sender (tcp).
     """
 
     ack_timeout_s: float = 120.0
-    transports: Mapping[str, TransportKind] = field(default_factory=dict)
+    transports: Mapping[str, TransportKind | str] = field(default_factory=dict)
     advertise_host: str | None = None
     socket_dir: str | None = None
     raise_on_error: bool = True
+
+    def __post_init__(self) -> None:
+        # The sync compares kinds by identity, so a plain string must become the enum member.
+        kinds: dict[str, TransportKind] = {}
+        for shard_id, raw in self.transports.items():
+            try:
+                kinds[shard_id] = TransportKind(raw)
+            except ValueError:
+                valid = ", ".join(repr(k.value) for k in TransportKind)
+                raise TransportUnavailableError(
+                    f"SyncOptions.transports[{shard_id!r}] = {raw!r} is not a transport; "
+                    f"valid: {valid}"
+                ) from None
+        object.__setattr__(self, "transports", kinds)
+
+    def forced_transport(self, shard_id: str) -> TransportKind | None:
+        """The transport forced for ``shard_id``, if any (always a :class:`TransportKind`)."""
+        kind = self.transports.get(shard_id)
+        return None if kind is None else TransportKind(kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +418,7 @@ def sync_version(
         in_shm = cv.storage is StorageKind.SHARED
         plan: list[tuple[ReceiverHandle, TransportKind]] = []
         for r in receivers:
-            forced = opts.transports.get(r.shard_id)
+            forced = opts.forced_transport(r.shard_id)
             kind = forced or select_transport(sender, r.location, cache_in_shm=in_shm)
             if kind is TransportKind.SHM and not in_shm:
                 raise TransportUnavailableError(

@@ -1,0 +1,91 @@
+"""Progress reports reach the sink in order, and a failed send is not taken as sent.
+
+The coordinator keeps the last report that arrives, so a stale report delivered after a newer
+one (two collector threads, a slow RPC) would bring back demand that is already met.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from rlix_plugins.protocol import ProgressReport
+from rlix_plugins.training.progress import ProgressTracker
+
+WAIT_S = 10.0
+
+
+def test_a_slow_older_report_never_arrives_after_the_newer_one() -> None:
+    got: list[tuple[int, int]] = []
+    older_in_sink = threading.Event()
+    newer_delivered = threading.Event()
+
+    def sink(report: ProgressReport) -> None:
+        metrics = report.metrics or {}
+        if report.completed == 63:  # the older report's RPC is slow ...
+            older_in_sink.set()
+            # ... until the newer report was delivered; with sends serialised that cannot
+            # happen, so this waits out the timeout and the newer report goes second
+            newer_delivered.wait(1.0)
+        got.append((int(str(metrics["seq"])), report.remaining))
+        if report.completed == 64:
+            newer_delivered.set()
+
+    t = ProgressTracker("p", sink)
+    t.begin_batch(step=1, step_target=64, weight_version=0, already_collected=62)
+    older = threading.Thread(target=t.record, kwargs={"weight_version": 0})
+    older.start()
+    assert older_in_sink.wait(WAIT_S)
+    newer = threading.Thread(target=t.record, kwargs={"weight_version": 0})
+    newer.start()
+    older.join(WAIT_S)
+    newer.join(WAIT_S)
+    assert got == [(1, 2), (2, 1), (3, 0)]
+    assert got[-1][1] == 0  # what the coordinator keeps: nothing remaining
+
+
+def test_end_batch_clears_after_a_report_in_flight_not_before() -> None:
+    events: list[str] = []
+    in_sink = threading.Event()
+    cleared = threading.Event()
+
+    def sink(report: ProgressReport) -> None:
+        if report.completed == 1:
+            in_sink.set()
+            cleared.wait(1.0)  # returns early only if the clear overtook this report
+        events.append(f"report {report.completed}")
+
+    def on_clear() -> None:
+        events.append("clear")
+        cleared.set()
+
+    t = ProgressTracker("p", sink, on_clear=on_clear)
+    t.begin_batch(step=1, step_target=2, weight_version=0)
+    sender = threading.Thread(target=t.record, kwargs={"weight_version": 0})
+    sender.start()
+    assert in_sink.wait(WAIT_S)
+    ender = threading.Thread(target=t.end_batch)
+    ender.start()
+    sender.join(WAIT_S)
+    ender.join(WAIT_S)
+    assert events == ["report 0", "report 1", "clear"]
+
+
+def test_a_failed_report_is_sent_again_by_the_next_record() -> None:
+    got: list[int] = []
+    failures = 1
+
+    def sink(report: ProgressReport) -> None:
+        nonlocal failures
+        if report.remaining == 0 and failures:
+            failures -= 1
+            raise ConnectionError("coordinator restarting")
+        got.append(report.remaining)
+
+    t = ProgressTracker("p", sink)
+    t.begin_batch(step=1, step_target=4, weight_version=0)
+    t.record(4, weight_version=0)  # "0 remaining" fails to send
+    assert got == [4]
+    t.record(weight_version=0)  # beyond the target, same bucket: the lost report is re-sent
+    assert got == [4, 0]
+    assert t.record(weight_version=0) is None  # delivered now: no more repeats
+    assert got == [4, 0]
