@@ -9,19 +9,24 @@ How the call reaches every process: veRL imports the modules named in
 ``activate()``); vLLM loads the ``vllm.general_plugins`` entry point; NeMo RL processes call it
 through the plugin worker classes (see docs). Loading is once per process; each process must
 have the package importable (same venv or PYTHONPATH).
+
+``deactivate()`` reverts every applied patch and disables the hooks (wrapt cannot unregister
+them, so each hook checks an enabled flag); ``activate()`` after it re-enables them and patches
+at once every host already imported. Both are idempotent.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 from collections.abc import Callable
 
 import wrapt
 
 from rlix_plugins.patches.base import HostPatch
-from rlix_plugins.settings import Settings, load_settings
+from rlix_plugins.settings import ControlPlane, Settings, control_plane_from_env, load_settings
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +39,10 @@ PATCHES: dict[str, str] = {
 
 _lock = threading.Lock()
 _active: dict[str, HostPatch] = {}
+#: the post-import hooks are registered (once per process: wrapt has no unregister)
 _hooked = False
+#: hooks apply patches only while True (False before activate() and after deactivate())
+_enabled = False
 
 
 def register_patch(module: str, factory: str) -> None:
@@ -52,7 +60,7 @@ def _load(factory: str) -> HostPatch:
 
 def _on_import(module_name: str, factory: str) -> None:
     with _lock:
-        if module_name in _active:
+        if not _enabled or module_name in _active:
             return
         patch = _load(factory)
         patch.apply()
@@ -60,20 +68,37 @@ def _on_import(module_name: str, factory: str) -> None:
 
 
 def activate(settings: Settings | None = None) -> bool:
-    """Install the post-import hooks if time-sharing is on. Idempotent; True when active."""
-    global _hooked
-    settings = settings or load_settings()
+    """Install the post-import hooks if time-sharing is on. Idempotent; True when active.
+
+    Without ``settings`` only ``RLIX_CONTROL_PLANE`` is read first; the other variables are
+    validated only when it is ``rlix`` (a standalone job never fails on them). An invalid
+    ``RLIX_CONTROL_PLANE`` raises :class:`~rlix_plugins.errors.SettingsError`.
+    """
+    global _hooked, _enabled
+    if settings is None:
+        if control_plane_from_env() is not ControlPlane.RLIX:
+            return False
+        settings = load_settings()
     if not settings.enabled:
         return False
     with _lock:
-        if _hooked:
-            return True
+        reenabled = _hooked and not _enabled
+        first = not _hooked
         _hooked = True
+        _enabled = True
         items = list(PATCHES.items())
-    for module_name, factory in items:
-        hook = _make_hook(module_name, factory)
-        wrapt.register_post_import_hook(hook, module_name)
-    logger.info("rlix-plugins active: hooks for %s", sorted(PATCHES))
+    if first:
+        # Fires at once for a host imported already, else when it is imported.
+        for module_name, factory in items:
+            wrapt.register_post_import_hook(_make_hook(module_name, factory), module_name)
+        logger.info("rlix-plugins active: hooks for %s", sorted(PATCHES))
+    elif reenabled:
+        # After deactivate(): the hooks of hosts imported meanwhile have fired (while disabled)
+        # and never fire again, so those hosts are patched here.
+        for module_name, factory in items:
+            if module_name in sys.modules:
+                _on_import(module_name, factory)
+        logger.info("rlix-plugins re-activated: hooks for %s", sorted(PATCHES))
     return True
 
 
@@ -91,8 +116,13 @@ def applied_patches() -> dict[str, HostPatch]:
 
 
 def deactivate() -> None:
-    """Revert every applied patch (in reverse order). Hooks stay registered but idle."""
+    """Disable the hooks and revert every applied patch (in reverse order). Idempotent.
+
+    The hooks stay registered but do nothing until :func:`activate` runs again.
+    """
+    global _enabled
     with _lock:
+        _enabled = False
         patches = list(_active.items())
         _active.clear()
     for _, patch in reversed(patches):

@@ -14,6 +14,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from rlix_plugins.errors import RlixPluginsError
+
+logger = logging.getLogger(__name__)
+
 #: name -> (module, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": (
@@ -28,6 +32,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "simulate": ("rlix_plugins.sim.simulate_cli", "cluster simulation on the production scheduler"),
 }
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` of a count that must be >= 1 (steps, batch, tokens)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; expected an integer >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +65,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     module_name, help_text = SUBCOMMANDS[head.command]
     module = importlib.import_module(module_name)
-    sub_parser = argparse.ArgumentParser(prog=f"rlix-plugins {head.command}", description=help_text)
+    prog = f"rlix-plugins {head.command}"
+    sub_parser = argparse.ArgumentParser(prog=prog, description=help_text)
     module.add_arguments(sub_parser)
-    args = sub_parser.parse_args(rest)
-    return int(module.run(args))
+    args = sub_parser.parse_args(rest)  # bad arguments: usage + message, exit 2
+    try:
+        return int(module.run(args))
+    except (RlixPluginsError, ValueError, OSError) as exc:
+        # A bad setting, value or path is the user's to fix: one line, as argparse does
+        # (-v logs the traceback). Anything else is a bug and keeps its traceback.
+        logger.debug("%s failed", prog, exc_info=True)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,9 +1,15 @@
 """Typed environment settings.
 
-``RLIX_CONTROL_PLANE`` decides everything: unset or ``off`` means standalone (nothing is
+``RLIX_CONTROL_PLANE`` decides everything: unset, empty or ``off`` means standalone (nothing is
 patched, nothing is contacted); ``rlix`` means time-sharing under the coordinator. Any other
-value is an error naming the valid ones. The other settings are validated the same way, and a
-bad value never silently falls back to a default.
+value is an error naming the valid ones: an explicit value is a request, and silently running
+standalone on a typo would hide it.
+
+The gates (``activation.activate``, the vLLM plugin) read only :func:`control_plane_from_env`
+first and the other settings only when it is ``rlix``: a standalone job must behave exactly as
+without this package, whatever else its environment holds (``PIPELINE_ID=`` included). The
+other settings are validated like the control plane, and a bad value never silently falls back
+to a default.
 """
 
 from __future__ import annotations
@@ -82,20 +88,36 @@ def _nonempty(env: Mapping[str, str], name: str, default: str | None) -> str | N
     return value
 
 
-def load_settings(env: Mapping[str, str] | None = None) -> Settings:
-    """Read and validate settings from ``env`` (default: ``os.environ``)."""
+def control_plane_from_env(env: Mapping[str, str] | None = None) -> ControlPlane:
+    """Only ``RLIX_CONTROL_PLANE`` from ``env`` (default: ``os.environ``); nothing else is read.
+
+    Unset or empty is ``off``; a value other than ``off``/``rlix`` raises :class:`SettingsError`.
+    """
     env = os.environ if env is None else env
     raw_plane = env.get(ENV_CONTROL_PLANE)
     if raw_plane is None or raw_plane.strip() == "":
-        plane = ControlPlane.OFF
-    else:
-        try:
-            plane = ControlPlane(raw_plane.strip().lower())
-        except ValueError:
-            valid = ", ".join(repr(p.value) for p in ControlPlane)
-            raise SettingsError(
-                f"{ENV_CONTROL_PLANE}={raw_plane!r} is not valid; expected unset or one of {valid}"
-            ) from None
+        return ControlPlane.OFF
+    try:
+        return ControlPlane(raw_plane.strip().lower())
+    except ValueError:
+        valid = ", ".join(repr(p.value) for p in ControlPlane)
+        raise SettingsError(
+            f"{ENV_CONTROL_PLANE}={raw_plane!r} is not valid; expected unset or one of {valid}"
+        ) from None
+
+
+def settings_if_enabled(env: Mapping[str, str] | None = None) -> Settings | None:
+    """Every setting when ``RLIX_CONTROL_PLANE=rlix``, else None without reading any other
+    variable (a standalone job never fails on them)."""
+    if control_plane_from_env(env) is not ControlPlane.RLIX:
+        return None
+    return load_settings(env)
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate every setting from ``env`` (default: ``os.environ``)."""
+    env = os.environ if env is None else env
+    plane = control_plane_from_env(env)
     namespace = _nonempty(env, ENV_NAMESPACE, "rlix")
     assert namespace is not None
     trace = _nonempty(env, ENV_TRACE_DIR, None)

@@ -47,7 +47,7 @@ from rlix_plugins.protocol.names import (
     pipeline_namespace,
 )
 from rlix_plugins.protocol.types import Priority, ProgressReport
-from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, load_settings
+from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, settings_if_enabled
 from rlix_plugins.training.progress import OutstandingReader, ProgressTracker, with_outstanding
 
 logger = logging.getLogger(__name__)
@@ -370,8 +370,8 @@ def current_pipeline() -> NemoRlPipeline | None:
 def attach_generation(generation: Any) -> None:
     """``RLixVllmGeneration`` construction hook (driver): register the pipeline."""
     global _pipeline
-    settings = load_settings()
-    if not settings.enabled:
+    settings = settings_if_enabled()
+    if settings is None:
         return
     import ray
 
@@ -452,7 +452,7 @@ def make_policy_class(base: type) -> type:
             ) is None:
                 kwargs["worker_extension_cls_fqn"] = RLIX_MEGATRON_WORKER_FQN
             super().__init__(*args, **kwargs)
-            if load_settings().enabled:
+            if settings_if_enabled() is not None:
                 attach_policy(self)
 
         def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> Any:
@@ -580,8 +580,8 @@ def progress_tracker_for_collector(master_config: Any,
     ``generation``: the collector's copy of the generation; its router's in-flight counts go
     with every report as ``rank_load``.
     """
-    settings = load_settings()
-    if not settings.enabled or not settings.pipeline_id:
+    settings = settings_if_enabled()
+    if settings is None or not settings.pipeline_id:
         return None
     target = _num_prompts_per_step(master_config)
     if target is None:

@@ -10,6 +10,7 @@ processes load the ``vllm.general_plugins`` entry point.
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 
@@ -17,13 +18,26 @@ from rlix_plugins.activation import activate
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Activate, then run ``argv[0]`` as ``__main__`` with ``argv`` as its ``sys.argv``."""
+    """Activate, then run ``argv[0]`` as ``__main__`` with ``argv`` as its ``sys.argv``.
+
+    ``sys.path[0]`` becomes the script's directory (symlinks resolved), as ``python SCRIPT``
+    sets it, so the script's sibling imports work; ``-m`` had set it to the working directory.
+    A missing script exits with a message (``python`` would too), before anything is activated.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         raise SystemExit("usage: python -m rlix_plugins.adapters.nemo_rl_launch SCRIPT [ARGS...]")
+    script = args[0]
+    if not os.path.exists(script):
+        print(f"nemo_rl_launch: can't open file {script!r}: no such file", file=sys.stderr)
+        raise SystemExit(2)  # python's own status for a missing script
     activate()
     sys.argv = args
-    runpy.run_path(args[0], run_name="__main__")
+    # A directory or zip with __main__.py is put on sys.path by run_path itself; under -P
+    # (safe_path) neither ``-m`` nor ``python SCRIPT`` prepends anything, so nothing is replaced.
+    if os.path.isfile(script) and not sys.flags.safe_path and sys.path:
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+    runpy.run_path(script, run_name="__main__")
 
 
 if __name__ == "__main__":

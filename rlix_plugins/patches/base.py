@@ -96,8 +96,11 @@ class HostPatch(abc.ABC):
     """One host framework's integration. Subclasses declare and implement; this class guards.
 
     ``apply`` checks every plug point first and raises :class:`HostDriftError` listing all
-    drifted ones before changing anything; a second ``apply`` is a no-op; ``revert`` undoes
-    exactly what ``apply`` did, in reverse order, and is a no-op when nothing is applied.
+    drifted ones before changing anything; a host version that ``version_supported`` rejects is
+    logged as a WARNING naming host, version and ``supported``, and the patch is applied anyway
+    (its plug points were checked; refusing would stop jobs on a compatible patch release); a
+    second ``apply`` is a no-op; ``revert`` undoes exactly what ``apply`` did, in reverse order,
+    and is a no-op when nothing is applied.
     """
 
     #: importable top-level module that triggers the patch (post-import hook)
@@ -139,13 +142,20 @@ class HostPatch(abc.ABC):
             raise HostDriftError(
                 f"{type(self).__name__} cannot apply to {self.module} {self.version()}: {lines}"
             )
+        version = self.version()
+        if not self.version_supported(version):
+            logger.warning(
+                "%s: %s %s is not the supported version (supported: %s); applying anyway, "
+                "its plug points checked OK", type(self).__name__, self.module,
+                "(version unknown)" if version is None else version, self.supported or "unstated",
+            )
         try:
             self._apply()
         except Exception:
             self._run_undo()
             raise
         self._applied = True
-        logger.info("applied %s to %s %s", type(self).__name__, self.module, self.version())
+        logger.info("applied %s to %s %s", type(self).__name__, self.module, version)
 
     def revert(self) -> None:
         if not self._applied:

@@ -234,7 +234,16 @@ def load_patches() -> dict[str, HostPatch | Exception]:
 def collect(
     hosts: list[str] | None = None,
 ) -> tuple[list[HostVersion], list[PointResult], list[str]]:
-    """Run every check; returns (versions, point results, patch-load errors)."""
+    """Run every check; returns (versions, point results, patch-load errors).
+
+    Raises:
+        ValueError: ``hosts`` names a host without a registered patch (valid ones listed).
+    """
+    from rlix_plugins import activation
+
+    unknown = sorted(set(hosts or ()) - set(activation.PATCHES))
+    if unknown:
+        raise ValueError(f"unknown host(s) {unknown}; valid hosts are {sorted(activation.PATCHES)}")
     versions: list[HostVersion] = []
     results: list[PointResult] = []
     errors: list[str] = []

@@ -8,12 +8,16 @@ import os
 import sys
 from dataclasses import asdict
 
+from rlix_plugins import activation
 from rlix_plugins.patches.doctor import ENV_NEMO_RL_SRC, Outcome, collect
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``rlix-plugins doctor``."""
-    parser.add_argument("--host", action="append", help="only this host (repeatable)")
+    # choices: an unknown name is refused (exit 2, valid hosts listed) instead of checking
+    # nothing and passing with "0 plug points".
+    parser.add_argument("--host", action="append", choices=sorted(activation.PATCHES),
+                        help="only this host (repeatable)")
     parser.add_argument("--nemo-rl-src", default=None,
                         help=f"NeMo RL source checkout (default: ${ENV_NEMO_RL_SRC})")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

@@ -5,8 +5,9 @@ module during ``import verl`` in EVERY process that imports veRL (driver, TaskRu
 vLLM servers, agent-loop workers); with ``RLIX_CONTROL_PLANE=rlix`` that installs the
 post-import hook which applies :class:`VerlPatch` (activation.PATCHES["verl"]). Unset, nothing
 is hooked and veRL runs unchanged. On an existing Ray cluster, workers do not inherit the
-driver's shell: the patch wraps ``main_ppo.get_ppo_ray_runtime_env`` so the driver forwards the
-RLix variables (and ``VERL_USE_EXTERNAL_MODULES``) through ``runtime_env.env_vars``.
+driver's shell: the patch wraps ``main_ppo.get_ppo_ray_runtime_env`` so the driver forwards every
+``RLIX_*`` variable (and ``PIPELINE_ID``, ``ROLL_RAY_NAMESPACE``, ``VERL_USE_EXTERNAL_MODULES``)
+through ``runtime_env.env_vars``.
 
 What is applied (official seams first; every change goes through ``set_attribute`` or a
 registry entry with an undo step, so ``revert`` restores veRL exactly):
@@ -35,7 +36,7 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlix_plugins.errors import HostDriftError
@@ -47,33 +48,27 @@ from rlix_plugins.patches.base import (
     check_plug_point,
     resolve,
 )
-from rlix_plugins.settings import (
-    ENV_CONTROL_PLANE,
-    ENV_LEASE_S,
-    ENV_NAMESPACE,
-    ENV_PIPELINE_ID,
-    ENV_REQUEST_TIMEOUT_S,
-    ENV_RESIZE_TIMEOUT_S,
-    ENV_ROLL_RAY_NAMESPACE,
-    ENV_TRACE_DIR,
-)
+from rlix_plugins.settings import ENV_PIPELINE_ID, ENV_ROLL_RAY_NAMESPACE
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VERL = ("0.9.1",)
 ENV_VERL_EXTERNAL_MODULES = "VERL_USE_EXTERNAL_MODULES"
-#: variables every veRL Ray worker needs to join the same pipeline
-FORWARDED_ENV = (
-    ENV_CONTROL_PLANE,
-    ENV_VERL_EXTERNAL_MODULES,
-    ENV_NAMESPACE,
-    ENV_REQUEST_TIMEOUT_S,
-    ENV_RESIZE_TIMEOUT_S,
-    ENV_LEASE_S,
-    ENV_TRACE_DIR,
-    ENV_PIPELINE_ID,
-    ENV_ROLL_RAY_NAMESPACE,
-)
+#: every variable with this prefix is forwarded to veRL's Ray workers (a fixed list went stale
+#: whenever a module added an RLIX_* setting; workers must see the driver's settings)
+FORWARDED_ENV_PREFIX = "RLIX_"
+#: forwarded too, though outside the prefix: the pipeline's identity and the veRL delivery
+FORWARDED_ENV = (ENV_VERL_EXTERNAL_MODULES, ENV_PIPELINE_ID, ENV_ROLL_RAY_NAMESPACE)
+
+
+def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``environ`` (default: ``os.environ``) veRL's Ray workers must get:
+    every ``RLIX_*`` one plus :data:`FORWARDED_ENV`, those that are set."""
+    environ = os.environ if environ is None else environ
+    return {
+        key: value for key, value in environ.items()
+        if key.startswith(FORWARDED_ENV_PREFIX) or key in FORWARDED_ENV
+    }
 
 _TB = "verl.trainer.ppo.v1.trainer_base"
 _ROUTER = "verl.workers.rollout.router"
@@ -210,11 +205,7 @@ def forwarding_runtime_env(original: Callable[..., dict[str, Any]]) -> Callable[
 
     def get_ppo_ray_runtime_env(config: Any = None) -> dict[str, Any]:
         env = original(config)
-        env_vars = env.setdefault("env_vars", {})
-        for key in FORWARDED_ENV:
-            value = os.environ.get(key)
-            if value is not None:
-                env_vars[key] = value
+        env.setdefault("env_vars", {}).update(forwarded_env())
         return env
 
     get_ppo_ray_runtime_env.__wrapped__ = original  # type: ignore[attr-defined]
@@ -249,10 +240,6 @@ class VerlPatch(HostPatch):
         return [check_plug_point(p) for p in (*CORE_PLUG_POINTS, *DEFERRED_PLUG_POINTS)]
 
     def _apply(self) -> None:
-        version = self.version()
-        if not self.version_supported(version):
-            logger.warning("verl %s is not a tested release (%s); plug points checked OK",
-                           version, self.supported)
         from rlix_plugins.patches.verl_trainer import rlix_trainer_class
 
         registry: dict[str, type] = resolve(f"{_TB}:TRAINER_REGISTRY")

@@ -37,7 +37,7 @@ import threading
 from typing import Any
 
 from rlix_plugins.patches.base import HostPatch, PlugKind, PlugPoint
-from rlix_plugins.settings import load_settings
+from rlix_plugins.settings import ControlPlane, control_plane_from_env, load_settings
 
 logger = logging.getLogger(__name__)
 
@@ -124,25 +124,24 @@ def registered() -> bool:
 def register() -> None:
     """``vllm.general_plugins`` entry point: apply :class:`VllmPatch` once per process.
 
-    Does nothing unless ``RLIX_CONTROL_PLANE=rlix`` (a standalone job is left untouched); an
-    invalid setting raises :class:`~rlix_plugins.errors.SettingsError` naming the valid values,
-    a moved vLLM plug point raises :class:`~rlix_plugins.errors.HostDriftError`. Safe to call
-    any number of times, from any vLLM process.
+    Does nothing unless ``RLIX_CONTROL_PLANE=rlix`` (a standalone job is left untouched and no
+    other variable is read); an invalid setting raises
+    :class:`~rlix_plugins.errors.SettingsError` naming the valid values, a moved vLLM plug point
+    raises :class:`~rlix_plugins.errors.HostDriftError`, an unsupported vLLM version is logged
+    as a warning. Safe to call any number of times, from any vLLM process.
     """
     global _patch, _sleep_level
     with _lock:
         if _patch is not None and _patch.applied:
             return
-        settings = load_settings()
-        if not settings.enabled:
+        # Only the gate variable first: a standalone vLLM never fails on other RLix settings.
+        if control_plane_from_env() is not ControlPlane.RLIX:
             logger.debug("rlix_plugins vLLM plugin: RLIX_CONTROL_PLANE is not 'rlix'; inactive")
             return
+        settings = load_settings()
         _sleep_level = settings.vllm_sleep_level
         patch = VllmPatch()
-        if not patch.version_supported(patch.version()):
-            logger.warning("rlix_plugins vLLM plugin: vLLM %s is untested (supported: %s)",
-                           patch.version(), patch.supported)
-        patch.apply()
+        patch.apply()  # warns itself when the vLLM version is not the supported one
         _patch = patch
         logger.info("rlix_plugins vLLM plugin active in pid %d (sleep level %d)",
                     os.getpid(), _sleep_level)
@@ -178,7 +177,7 @@ class RlixWorkerExtension:
         return {
             "pid": os.getpid(),
             "plugin_registered": registered(),
-            "control_plane": load_settings().control_plane.value,
+            "control_plane": control_plane_from_env().value,
             "sleep_level": _sleep_level,
             "device": str(getattr(self, "device", "unknown")),
         }

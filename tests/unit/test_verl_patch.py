@@ -95,6 +95,11 @@ def test_runtime_env_forwards_rlix_variables(
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "rlix_plugins.autoload")
     monkeypatch.setenv("PIPELINE_ID", "ft_0123456789ab")
+    monkeypatch.setenv("ROLL_RAY_NAMESPACE", "roll_ns")
+    extra = {"RLIX_VERL_MIGRATION": "off", "RLIX_OBSERVE_DIR": "/tmp/observe",
+             "RLIX_VLLM_SLEEP_LEVEL": "1", "RLIX_BACKGROUND_EXPANDS": "1"}
+    for key, value in extra.items():
+        monkeypatch.setenv(key, value)
     monkeypatch.delenv("RLIX_NAMESPACE", raising=False)
     import verl.trainer.main_ppo as main_ppo
 
@@ -105,6 +110,8 @@ def test_runtime_env_forwards_rlix_variables(
     assert env["RLIX_CONTROL_PLANE"] == "rlix"
     assert env["VERL_USE_EXTERNAL_MODULES"] == "rlix_plugins.autoload"
     assert env["PIPELINE_ID"] == "ft_0123456789ab"
+    assert env["ROLL_RAY_NAMESPACE"] == "roll_ns"
+    assert {k: env.get(k) for k in extra} == extra  # every RLIX_* variable, not a fixed list
     assert "RLIX_NAMESPACE" not in env
     assert {k: v for k, v in env.items() if k in stock} == stock
 

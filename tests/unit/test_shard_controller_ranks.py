@@ -1,0 +1,132 @@
+"""LifecycleShardController guards: rank validation and expand without a cached version.
+
+The real ShardLifecycle and shard-state store run here; only the engines are FAKE (a vLLM engine
+per shard is what the integration suites start).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from rlix_plugins.adapters.observability import ObservationWriter
+from rlix_plugins.adapters.shard_controller import LifecycleShardController
+from rlix_plugins.errors import ShardStateError
+from rlix_plugins.generation import EngineOutput, GenerationRequest, ShardLifecycle
+from rlix_plugins.generation.loop_thread import LoopThread
+from rlix_plugins.generation.shard_state import ShardEvent, ShardStatus
+from rlix_plugins.generation.state_store import LocalShardState, ShardStateStore
+
+A, S, W = ShardStatus.ACTIVE, ShardStatus.SLEEPING, ShardStatus.WOKEN
+
+
+@dataclass
+class FakeRecordingEngine:
+    """FAKE shard engine: records lifecycle calls instead of driving vLLM."""
+
+    rank: int
+    calls: list[tuple[str, int]]
+
+    async def generate(self, request: GenerationRequest) -> EngineOutput:
+        raise NotImplementedError
+
+    async def abort_all(self) -> int:
+        self.calls.append(("abort_all", self.rank))
+        return 0
+
+    async def num_running(self) -> int:
+        return 0
+
+    async def sleep(self, level: int | None = None) -> None:
+        self.calls.append(("sleep", self.rank))
+
+    async def wake_up(self) -> None:
+        self.calls.append(("wake_up", self.rank))
+
+    async def resume(self) -> None:
+        self.calls.append(("resume", self.rank))
+
+
+@dataclass
+class Weights:
+    """The host side of the controller: the newest cached version and the syncs asked for."""
+
+    version: int | None = None
+    synced: list[tuple[list[int], int]] = field(default_factory=list)
+
+    def latest(self) -> int | None:
+        return self.version
+
+    def sync(self, dp_ranks: Sequence[int], version: int) -> None:
+        self.synced.append((list(dp_ranks), version))
+
+
+@dataclass
+class Rig:
+    store: ShardStateStore
+    controller: LifecycleShardController
+    weights: Weights
+    calls: list[tuple[str, int]]
+
+    def statuses(self) -> tuple[ShardStatus, ...]:
+        return self.store.snapshot().statuses
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    """Two shards, shard 0 ACTIVE and shard 1 SLEEPING (preempted once), nothing cached."""
+    store = ShardStateStore(2)
+    view = LocalShardState(store)
+    calls: list[tuple[str, int]] = []
+    lifecycle = ShardLifecycle(view, [FakeRecordingEngine(r, calls) for r in range(2)])
+    weights = Weights()
+    loop = LoopThread(name="test-shard-controller")
+    controller = LifecycleShardController(
+        lifecycle, view, weights.sync, weights.latest,
+        observer=ObservationWriter(None, None), loop=loop,
+    )
+    controller.shrink([1])
+    calls.clear()
+    try:
+        yield Rig(store, controller, weights, calls)
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("op", ["shrink", "expand"])
+@pytest.mark.parametrize("rank", [-1, 2, 7])
+def test_unknown_rank_is_refused_before_any_lifecycle_call(rig: Rig, op: str, rank: int) -> None:
+    rig.weights.version = 3
+    with pytest.raises(ShardStateError, match=rf"{op}: dp rank\(s\) \[{rank}\] do not exist; "
+                                              r"valid ranks are 0\.\.1"):
+        getattr(rig.controller, op)([0, rank])
+    assert rig.calls == [] and rig.weights.synced == []
+    assert rig.statuses() == (A, S)
+
+
+def test_expand_without_a_cached_version_leaves_the_shard_asleep(rig: Rig) -> None:
+    with pytest.raises(ShardStateError, match=r"expand: shard\(s\) \[1\] need weights but no "
+                                              "weight version is cached yet"):
+        rig.controller.expand([1])
+    assert rig.calls == [] and rig.weights.synced == []
+    assert rig.statuses() == (A, S)
+    # An active rank needs no weights: expanding it stays a no-op without a version.
+    rig.controller.expand([0])
+    assert rig.statuses() == (A, S)
+
+
+def test_expand_without_a_cached_version_never_routes_a_woken_shard(rig: Rig) -> None:
+    rig.store.apply([1], ShardEvent.WAKE)  # an earlier expand woke it, then failed before the sync
+    with pytest.raises(ShardStateError, match="no weight version is cached yet"):
+        rig.controller.expand([1])
+    assert rig.statuses() == (A, W) and rig.calls == []
+
+
+def test_expand_with_a_version_wakes_syncs_and_activates(rig: Rig) -> None:
+    rig.weights.version = 3
+    rig.controller.expand([1, 1])
+    assert rig.calls == [("wake_up", 1), ("resume", 1)]
+    assert rig.weights.synced == [([1], 3)]
+    assert rig.statuses() == (A, A)
