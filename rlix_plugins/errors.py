@@ -53,6 +53,10 @@ class HostDriftError(RlixPluginsError, RuntimeError):
     """A host framework's plug point moved or changed signature (patch target drift)."""
 
 
+class UnknownHostError(RlixPluginsError, ValueError):
+    """A host framework name that has no registered patch (the message lists the valid ones)."""
+
+
 # --- training/ (weight cache, selective sync, NCCL lifecycle) ---------------------------------
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlix_plugins.errors import UnknownHostError
 from rlix_plugins.patches.base import HostPatch, PlugPoint, check_plug_point
 
 logger = logging.getLogger(__name__)
@@ -237,13 +238,16 @@ def collect(
     """Run every check; returns (versions, point results, patch-load errors).
 
     Raises:
-        ValueError: ``hosts`` names a host without a registered patch (valid ones listed).
+        UnknownHostError: ``hosts`` names a host without a registered patch (valid ones
+            listed).
     """
     from rlix_plugins import activation
 
     unknown = sorted(set(hosts or ()) - set(activation.PATCHES))
     if unknown:
-        raise ValueError(f"unknown host(s) {unknown}; valid hosts are {sorted(activation.PATCHES)}")
+        raise UnknownHostError(
+            f"unknown host(s) {unknown}; valid hosts are {sorted(activation.PATCHES)}"
+        )
     versions: list[HostVersion] = []
     results: list[PointResult] = []
     errors: list[str] = []

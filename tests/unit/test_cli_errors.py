@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from rlix_plugins.cli import main
+from rlix_plugins.errors import UnknownHostError
 from rlix_plugins.gates import gate_cli, rehearsal
 from rlix_plugins.patches import doctor
 
@@ -72,6 +73,6 @@ def test_doctor_refuses_an_unknown_host(capsys: pytest.CaptureFixture[str]) -> N
     assert exited.value.code == 2
     assert "argument --host: invalid choice: 'bogus'" in err
     assert "'nemo_rl'" in err and "'verl'" in err
-    with pytest.raises(ValueError, match=r"unknown host\(s\) \['bogus'\]; valid hosts are "
+    with pytest.raises(UnknownHostError, match=r"unknown host\(s\) \['bogus'\]; valid hosts are "
                                          r"\['nemo_rl', 'verl'\]"):
         doctor.collect(["bogus"])
