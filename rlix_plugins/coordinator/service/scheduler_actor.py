@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,10 @@ class SchedulerService:
         self._seen: set[str] = set()
         self._beats: dict[str, float] = {}
         self._fencing: dict[str, str] = {}
+        #: answers (waiters, release waiters, background expands) of commits whose save failed:
+        #: nobody may learn of or act on a decision a restart would not restore, so they wait
+        #: until a save succeeds (retried each cycle), in commit order
+        self._undurable: list[Callable[[], None]] = []
         self._dead: OrderedDict[str, DeadPipeline] = OrderedDict()
         self._inflight: dict[str, Any] | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
@@ -175,8 +179,9 @@ class SchedulerService:
         self._liveness_wake.set()
         return state
 
-    def _persist(self) -> None:
-        """Save state (+ in-flight intent) before anyone learns of what it decided."""
+    def _persist(self) -> bool:
+        """Save state (+ in-flight intent) before anyone learns of what it decided; False
+        when the save failed (logged)."""
         # After stop() (which may have cleared the store) a late save would bring back a
         # state that no scheduler serves any more.
         self._check_running()
@@ -191,9 +196,12 @@ class SchedulerService:
         try:
             self._store.save(record)
         except Exception:
-            # A lost save only makes a restart more conservative (GPUs stay owned); never let
-            # it take the scheduler down.
+            # Never let it take the scheduler down. A lost save of a release only makes a
+            # restart more conservative (GPUs stay owned); a commit's answers wait for a
+            # successful save instead (:meth:`_commit`).
             logger.exception("scheduler %s: persisting state failed", self.cfg.namespace)
+            return False
+        return True
 
     # ================================================================== helpers
     def _now(self) -> float:
@@ -675,6 +683,7 @@ class SchedulerService:
                 if not rfut.done():
                     rfut.set_exception(error)
         self._release_waiters.clear()
+        self._undurable.clear()  # their waiters were failed above
         tasks = [*self._tasks, *self._expand_tails.values(), *self._side_tasks]
         for t in tasks:
             t.cancel()
@@ -704,6 +713,8 @@ class SchedulerService:
     async def _cycle(self) -> bool:
         t0 = time.perf_counter()
         async with self._lock:
+            if self._undurable and not self._answer_undurable():
+                return False  # retried next tick; nothing new is decided meanwhile
             plan = self._planner.plan(self._state, self._now())
             if plan.empty:
                 return False
@@ -773,15 +784,33 @@ class SchedulerService:
             check_state(self._state)
         except InvariantViolation:
             logger.exception("state invariant broken after commit")
-        self._persist()
+        durable = self._persist()
         expanding = _by_cluster(result.expanded) if background else {}
-        self._after_commit(
-            plan, result.granted, result.shrunk, result.expanded, now, defer=set(expanding)
-        )
-        self._settle_release_waiters()
-        for cid, ranks in expanding.items():
-            self._start_expand(cid, ranks)
+
+        def answer() -> None:
+            self._after_commit(
+                plan, result.granted, result.shrunk, result.expanded, now, defer=set(expanding)
+            )
+            self._settle_release_waiters()
+            for cid, ranks in expanding.items():
+                self._start_expand(cid, ranks)
+
+        if durable and not self._undurable:
+            answer()
+        else:
+            # A restart would restore the state before this commit: a grant answered now
+            # could be handed to someone else after it. Answered once a save succeeds.
+            self._undurable.append(answer)
         return result
+
+    def _answer_undurable(self) -> bool:
+        """Save again and answer the commits that waited for it; False while saving fails."""
+        if not self._persist():
+            return False
+        waiting, self._undurable = self._undurable, []
+        for answer in waiting:
+            answer()
+        return True
 
     async def _commit_then_expand(
         self, plan: Plan, failed_shrinks: set[str], sendable: tuple[RankMove, ...]

@@ -1,5 +1,6 @@
-"""A fenced pipeline's GPUs stay where they are until it is dead, and nothing is planned for
-it (Ray-free service from tests/fixtures/scheduler_service.py; the fenced pipeline's FAKE
+"""Failures in the scheduler service: a fenced pipeline's GPUs stay where they are until it is
+dead and nothing is planned for it; a commit whose save failed is answered only once a save
+succeeds (Ray-free service from tests/fixtures/scheduler_service.py; the fenced pipeline's FAKE
 coordinator keeps answering probes, as one on an unreachable node is never confirmed dead)."""
 
 from __future__ import annotations
@@ -79,5 +80,32 @@ def test_no_healthy_rank_is_given_up_for_a_fenced_pipeline(
         assert fake_coordinators[B].calls[b_calls:] == []
         assert (await service.get_status()).owners() == held
         await service.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_grant_is_answered_only_once_it_is_saved(scheduler_service: ServiceBuilder) -> None:
+    async def go() -> None:
+        service = scheduler_service(request_timeout_s=20.0)
+        await register_pipeline(service, B, train=[0, 1])
+        store = service._store
+        save = store.save
+        failing = True
+
+        def flaky_save(record: object) -> None:
+            if failing:
+                raise OSError("disk full (test)")
+            save(record)  # type: ignore[arg-type]
+
+        store.save = flaky_save  # type: ignore[method-assign]
+        train = asyncio.create_task(
+            service.request_gpus(cluster_id=f"{B}_actor_train", priority=Priority.ACTOR_TRAINING)
+        )
+        await asyncio.sleep(0.5)
+        # Granted in memory, but a restart would not know it: the caller must not either.
+        assert not train.done()
+        failing = False
+        assert await asyncio.wait_for(train, 5) == [0, 1]
+        await service.stop(clear_state=False)
 
     asyncio.run(asyncio.wait_for(go(), 60))
