@@ -22,15 +22,15 @@ def main(argv: list[str] | None = None) -> None:
 
     ``sys.path[0]`` becomes the script's directory (symlinks resolved), as ``python SCRIPT``
     sets it, so the script's sibling imports work; ``-m`` had set it to the working directory.
-    A missing script exits with a message (``python`` would too), before anything is activated.
+    A missing script raises :class:`FileNotFoundError` before anything is activated (run as
+    ``-m``, it exits 2 with the message, as ``python`` does).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         raise SystemExit("usage: python -m rlix_plugins.adapters.nemo_rl_launch SCRIPT [ARGS...]")
     script = args[0]
     if not os.path.exists(script):
-        print(f"nemo_rl_launch: can't open file {script!r}: no such file", file=sys.stderr)
-        raise SystemExit(2)  # python's own status for a missing script
+        raise FileNotFoundError(f"nemo_rl_launch: can't open file {script!r}: no such file")
     activate()
     sys.argv = args
     # A directory or zip with __main__.py is put on sys.path by run_path itself; under -P
@@ -41,4 +41,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except FileNotFoundError as exc:
+        sys.stderr.write(f"{exc}\n")
+        raise SystemExit(2) from None  # python's own status for a missing script

@@ -32,9 +32,9 @@ class ProgressThrottle:
     """Decides which progress updates are worth a message (pure; one per stream).
 
     Sent when the 2% bucket changes, when nothing remains, or on a new batch; identical
-    repeats of the last sent state are dropped. A caller whose send can fail uses
-    :meth:`wants` and records the state with :meth:`mark_sent` only once it was delivered,
-    so a failed send is retried by the next identical update instead of being throttled.
+    repeats of the last sent state are dropped. The caller asks :meth:`wants` and records the
+    state with :meth:`mark_sent` only once it was delivered, so a failed send is retried by the
+    next identical update instead of being throttled.
     """
 
     last: tuple[int, int, int] | None = None  # (target, bucket, remaining)
@@ -51,14 +51,6 @@ class ProgressThrottle:
 
     def mark_sent(self, state: tuple[int, int, int]) -> None:
         self.last = state
-
-    def should_send(self, *, target: int, completed: int, new_batch: bool) -> bool:
-        """:meth:`wants` and, if so, :meth:`mark_sent` at once (for sends that cannot fail)."""
-        state = self.state_of(target=target, completed=completed)
-        send = self.wants(state, new_batch=new_batch)
-        if send:
-            self.mark_sent(state)
-        return send
 
 
 class CoordinatorHooks:

@@ -7,6 +7,7 @@ accepts any object with the right fields (:func:`coerce_progress_report`), never
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import operator
@@ -65,8 +66,9 @@ def coerce_priority(value: object) -> Priority:
             name = getattr(value, "name", None)
             if isinstance(name, str) and name in Priority.__members__:
                 return Priority[name]
-    if raw is not None and raw in Priority._value2member_map_:
-        return Priority(raw)
+    if raw is not None:
+        with contextlib.suppress(ValueError):
+            return Priority(raw)
     valid = ", ".join(f"{p.name}={p.value}" for p in Priority)
     raise ProtocolError(
         f"priority {value!r} ({type(value).__name__}) is not valid; expected a Priority, its "

@@ -115,12 +115,21 @@ def test_rlix_shim_unpickles_rlix_classes_without_rlix(
 
 def test_progress_throttle_sends_on_bucket_change_done_and_new_batch() -> None:
     t = ProgressThrottle()
-    sent = [t.should_send(target=100, completed=c, new_batch=False) for c in range(0, 7)]
+
+    def send(*, target: int, completed: int, new_batch: bool) -> bool:
+        """What CoordinatorHooks does when every send is delivered."""
+        state = t.state_of(target=target, completed=completed)
+        wanted = t.wants(state, new_batch=new_batch)
+        if wanted:
+            t.mark_sent(state)
+        return wanted
+
+    sent = [send(target=100, completed=c, new_batch=False) for c in range(0, 7)]
     assert sent == [True, False, True, False, True, False, True]  # 2% buckets
-    assert t.should_send(target=100, completed=6, new_batch=True)
-    assert t.should_send(target=100, completed=100, new_batch=False)
-    assert not t.should_send(target=100, completed=100, new_batch=False)
-    assert t.should_send(target=200, completed=100, new_batch=False)  # target changed
+    assert send(target=100, completed=6, new_batch=True)
+    assert send(target=100, completed=100, new_batch=False)
+    assert not send(target=100, completed=100, new_batch=False)
+    assert send(target=200, completed=100, new_batch=False)  # target changed
 
 
 def test_make_hooks_is_noop_when_off_and_needs_a_pipeline_id_when_on() -> None:
