@@ -114,11 +114,11 @@ class ActionResponse:
 
 
 def progress_bucket(completed: int, target: int) -> int:
-    """Map completed/target to a 2% bucket in 0..50."""
+    """Map completed/target to a 2% bucket in 0..50 (exact integer arithmetic: a float
+    ``completed / target * 50`` puts e.g. 29 of 50 in bucket 28)."""
     if target <= 0:
         return PROGRESS_BUCKETS
-    frac = min(max(completed, 0), target) / target
-    return min(PROGRESS_BUCKETS, math.floor(frac * PROGRESS_BUCKETS))
+    return min(max(completed, 0), target) * PROGRESS_BUCKETS // target
 
 
 def coerce_progress_report(obj: object) -> ProgressReport:

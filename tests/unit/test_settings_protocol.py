@@ -75,6 +75,15 @@ def test_progress_bucket() -> None:
     assert [progress_bucket(c, 100) for c in (0, 1, 2, 99, 100, 150)] == [0, 0, 1, 49, 50, 50]
 
 
+def test_progress_bucket_is_exact_where_floats_round_down() -> None:
+    # 29/50 * 50 is 28.999... in floating point: the 58% report landed in bucket 28 and the
+    # throttle dropped it as a repeat of 28/50.
+    assert progress_bucket(29, 50) == 29
+    for target in range(1, 400):
+        for completed in range(target + 1):
+            assert progress_bucket(completed, target) == completed * 50 // target
+
+
 def test_reports_from_rlix_module_path_are_accepted_by_fields(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
