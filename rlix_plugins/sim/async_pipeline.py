@@ -273,7 +273,9 @@ class AsyncOverlapPipeline(SimPipeline):
         if self.cluster.config.restart_on_abort:
             t.kept = 0.0
             return progress
-        t.kept = min(progress, t.work)
+        # ``progress`` counts against ``work + extra`` (re-prefills of earlier re-dispatches
+        # included), as in a migration: capping at ``work`` would serve that prefill twice.
+        t.kept = min(progress, t.work + t.extra)
         prefill = self.job.redispatch_prefill_s
         t.extra += prefill
         return prefill

@@ -212,7 +212,7 @@ class SimCluster:
         if not 0.0 <= util <= 1.0 + 1e-9:
             raise PhysicsViolation(f"{who}: utilisation {util} outside 0..1")
         seconds = (t1 - t0) * util
-        self.ledger.add_useful(gpus, who, seconds, t0)
+        self.ledger.add_useful(gpus, who, seconds, t0, t1)
         self.series.add(t0, t1, util * len(gpus))
         self.useful_gpu_s += seconds * len(gpus)
 

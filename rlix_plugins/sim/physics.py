@@ -38,6 +38,9 @@ class GpuLedger:
         #: busy (useful compute) GPU-seconds per GPU, and GPU-seconds of all tenures
         self.useful: list[float] = [0.0] * num_gpus
         self.tenured: list[float] = [0.0] * num_gpus
+        #: end of the last interval credited as useful per GPU: credits never overlap in time
+        #: (a cumulative bound alone lets a GPU idle early on be credited twice later)
+        self.credited_until: list[float] = [0.0] * num_gpus
         self.tenures = 0
 
     def ready_time(self, gpus: tuple[int, ...], now: float) -> float:
@@ -76,14 +79,29 @@ class GpuLedger:
         cur = self.current[gpu]
         return None if cur is None or cur.end is not None else cur.who
 
-    def add_useful(self, gpus: tuple[int, ...], who: str, seconds: float, at: float) -> None:
-        """Credit useful compute to ``gpus``; the tenant must be ``who`` (no GPU serves two)."""
+    def add_useful(
+        self, gpus: tuple[int, ...], who: str, seconds: float, at: float, until: float | None = None
+    ) -> None:
+        """Credit useful compute to ``gpus``; the tenant must be ``who`` (no GPU serves two).
+
+        With ``until``, the credit covers ``[at, until)``, which must not overlap an interval
+        credited before on the same GPU (100% per GPU at every instant, not only cumulatively).
+        """
         if seconds < -_EPS:
             raise PhysicsViolation(f"{who}: negative useful time {seconds}")
+        if until is not None and until + _EPS < at:
+            raise PhysicsViolation(f"{who}: credit interval [{at}, {until}) ends before it starts")
         for g in gpus:
             cur = self.current[g]
             if cur is None or cur.who != who or (cur.end is not None and cur.end < at - _EPS):
                 raise PhysicsViolation(f"GPU {g}: {who} computes at {at:.3f}; tenant is {cur}")
+            if until is not None and seconds > _EPS:
+                if at + _EPS < self.credited_until[g]:
+                    raise PhysicsViolation(
+                        f"GPU {g}: {who} credited from {at:.3f}, but it was already credited "
+                        f"until {self.credited_until[g]:.3f} (two computations at once)"
+                    )
+                self.credited_until[g] = max(self.credited_until[g], until)
             self.useful[g] += seconds
 
     def check_bounds(self, horizon: float) -> None:

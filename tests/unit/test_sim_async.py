@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from rlix_plugins.coordinator.core import DemandSharePlanner, Plan, SchedulerState, ShrinkReason
-from rlix_plugins.sim.engine import EngineConfig
+from rlix_plugins.sim.engine import EngineConfig, RunResult
 from rlix_plugins.sim.metrics import summarize
 from rlix_plugins.sim.report import compare
 from rlix_plugins.sim.runner import POLICIES, run_policy
@@ -77,6 +77,27 @@ def test_async_kind_never_plans_a_release_and_keeps_partial_tokens() -> None:
     assert ours.lost_work_s == pytest.approx(0.5 * ours.aborted)
     # The ROLL sequence with single-turn requests loses whole partial outputs.
     assert roll.lost_work_s > ours.lost_work_s
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 5])
+def test_continued_requests_are_served_exactly_their_work_plus_prefills(seed: int) -> None:
+    """Conservation: under CONTINUE a request's generated tokens all survive, so the service
+    every shard gave adds up to the trajectories' own work (exclusive allocation, which never
+    aborts, draws the same lengths) plus one re-prefill per abort and per migration. An abort
+    of a request already re-dispatched once used to throw away the re-prefill it had been
+    served (kept capped at ``work``), so it was served twice without showing in ``lost s``."""
+    wl = _overlap("async", prefill=2.0)
+    cfg = EngineConfig(record_tenures=False)
+
+    def served(result: RunResult) -> float:
+        # saturated-equivalent GPU-s x n_sat = solo-seconds of service (tp 1, n_sat 4)
+        return sum(j.gen_useful_gpu_s for j in result.jobs) * 4
+
+    work = served(run_policy(wl, "exclusive", seed=seed, config=cfg))
+    for policy in ("ours", "rlix_async"):
+        r = run_policy(wl, policy, seed=seed, config=cfg)
+        assert r.aborted > 0
+        assert served(r) == pytest.approx(work + 2.0 * (r.aborted + r.migrated), abs=1e-6)
 
 
 def test_zero_prefill_async_abort_is_free() -> None:

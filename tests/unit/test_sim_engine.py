@@ -106,6 +106,14 @@ def test_ledger_rejects_two_tenants_and_over_100_percent() -> None:
     ledger.add_useful((0,), "b", 10.0, 6.0)
     with pytest.raises(PhysicsViolation, match="100%"):
         ledger.check_bounds(8.0)
+    # Credits are intervals: one GPU never computes twice at the same instant, even when its
+    # cumulative total stays under 100% (it was idle earlier).
+    ledger.begin((1,), "c", 0.0)
+    ledger.add_useful((1,), "c", 5.0, 10.0, 15.0)
+    with pytest.raises(PhysicsViolation, match="already credited"):
+        ledger.add_useful((1,), "c", 5.0, 10.0, 15.0)
+    ledger.add_useful((1,), "c", 2.0, 15.0, 17.0)
+    ledger.check_bounds(20.0)  # 7 s in 20: the cumulative bound alone would not catch it
     counter = TrajectoryCounter()
     ids = counter.create(2)
     counter.complete(ids[0])
