@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlix_plugins.sim.placement import ExclusivePlacer
 from rlix_plugins.sim.workloads import (
     PIPELINE_KINDS,
     JobSpec,
@@ -67,6 +68,33 @@ def _record(cls: type, d: object, where: str) -> Any:
         raise ScenarioError(f"{where}: {exc}") from None
 
 
+def _gpu_ids(p: Mapping[str, Any], key: str, where: str, num_gpus: int) -> tuple[int, ...]:
+    """A non-empty list of distinct integer GPU ids in ``0..num_gpus-1``."""
+    raw = _get(p, key, list, where)
+    if not raw or any(isinstance(g, bool) or not isinstance(g, int) for g in raw):
+        raise ScenarioError(
+            f"{where}: {key!r} must be a non-empty list of integer GPU ids, got {raw!r}"
+        )
+    if len(set(raw)) != len(raw) or not all(0 <= g < num_gpus for g in raw):
+        raise ScenarioError(
+            f"{where}: {key!r} must list distinct GPU ids in 0..{num_gpus - 1} "
+            f"(gpus_per_node x nodes), got {raw!r}"
+        )
+    return tuple(raw)
+
+
+def _exclusive_nodes(jobs: list[JobSpec], gpus_per_node: int) -> int:
+    """Nodes that hold every job's dedicated GPUs at once, packed as the exclusive placer packs
+    them (each block starts on a multiple of its ``infer_tp``), so no job queues there."""
+    placer = ExclusivePlacer(sum(j.footprint + j.infer_tp for j in jobs), gpus_per_node)
+    used = 0
+    for i, job in enumerate(jobs):
+        placed = placer.place(i, job)
+        assert placed is not None  # the cluster above has room for any alignment gaps
+        used = max(used, *placed.train, *placed.infer)
+    return -(-(used + 1) // gpus_per_node)
+
+
 def _load_toml(text: str) -> dict[str, Any]:
     try:
         import tomllib  # Python >= 3.11
@@ -88,6 +116,8 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
     name = _get(data, "name", str, "scenario", "scenario")
     gpn = _get(data, "gpus_per_node", int, "scenario")
     nodes = _get(data, "nodes", int, "scenario")
+    if gpn < 1 or nodes < 1:
+        raise ScenarioError(f"scenario: gpus_per_node and nodes must be >= 1, got {gpn}, {nodes}")
     pipes = _get(data, "pipelines", list, "scenario")
     if not pipes:
         raise ScenarioError("scenario: needs at least one pipeline")
@@ -97,9 +127,13 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
         where = f"pipelines[{i}]"
         if not isinstance(p, Mapping):
             raise ScenarioError(f"{where}: expected a table/object")
-        train = tuple(int(g) for g in _get(p, "train", list, where))
-        infer = tuple(int(g) for g in _get(p, "infer", list, where))
+        train = _gpu_ids(p, "train", where, gpn * nodes)
+        infer = _gpu_ids(p, "infer", where, gpn * nodes)
         tp = _get(p, "infer_tp", int, where, 1)
+        if tp < 1 or len(infer) % tp:
+            raise ScenarioError(
+                f"{where}: infer_tp must be >= 1 and divide the {len(infer)} infer GPUs, got {tp}"
+            )
         batch = _get(p, "batch", int, where)
         ranks = max(1, len(infer) // tp)
         dedicated_infer = len([g for g in infer if g not in train]) or len(infer)
@@ -108,8 +142,8 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
         kind = _get(p, "kind", str, where, "roll")
         if kind not in PIPELINE_KINDS:
             raise ScenarioError(f"{where}: kind {kind!r} is not one of {PIPELINE_KINDS}")
-        jobs.append(
-            JobSpec(
+        try:
+            job = JobSpec(
                 name=_get(p, "name", str, where, f"ft_{i + 1:012x}"),
                 arrival_s=_get(p, "arrival_s", float, where, 0.0),
                 steps=_get(p, "steps", int, where),
@@ -129,15 +163,18 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
                 kind=kind,
                 redispatch_prefill_s=_get(p, "redispatch_prefill_s", float, where, 1.0),
             )
-        )
+        except ValueError as exc:
+            if isinstance(exc, ScenarioError):
+                raise
+            raise ScenarioError(f"{where}: {exc}") from None
+        jobs.append(job)
         placements.append(Placement(train, infer))
-    footprint = sum(j.footprint for j in jobs)
     return Workload(
         name=name,
         description=_get(data, "description", str, "scenario", f"scenario {name}"),
         jobs=tuple(jobs),
         gpus_per_node=gpn,
-        exclusive_nodes=-(-footprint // gpn),
+        exclusive_nodes=_exclusive_nodes(jobs, gpn),
         shared_nodes=nodes,
         shared_placements=tuple(placements),
         sources=(f"scenario {name}",),

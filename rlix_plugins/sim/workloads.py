@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -39,8 +39,22 @@ class LengthDistribution:
     def __post_init__(self) -> None:
         if self.kind not in ("lognormal", "pareto", "uniform", "fixed"):
             raise ValueError(f"unknown length distribution {self.kind!r}")
-        if self.a <= 0 or self.cap_s <= 0:
-            raise ValueError("length distribution needs a > 0 and cap_s > 0")
+        values = (self.a, self.b, self.cap_s)
+        if not all(math.isfinite(v) for v in values) or self.a <= 0 or self.cap_s <= 0:
+            raise ValueError(
+                f"length distribution needs finite a > 0 and cap_s > 0, got a={self.a}, "
+                f"cap_s={self.cap_s}"
+            )
+        if (
+            self.kind in ("lognormal", "pareto")
+            and self.b <= 0
+            and not (self.kind == "lognormal" and self.b == 0)
+        ):
+            raise ValueError(
+                f"{self.kind} length distribution needs b > 0 (sigma / shape), got {self.b}"
+            )
+        if self.kind == "uniform" and self.b < self.a:
+            raise ValueError(f"uniform length distribution needs b >= a, got {self.a}..{self.b}")
 
     def sample(self, rng: np.random.Generator, n: int) -> list[float]:
         if self.kind == "lognormal":
@@ -69,6 +83,9 @@ class PhaseTimes:
     #: weight sync into inference shards after a wake (or a pause, for resident shards)
     sync_weight_s: float
 
+    def __post_init__(self) -> None:
+        _non_negative(self, "phase time")
+
 
 @dataclass(frozen=True, slots=True)
 class SwitchCosts:
@@ -86,6 +103,20 @@ class SwitchCosts:
     nccl_reinit_s: float = 5.0
     #: model load at INITIALIZATION, per cluster
     init_load_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "switch cost")
+
+
+def _non_negative(record: PhaseTimes | SwitchCosts, what: str) -> None:
+    """Every field of a record of seconds is a finite number >= 0."""
+    for f in fields(record):
+        name = f.name
+        value = getattr(record, name)
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"{what} {name} must be a finite number of seconds >= 0, got {value!r}"
+            )
 
 
 #: Exclusive (dedicated, split) deployment: shards stay resident, weights are broadcast in place
@@ -136,6 +167,12 @@ class JobSpec:
             raise ValueError(f"job {self.name}: redispatch_prefill_s must be >= 0")
         if self.steps < 1 or self.batch < 1 or self.train_gpus < 1 or self.infer_gpus < 1:
             raise ValueError(f"job {self.name}: steps, batch, train_gpus, infer_gpus must be >= 1")
+        if not self.turn_s > 0:  # inf (single-turn) allowed; 0, negative or NaN are not
+            raise ValueError(
+                f"job {self.name}: turn_s must be > 0 (inf: single-turn), got {self.turn_s}"
+            )
+        if self.infer_tp < 1:
+            raise ValueError(f"job {self.name}: infer_tp must be >= 1, got {self.infer_tp}")
         if self.infer_gpus % self.infer_tp or self.n_sat < 1 or self.max_seqs < 1:
             raise ValueError(f"job {self.name}: infer_gpus must be a multiple of infer_tp")
         if self.max_age < 0:

@@ -355,6 +355,83 @@ def test_scenario_loader_runs_a_gate2_like_config(tmp_path: Path) -> None:
         load_scenario({**data, "pipelines": [bad]})
 
 
+def _scenario(**pipeline: Any) -> dict[str, Any]:
+    """A one-node scenario whose first pipeline takes ``pipeline``'s fields."""
+    base: dict[str, Any] = {
+        "train": [0],
+        "infer": [0, 1],
+        "steps": 2,
+        "batch": 4,
+        "lengths": {"kind": "uniform", "a": 1.0, "b": 3.0, "cap_s": 3.0},
+        "phases": {
+            "old_log_probs_s": 0.5,
+            "ref_log_probs_s": 0.5,
+            "update_actor_s": 2.0,
+            "sync_weight_s": 0.3,
+        },
+    }
+    return {"gpus_per_node": 4, "nodes": 1, "pipelines": [base | pipeline]}
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        ({"gpus_per_node": 0}, "gpus_per_node and nodes must be >= 1"),
+        ({"nodes": 0}, "gpus_per_node and nodes must be >= 1"),
+        (_scenario(infer_tp=0)["pipelines"][0], "infer_tp must be >= 1"),
+        (_scenario(infer=[0, 1, 2], infer_tp=2)["pipelines"][0], "divide the 3 infer GPUs"),
+        (_scenario(train=[1.7])["pipelines"][0], "integer GPU ids"),
+        (_scenario(train=[])["pipelines"][0], "non-empty list"),
+        (_scenario(infer=[0, 9])["pipelines"][0], r"distinct GPU ids in 0\.\.3"),
+        (_scenario(infer=[1, 1])["pipelines"][0], "distinct GPU ids"),
+        (_scenario(turn_s=0)["pipelines"][0], "turn_s must be > 0"),
+        (_scenario(turn_s=-30)["pipelines"][0], "turn_s must be > 0"),
+        (
+            _scenario(lengths={"kind": "lognormal", "a": 2.0, "b": -1.0, "cap_s": 8.0})[
+                "pipelines"
+            ][0],
+            "needs b > 0",
+        ),
+        (
+            _scenario(
+                phases={
+                    "old_log_probs_s": -1.0,
+                    "ref_log_probs_s": 0.5,
+                    "update_actor_s": 2.0,
+                    "sync_weight_s": 0.3,
+                }
+            )["pipelines"][0],
+            "old_log_probs_s must be a finite number of seconds >= 0",
+        ),
+    ],
+)
+def test_scenario_refuses_bad_values_before_any_run(
+    scenario: dict[str, Any], message: str
+) -> None:
+    data = _scenario()
+    if "pipelines" in scenario or "train" in scenario:
+        data["pipelines"] = [scenario]
+    else:
+        data |= scenario
+    with pytest.raises(ScenarioError, match=message):
+        load_scenario(data)
+
+
+def test_scenario_exclusive_cluster_holds_every_job_at_once() -> None:
+    # tp 1 with 3 GPUs, then tp 2 with 4: the tp-2 block starts on GPU 4, not 3, so a
+    # cluster of 3 + 4 = 7 GPUs made the second job queue behind the first.
+    data = _scenario(train=[0], infer=[0, 1, 2])
+    data["pipelines"].append(
+        _scenario(name="ft_000000000002", train=[0, 1], infer=[0, 1, 2, 3], infer_tp=2)[
+            "pipelines"
+        ][0]
+    )
+    wl = load_scenario(data)
+    assert wl.exclusive_nodes * wl.gpus_per_node >= 8
+    r = run_policy(wl, "exclusive", seed=0, config=EngineConfig(record_tenures=False))
+    assert all(j.admitted == j.arrival for j in r.jobs)
+
+
 def test_simulate_command_prints_and_saves(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
