@@ -59,7 +59,7 @@ if str(ROOT) not in sys.path:
 
 from rlix_plugins.sim import plots  # noqa: E402
 from rlix_plugins.sim.bounds import MakespanBound, makespan_lower_bound  # noqa: E402
-from rlix_plugins.sim.calibrate import calibrate_lengths  # noqa: E402
+from rlix_plugins.sim.calibrate import CALIBRATION_STEPS, calibrate_lengths  # noqa: E402
 from rlix_plugins.sim.engine import EngineConfig  # noqa: E402
 from rlix_plugins.sim.metrics import first_crossing, implied_pool_ratio  # noqa: E402
 from rlix_plugins.sim.report import Comparison, compare, format_table  # noqa: E402
@@ -111,7 +111,7 @@ def _plexrl(
 ) -> Workload:
     row = PLEXRL_TABLE2[row_index]
     # Calibration runs the exclusive deployment only, which the shared size does not change.
-    probe = plexrl_two_jobs(row, steps=steps, train_gpus=train_gpus)
+    probe = plexrl_two_jobs(row, steps=max(steps, CALIBRATION_STEPS), train_gpus=train_gpus)
     scale = calibrate_lengths(probe, row.cycle_s, seed=SEED)
     return plexrl_two_jobs(
         row, steps=steps, length_scale=scale, train_gpus=train_gpus, shared_gpus=shared_gpus

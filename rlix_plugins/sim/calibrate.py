@@ -12,11 +12,24 @@ from rlix_plugins.sim.workloads import Workload
 log = logging.getLogger(__name__)
 
 
+#: steps per job a calibration probe should run: two warm-up steps, then steady cycles
+CALIBRATION_STEPS = 8
+#: fewer step ends leave no steady cycle to measure (with 1 or 2 the "cycle" is 0 or training
+#: time alone, flat in the length scale, and the secant search stops at its first guess)
+_MIN_STEP_ENDS = 4
+
+
 def exclusive_cycle(workload: Workload, seed: int) -> float:
-    """Mean steady-state step time of the first job under exclusive allocation."""
+    """Mean steady-state step time of the first job under exclusive allocation (after two
+    warm-up steps); needs a run of at least 4 steps."""
+    if workload.jobs[0].steps < _MIN_STEP_ENDS:
+        raise ValueError(
+            f"calibration needs a probe of >= {_MIN_STEP_ENDS} steps per job "
+            f"(use {CALIBRATION_STEPS}), got {workload.jobs[0].steps}"
+        )
     result = run_policy(workload, "exclusive", seed=seed, config=EngineConfig(record_tenures=False))
     ends = [s.end for s in result.steps if s.job == workload.jobs[0].name]
-    warm = min(2, len(ends) - 2)
+    warm = 2
     return (ends[-1] - ends[warm]) / (len(ends) - 1 - warm)
 
 

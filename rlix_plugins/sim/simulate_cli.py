@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from rlix_plugins.sim.calibrate import calibrate_lengths
+from rlix_plugins.sim.calibrate import CALIBRATION_STEPS, calibrate_lengths
 from rlix_plugins.sim.engine import EngineConfig
 from rlix_plugins.sim.report import compare, format_table
 from rlix_plugins.sim.runner import DEPLOYMENTS, POLICIES
@@ -50,19 +50,28 @@ def build_workload(
     """
     if job_sizes is not None and not name.startswith("rollmux-"):
         raise ValueError(f"job sizes apply to the RollMux workloads, not {name!r}")
+    for option, value in (("--jobs", jobs), ("--steps", steps), ("--nodes", nodes)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} must be >= 1 (leave it out for the default), got {value}")
     if name.startswith("plexrl-"):
         row = next(r for r in PLEXRL_TABLE2 if r.model == name.removeprefix("plexrl-"))
-        probe = plexrl_two_jobs(row, steps=steps or 8)
+        run_steps = 8 if steps is None else steps
+        # Calibrated on a run long enough for a steady cycle, whatever the run's own length.
+        probe = plexrl_two_jobs(row, steps=max(run_steps, CALIBRATION_STEPS))
         scale = calibrate_lengths(probe, row.cycle_s, seed=seed)
-        return plexrl_two_jobs(row, steps=steps or 8, length_scale=scale, shared_gpus=shared_gpus)
+        return plexrl_two_jobs(row, steps=run_steps, length_scale=scale, shared_gpus=shared_gpus)
     if name == "long-tail":
-        wl = long_tail_agentic(num_jobs=jobs or 16, nodes=nodes or 8, steps=steps or 4)
+        wl = long_tail_agentic(
+            num_jobs=16 if jobs is None else jobs,
+            nodes=8 if nodes is None else nodes,
+            steps=4 if steps is None else steps,
+        )
     elif name.startswith("rollmux-"):
         wl = rollmux_trace(
             name.removeprefix("rollmux-"),
-            num_jobs=jobs or 16,
-            nodes=nodes or 8,
-            steps=steps or 10,
+            num_jobs=16 if jobs is None else jobs,
+            nodes=8 if nodes is None else nodes,
+            steps=10 if steps is None else steps,
             seed=seed,
             sizes=ROLLMUX_SIZES if job_sizes is None else job_sizes,
         )
@@ -115,11 +124,18 @@ def run(args: argparse.Namespace) -> int:
     """Run the comparison, print the table, save JSON and plots."""
     policies = tuple(p.strip() for p in str(args.policies).split(",") if p.strip())
     bad = [p for p in policies if p not in DEPLOYMENTS]
+    if not policies:
+        print(f"error: --policies names no deployment; expected a subset of {tuple(DEPLOYMENTS)}")
+        return 2
     if bad:
         print(f"unknown deployments {bad}; expected a subset of {tuple(DEPLOYMENTS)}")
         return 2
     if args.scenario is not None:
-        workload = load_scenario(args.scenario)
+        try:
+            workload = load_scenario(args.scenario)
+        except (OSError, ValueError) as exc:  # ScenarioError and JSON/TOML syntax errors
+            print(f"error: scenario {args.scenario}: {exc}")
+            return 2
     else:
         try:
             workload = build_workload(

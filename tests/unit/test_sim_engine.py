@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from rlix_plugins.coordinator.core import DemandSharePlanner, Plan, Topology
 from rlix_plugins.sim import simulate_cli as command
 from rlix_plugins.sim.bounds import makespan_lower_bound
+from rlix_plugins.sim.calibrate import exclusive_cycle
 from rlix_plugins.sim.clock_queue import ClockQueue
 from rlix_plugins.sim.engine import EngineConfig, SimCluster
 from rlix_plugins.sim.metrics import jain, summarize
@@ -481,10 +482,28 @@ def test_simulate_command_right_sizes_plexrl_and_rejects_bad_sizes(
         ["--workload", "long-tail", "--job-sizes", "S"],
         ["--workload", "rollmux-mixed", "--nodes", "1"],
         ["--workload", "rollmux-mixed", "--job-sizes", "XL"],
+        # zero is an error, not "the default" (it used to be replaced silently)
+        ["--workload", "long-tail", "--jobs", "0"],
+        ["--workload", "long-tail", "--nodes", "0"],
+        ["--workload", "rollmux-mixed", "--jobs", "0"],
+        ["--workload", "long-tail", "--policies", ","],
+        ["--scenario", str(tmp_path / "missing.json")],
     ):
         capsys.readouterr()
         assert command.run(parser.parse_args([*argv, *common])) == 2
         assert "error:" in capsys.readouterr().out
+
+
+def test_plexrl_lengths_are_calibrated_on_a_steady_run_whatever_the_run_length() -> None:
+    """A 1- or 2-step run has no steady cycle to calibrate on: the probe runs
+    ``CALIBRATION_STEPS``, so the lengths do not depend on ``--steps`` (they used to fall back
+    to the first guess, 2.0, with no warning)."""
+    short = command.build_workload("plexrl-7B", jobs=None, steps=2, nodes=None, seed=7)
+    full = command.build_workload("plexrl-7B", jobs=None, steps=8, nodes=None, seed=7)
+    assert short.jobs[0].steps == 2
+    assert short.jobs[0].lengths == full.jobs[0].lengths
+    with pytest.raises(ValueError, match=">= 4 steps"):
+        exclusive_cycle(short, seed=7)
 
 
 def test_simulate_command_shares_half_the_gpus_and_small_job_sizes(tmp_path: Path) -> None:
