@@ -118,9 +118,12 @@ def weights_from_records(
     ev = ", ".join(f"{k} {v}" for k, v in sorted(events.items()))
     measured = (f"{checks} engine-reported shard versions in {records} sync records ({ev}) of "
                 f"{len(pipelines)} pipeline(s)")
-    missing = expected_pipelines is not None and len(pipelines) < expected_pipelines
+    gaps = _coverage_gaps(
+        [(label, {r.pipeline_id for r in obs.shard_versions}) for label, obs in runs],
+        expected_pipelines, "shard-version")
+    missing = bool(gaps)
     if missing:
-        measured += f"; expected records of {expected_pipelines} pipelines"
+        measured += "; " + "; ".join(gaps)
     if bad:
         measured += f"; {len(bad)} stale, first: {bad[0].describe()}"
     else:
@@ -187,13 +190,31 @@ def requests_from_records(
     if not totals:
         return CriterionResult(name, REQUESTS_REQUIREMENT,
                                f"not observed: no router-counter records in {where}", False)
-    pipelines = {t.pipeline_id for t in totals}
-    missing = expected_pipelines is not None and len(pipelines) < expected_pipelines
+    gaps = _coverage_gaps(
+        [(label, {r.pipeline_id for r in obs.router_counters}) for label, obs in runs],
+        expected_pipelines, "router-counter")
+    missing = bool(gaps)
     measured = "; ".join(t.describe() for t in totals)
     if missing:
-        measured += f"; expected records of {expected_pipelines} pipelines"
+        measured += "; " + "; ".join(gaps)
     return CriterionResult(name, REQUESTS_REQUIREMENT, measured,
                            all(t.ok for t in totals) and not missing)
+
+
+def _coverage_gaps(
+    runs: Sequence[tuple[str, set[str]]], expected_pipelines: int | None, kind: str
+) -> list[str]:
+    """What is missing run by run: every run (the shared one and its exclusive baseline,
+    which use the same pipeline ids) must have records of its own, of every pipeline, so
+    records of one run never stand in for another that wrote none."""
+    gaps = []
+    for label, pipelines in runs:
+        run = label or "the run"
+        if not pipelines:
+            gaps.append(f"no {kind} records of {run}")
+        elif expected_pipelines is not None and len(pipelines) < expected_pipelines:
+            gaps.append(f"{run}: records of {len(pipelines)} of {expected_pipelines} pipelines")
+    return gaps
 
 
 def observed_criteria(

@@ -97,8 +97,8 @@ def test_a_version_newer_than_the_trainers_fails(tmp_path: Path) -> None:
 def test_records_of_too_few_pipelines_fail(tmp_path: Path) -> None:
     ok, measured, rok, rmeasured = judge(
         tmp_path, [sv("expand", 0, (0,), {0: 0}), rc("c", 4, 4)], expected=2)
-    assert not ok and "expected records of 2 pipelines" in measured
-    assert not rok and "expected records of 2 pipelines" in rmeasured
+    assert not ok and "shared: records of 1 of 2 pipelines" in measured
+    assert not rok and "shared: records of 1 of 2 pipelines" in rmeasured
 
 
 def test_no_records_fail_as_not_observed(tmp_path: Path) -> None:
@@ -150,6 +150,21 @@ def test_weights_and_requests_functions_take_several_runs(tmp_path: Path) -> Non
     r = requests_from_records(runs, name="requests_observed")
     assert w.passed and w.name == "weights_observed" and "initial 1" in w.measured
     assert r.passed and "exclusive/" in r.measured and "shared/" in r.measured
+
+
+def test_a_run_without_records_fails_even_when_the_other_run_has_them(tmp_path: Path) -> None:
+    """The shared run and its exclusive baseline use the same pipeline ids: records of the
+    baseline must not stand in for a shared run (the one with preemption) that wrote none."""
+    (tmp_path / "s").mkdir()
+    write_all(tmp_path / "e", [sv("initial", 0, (1,), {1: 0}), rc("d", 2, 2)])
+    w, r = observed_criteria([("shared", tmp_path / "s"), ("exclusive", tmp_path / "e")],
+                             expected_pipelines=1)
+    assert not w.passed and "no shard-version records of shared" in w.measured
+    assert not r.passed and "no router-counter records of shared" in r.measured
+    write_all(tmp_path / "s", [sv("expand", 0, (0,), {0: 0}), rc("c", 2, 2)])
+    w, r = observed_criteria([("shared", tmp_path / "s"), ("exclusive", tmp_path / "e")],
+                             expected_pipelines=1)
+    assert w.passed and r.passed, (w.measured, r.measured)
 
 
 # ---------------------------------------------------------------------------- job plumbing
