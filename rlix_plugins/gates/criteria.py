@@ -61,6 +61,9 @@ class RequestCount:
     aborted_returned: int
     short_samples: int
     redispatched: int
+    #: the router's own counters: requests it accepted and completed (must be equal)
+    router_requests: int
+    router_completed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,17 +125,21 @@ def weights_current(checks: Sequence[WeightCheck]) -> CriterionResult:
 
 
 def requests_accounted(counts: Sequence[RequestCount]) -> CriterionResult:
-    """submitted == completed, no duplicate, no lost, no aborted or truncated sample."""
+    """submitted == completed in the pipeline's ledger and in the router's counters, no
+    duplicate, no lost, no aborted or truncated sample."""
     parts = []
     ok = bool(counts)
     for c in counts:
         parts.append(f"{c.label}: {c.completed}/{c.submitted} completed, {c.duplicates} dup, "
                      f"{c.lost} lost, {c.aborted_returned} aborted, {c.short_samples} short, "
-                     f"{c.redispatched} re-dispatched")
+                     f"{c.redispatched} re-dispatched; router {c.router_completed}/"
+                     f"{c.router_requests} completed")
         ok = ok and (c.submitted == c.completed and c.submitted > 0 and c.duplicates == 0
-                     and c.lost == 0 and c.aborted_returned == 0 and c.short_samples == 0)
+                     and c.lost == 0 and c.aborted_returned == 0 and c.short_samples == 0
+                     and c.router_requests == c.router_completed and c.router_requests > 0)
     return CriterionResult("requests", "zero lost or duplicated requests (submitted == "
-                           "completed, no aborted/truncated sample)", "; ".join(parts), ok)
+                           "completed in the ledger and the router's counters, no "
+                           "aborted/truncated sample)", "; ".join(parts), ok)
 
 
 @dataclass(frozen=True, slots=True)

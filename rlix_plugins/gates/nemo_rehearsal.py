@@ -152,6 +152,25 @@ class PipelineRun(RunRecord):
     #: overlap shards (on a training GPU): taken down / woken+synced+activated in this run
     overlap_preemptions: int = 0
     overlap_expands: int = 0
+    #: preemptions of an overlap shard that the same shard's wake+sync+activate followed
+    #: (a first wake, before any preemption, is not one)
+    overlap_reactivations: int = 0
+
+
+def reactivations(events: list[tuple[str, int]], ranks: set[int]) -> int:
+    """How many preemptions of ``ranks`` were followed by an expand of the same rank (a
+    wake that no preemption preceded, e.g. the first one, counts for nothing)."""
+    down: set[int] = set()
+    count = 0
+    for kind, rank in events:
+        if rank not in ranks:
+            continue
+        if kind == "preempt":
+            down.add(rank)
+        elif kind == "expand" and rank in down:
+            down.discard(rank)
+            count += 1
+    return count
 
 
 class BusyEngine:
@@ -510,6 +529,7 @@ class RehearsalRuntime:
                                       if k == "preempt" and r in overlap)
         run.overlap_expands = sum(1 for k, r in self.rank_events
                                   if k == "expand" and r in overlap)
+        run.overlap_reactivations = reactivations(self.rank_events, overlap)
         run.nccl_cycles = self.trainer.cycles - cycles0
         self.router.emit_counters()  # the run's final bookkeeping, whatever the last emit was
         rs = self.router.stats()

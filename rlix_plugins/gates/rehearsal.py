@@ -263,20 +263,23 @@ def _gate_specific(gate: int, shared: PhaseResult, steps: int) -> list[Criterion
     a = shared.nemo[0]
     if gate == 1:
         # The overlap shard goes down for a train step when it is active then; it comes back
-        # (wake + sync + activate) at the start and after a step whose next batch still had
-        # demand. Whether it is active again before the next train step depends on timing
-        # (the next batch may complete on the other shard first), so the cycle must happen,
-        # and every preemption must be followed by a wake, but not in every step.
-        ok = (a.overlap_preemptions >= 1 and a.overlap_expands >= a.overlap_preemptions
+        # (wake + sync + activate) after a step whose next batch still had demand. Whether it
+        # is active again before the next train step depends on timing (the next batch may
+        # complete on the other shard first), so the cycle must happen, and every preemption
+        # but the last (the run may end before the shard is needed again) must be followed by
+        # a wake of that shard. The first wake (at the start) is no re-activation.
+        ok = (a.overlap_preemptions >= 1 and a.overlap_reactivations >= 1
+              and a.overlap_reactivations >= a.overlap_preemptions - 1
               and a.nccl_cycles == steps)
         out.append(CriterionResult(
             "overlap_cycle",
             "overlap shard preempted (abort/drain/sleep) for a train step and woken+synced+"
-            "activated again (>= 1 cycle; wakes >= preemptions); NCCL groups destroyed and "
-            "re-initialised once per step",
-            f"overlap shard: {a.overlap_preemptions} preemptions, {a.overlap_expands} "
-            f"wake+sync+activate; {a.nccl_cycles} NCCL destroy/re-init cycles; "
-            f"{a.forced_sleeps} forced sleeps; over {steps} steps", ok))
+            "activated again after it (>= 1 cycle; every preemption but the last followed by "
+            "a wake); NCCL groups destroyed and re-initialised once per step",
+            f"overlap shard: {a.overlap_preemptions} preemptions, "
+            f"{a.overlap_reactivations} of them followed by wake+sync+activate "
+            f"({a.overlap_expands} wakes in all); {a.nccl_cycles} NCCL destroy/re-init "
+            f"cycles; {a.forced_sleeps} forced sleeps; over {steps} steps", ok))
     else:
         owners: dict[int, set[str]] = {}
         for iv in shared.coordinator:
@@ -330,7 +333,8 @@ def evaluate(gate: int, steps: int, shared: PhaseResult,
               for p in phases for r in p.nemo for c in r.sync_checks]
     criteria.append(weights_current(checks))
     counts = [RequestCount(f"{p.mode}/{r.label}", a.submitted, a.completed, a.duplicates,
-                           a.lost, a.aborted_returned, a.short_samples, a.redispatched)
+                           a.lost, a.aborted_returned, a.short_samples, a.redispatched,
+                           a.router_requests, a.router_completed)
               for p in phases for r in p.nemo if (a := r.audit) is not None]
     criteria.append(requests_accounted(counts))
     if observe_dir is not None:

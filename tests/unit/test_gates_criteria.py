@@ -19,6 +19,7 @@ from rlix_plugins.gates.criteria import (
     steps_completed,
     weights_current,
 )
+from rlix_plugins.gates.nemo_rehearsal import reactivations
 from rlix_plugins.gates.timeline import (
     Interval,
     busy_share,
@@ -88,7 +89,7 @@ def test_steps_criterion() -> None:
 
 def _count(**kw: int) -> RequestCount:
     base = dict(submitted=10, completed=10, duplicates=0, lost=0, aborted_returned=0,
-                short_samples=0, redispatched=3)
+                short_samples=0, redispatched=3, router_requests=10, router_completed=10)
     base.update(kw)
     return RequestCount("p", **base)
 
@@ -96,8 +97,22 @@ def _count(**kw: int) -> RequestCount:
 def test_requests_criterion_catches_each_defect() -> None:
     assert requests_accounted([_count()]).passed
     for defect in ({"completed": 9, "lost": 1}, {"duplicates": 1}, {"aborted_returned": 1},
-                   {"short_samples": 2}, {"submitted": 0, "completed": 0}):
+                   {"short_samples": 2}, {"submitted": 0, "completed": 0},
+                   # the router's own counters disagree with the ledger's verdict
+                   {"router_completed": 9}, {"router_requests": 0, "router_completed": 0}):
         assert not requests_accounted([_count(**defect)]).passed, defect
+
+
+def test_overlap_reactivations_count_only_wakes_after_a_preemption() -> None:
+    overlap = {0}
+    # the first wake precedes any preemption: no re-activation
+    assert reactivations([("expand", 0), ("preempt", 0)], overlap) == 0
+    assert reactivations([("expand", 0), ("preempt", 0), ("expand", 0)], overlap) == 1
+    # a wake of another rank does not answer the overlap shard's preemption
+    assert reactivations([("preempt", 0), ("expand", 1), ("preempt", 0)], overlap) == 0
+    events = [("expand", 0), ("preempt", 0), ("expand", 0), ("preempt", 0), ("expand", 0),
+              ("preempt", 0)]
+    assert reactivations(events, overlap) == 2
 
 
 def test_weights_criterion() -> None:
