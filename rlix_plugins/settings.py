@@ -65,6 +65,12 @@ class Settings:
         return self.control_plane is ControlPlane.RLIX
 
 
+#: the shortest timeout or lease a setting may name: shorter ones turn the heartbeat and the
+#: retry loops into busy loops (a lease of 1e-9 s beats every 3e-10 s) and no RPC answers
+#: that fast anyway
+MIN_SECONDS = 0.1
+
+
 def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -73,8 +79,10 @@ def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise SettingsError(f"{name}={raw!r} is not a number; expected seconds > 0") from None
-    if not value > 0 or value == float("inf"):
-        raise SettingsError(f"{name}={raw!r} is out of range; expected finite seconds > 0")
+    if not value >= MIN_SECONDS or value == float("inf"):
+        raise SettingsError(
+            f"{name}={raw!r} is out of range; expected finite seconds >= {MIN_SECONDS:g}"
+        )
     return value
 
 

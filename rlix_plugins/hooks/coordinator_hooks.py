@@ -8,6 +8,7 @@ heartbeat thread keeps the pipeline's lease.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,9 +23,13 @@ from rlix_plugins.protocol.types import (
     ProgressReport,
     progress_bucket,
 )
-from rlix_plugins.settings import Settings
+from rlix_plugins.settings import MIN_SECONDS, Settings
 
 logger = logging.getLogger(__name__)
+
+#: how long past its own deadline a client waits for request_gpus's answer (the scheduler
+#: bounds the wait by the same RLIX_REQUEST_TIMEOUT_S and then answers with an error)
+_REQUEST_GRACE_S = 30.0
 
 
 @dataclass(slots=True)
@@ -104,8 +109,20 @@ class CoordinatorHooks:
         deadline = self._clock() + limit
         delay = 0.05
         while True:
+            # Every attempt is bounded: a hung scheduler must not block the training loop
+            # forever. request_gpus may legitimately wait up to the scheduler's own request
+            # timeout (the same setting), so it gets a grace beyond it to hear that answer.
+            wait = max(deadline - self._clock(), MIN_SECONDS)
+            if method == "request_gpus":
+                wait += _REQUEST_GRACE_S
             try:
-                return ray.get(getattr(self._sched(), method).remote(*args, **kwargs))
+                return ray.get(getattr(self._sched(), method).remote(*args, **kwargs), timeout=wait)
+            except ray.exceptions.GetTimeoutError:
+                raise CoordinatorUnavailableError(
+                    f"scheduler did not answer {method} within {wait:g}s "
+                    f"({'RLIX_REQUEST_TIMEOUT_S' if deadline_s is None else 'deadline'} "
+                    f"{limit:g}s); not retried: the call may still be applied"
+                ) from None
             except (ray.exceptions.RayActorError, CoordinatorUnavailableError) as exc:
                 if self._clock() >= deadline:
                     raise CoordinatorUnavailableError(
@@ -203,7 +220,13 @@ class CoordinatorHooks:
         interval = self.settings.lease_s / 3
         while not self._stop.is_set():
             try:
-                ray.get(self._sched().heartbeat.remote(self.pipeline_id), timeout=interval * 2)
+                lease = ray.get(
+                    self._sched().heartbeat.remote(self.pipeline_id), timeout=interval * 2
+                )
+                # The coordinator's lease is the one that counts: a pipeline started with a
+                # longer RLIX_LEASE_S than the coordinator's must not let it lapse.
+                if isinstance(lease, (int, float)) and math.isfinite(lease) and lease > 0:
+                    interval = min(self.settings.lease_s, float(lease)) / 3
             except PipelineFailedError as exc:
                 self.heartbeat_error = exc
                 logger.error("coordinator declared this pipeline dead: %s", exc)

@@ -16,7 +16,7 @@ import ray
 
 from rlix_plugins import cli
 from rlix_plugins.coordinator.core.status import CoordinatorStatus
-from rlix_plugins.errors import PipelineFailedError
+from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
 from rlix_plugins.hooks import make_hooks
 from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
 from rlix_plugins.settings import load_settings
@@ -144,6 +144,51 @@ def test_hooks_block_release_report_and_keep_the_lease(
     wait_until(lambda: _status(coordinator).pipeline(pid) is None, 10)
     with pytest.raises(PipelineFailedError):
         hooks.before_training(1)
+
+
+def test_hooks_beat_at_the_coordinators_lease_when_theirs_is_longer(
+    coordinator: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator's lease (1.5 s here) is the one that counts: a pipeline started with
+    RLIX_LEASE_S=10 used to beat every 3.3 s and was declared dead."""
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    monkeypatch.setenv("RLIX_NAMESPACE", coordinator.namespace)
+    monkeypatch.setenv("RLIX_LEASE_S", "10")
+    pid = "ft_hookslease01"
+    register_pipeline(coordinator, pid, {"actor_train": [0]})
+    hooks = make_hooks(load_settings(), pipeline_id=pid)
+    assert isinstance(hooks, CoordinatorHooks)
+    try:
+        # three of the coordinator's leases (time passing is the property under test)
+        time.sleep(3 * 1.5)
+        assert _status(coordinator).pipeline(pid) is not None
+        assert hooks.heartbeat_error is None
+    finally:
+        hooks.close()
+
+
+@ray.remote(num_cpus=0)
+class _HungScheduler:
+    """FAKE scheduler: answers nothing within any timeout (the state a deadlocked or
+    overloaded coordinator would be in, which the real one cannot be put in on demand)."""
+
+    def notify_release_gpus(self, **_: Any) -> None:
+        time.sleep(30)
+
+    def heartbeat(self, pipeline_id: str) -> float:
+        return 1.5
+
+
+def test_a_call_to_a_hung_scheduler_is_bounded(ray_session: Any) -> None:
+    settings = dataclasses.replace(load_settings({"RLIX_CONTROL_PLANE": "rlix"}),
+                                   request_timeout_s=1.0)
+    hung = _HungScheduler.remote()  # type: ignore[attr-defined]
+    hooks = CoordinatorHooks("ft_hookshung001", settings, scheduler=hung, heartbeat=False)
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnavailableError, match="did not answer notify_release_gpus"):
+        hooks.after_training(0)
+    assert time.monotonic() - started < 10  # bounded by the 1 s setting, not the 30 s hang
+    ray.kill(hung)
 
 
 def test_hooks_ride_through_a_recreated_coordinator(

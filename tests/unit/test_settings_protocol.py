@@ -38,6 +38,9 @@ def test_control_plane_values() -> None:
         ({"RLIX_LEASE_S": "soon"}, "RLIX_LEASE_S='soon' is not a number"),
         ({"RLIX_LEASE_S": "-1"}, "out of range"),
         ({"RLIX_RESIZE_TIMEOUT_S": "inf"}, "out of range"),
+        # a lease of 1e-9 s made the heartbeat a busy loop
+        ({"RLIX_LEASE_S": "1e-9"}, r"expected finite seconds >= 0.1"),
+        ({"RLIX_REQUEST_TIMEOUT_S": "1e-300"}, r"expected finite seconds >= 0.1"),
         ({"RLIX_NAMESPACE": " "}, "RLIX_NAMESPACE is set but empty"),
         ({"RLIX_VLLM_SLEEP_LEVEL": "3"}, "expected 0, 1 or 2"),
         ({"RLIX_BACKGROUND_EXPANDS": "yes"}, r"RLIX_BACKGROUND_EXPANDS='yes'.*expected 0 .* or 1"),
