@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlix_plugins.gates.timeline import Interval, busy_share, double_ownership
+from rlix_plugins.gates.timeline import Interval, busy_share, double_ownership, pipeline_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,3 +167,16 @@ def idle_below_exclusive(shared: IdleShare, exclusive: IdleShare) -> CriterionRe
     return CriterionResult("idle_share", "GPU idle share below the exclusive-allocation run",
                            measured, shared.window_s > 0 and exclusive.window_s > 0
                            and shared.idle_share < exclusive.idle_share)
+
+
+def time_sharing(coordinator: Sequence[Interval], gate: int) -> CriterionResult:
+    """Gates 2 and 3: at least one GPU held by two pipelines in turn (coordinator trace)."""
+    owners: dict[int, set[str]] = {}
+    for iv in coordinator:
+        owners.setdefault(iv.gpu, set()).add(pipeline_of(iv.owner))
+    shared_gpus = sorted(g for g, p in owners.items() if len(p) >= 2)
+    per_gpu = "; ".join(f"GPU {g}: {len(owners[g])} pipeline(s)" for g in sorted(owners))
+    desc = "both NeMo RL pipelines" if gate == 2 else "the NeMo RL and the ROLL pipeline"
+    return CriterionResult(
+        "time_sharing", f"GPUs used by {desc} in turn (coordinator trace; >= 1 GPU)",
+        f"{per_gpu or 'no GPU in the trace'}; shared: {shared_gpus}", bool(shared_gpus))

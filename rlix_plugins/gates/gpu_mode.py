@@ -45,6 +45,7 @@ from rlix_plugins.gates.criteria import (
     idle_below_exclusive,
     no_double_ownership,
     steps_completed,
+    time_sharing,
 )
 from rlix_plugins.gates.observed import observed_criteria
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
@@ -72,6 +73,9 @@ class GpuGateOptions:
     roll_src: Path | None = None
     #: rlops/rlix checkout (gate 3: RLix's launcher for the ROLL pipeline)
     rlix_src: Path | None = None
+    #: a job (of the shared run, or one of the baseline's) still running after this long is
+    #: killed and counted as failed (exit 124)
+    job_timeout_s: float | None = 6 * 3600.0
 
     def roll_dir(self) -> Path | None:
         """The ROLL checkout: ``roll_src``, else the fork inside the RLix checkout."""
@@ -138,6 +142,88 @@ def check_prerequisites(opts: GpuGateOptions) -> list[str]:
     cfg = opts.config or default_config(opts.gate)
     if not cfg.is_file():
         problems.append(f"gate config {cfg} not found")
+    else:
+        problems.extend(config_problems(cfg, opts.gate))
+    return problems
+
+
+def _is_str_list(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+def config_problems(path: Path, gate: int) -> list[str]:
+    """What is wrong with a gate config's structure (empty = usable), checked before anything
+    is started: ``nemo_rl`` (a list of ``{name, base_config?, overrides?,
+    exclusive_overrides?}`` with distinct names) or gate 1's single top-level ``overrides``;
+    gate 3 also needs ``roll`` (``{command, cwd?, exclusive_command?, exclusive_cwd?, steps?,
+    configs?: [{src, dest, mode?}]}``)."""
+    import yaml  # type: ignore[import-untyped,unused-ignore]
+
+    where = f"gate config {path}"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        return [f"{where} cannot be read: {exc}"]
+    if not isinstance(raw, dict):
+        return [f"{where} must be a mapping with 'nemo_rl' (or gate 1's 'overrides'), got "
+                f"{type(raw).__name__}"]
+    problems: list[str] = []
+    entries = raw.get("nemo_rl")
+    if entries is None:
+        if not isinstance(raw.get("overrides"), dict):
+            problems.append(f"{where} needs 'nemo_rl' (a list of jobs) or a top-level "
+                            "'overrides' mapping (one NeMo RL job)")
+    elif not isinstance(entries, list) or not entries:
+        problems.append(f"{where}: 'nemo_rl' must be a non-empty list of jobs")
+    else:
+        names: list[str] = []
+        for i, e in enumerate(entries):
+            at = f"{where}: nemo_rl[{i}]"
+            if not isinstance(e, dict):
+                problems.append(f"{at} must be a mapping")
+                continue
+            unknown = sorted(set(e) - {"name", "base_config", "overrides",
+                                       "exclusive_overrides"})
+            if unknown:
+                problems.append(f"{at} has unknown keys {unknown}; valid: name, base_config, "
+                                "overrides, exclusive_overrides")
+            name = e.get("name")
+            if not isinstance(name, str) or not name or name == "roll":
+                problems.append(f"{at}: 'name' must be a non-empty string other than 'roll' "
+                                f"(it names the job's log), got {name!r}")
+            else:
+                names.append(name)
+            for key in ("overrides", "exclusive_overrides"):
+                if key in e and not isinstance(e[key], dict):
+                    problems.append(f"{at}: '{key}' must be a mapping of NeMo RL overrides")
+            if "base_config" in e and not isinstance(e["base_config"], str):
+                problems.append(f"{at}: 'base_config' must be a path string")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            problems.append(f"{where}: job names {dup} repeat (each names its own log and "
+                            "exit code)")
+    roll = raw.get("roll")
+    if gate == 3 and roll is None:
+        problems.append(f"{where}: gate 3 needs a 'roll' job (RLix's launcher command)")
+    if roll is not None:
+        if not isinstance(roll, dict):
+            problems.append(f"{where}: 'roll' must be a mapping")
+        else:
+            if not _is_str_list(roll.get("command")):
+                problems.append(f"{where}: roll.command must be a non-empty list of strings")
+            if "exclusive_command" in roll and not _is_str_list(roll["exclusive_command"]):
+                problems.append(f"{where}: roll.exclusive_command must be a non-empty list of "
+                                "strings")
+            steps = roll.get("steps", 0)
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+                problems.append(f"{where}: roll.steps must be an integer >= 0, got {steps!r}")
+            configs = roll.get("configs", [])
+            if not isinstance(configs, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("src"), str)
+                    and isinstance(c.get("dest"), str)
+                    and c.get("mode", "shared") in ("shared", "exclusive") for c in configs):
+                problems.append(f"{where}: roll.configs must be a list of {{src, dest, mode}} "
+                                "with mode 'shared' or 'exclusive'")
     return problems
 
 
@@ -263,26 +349,57 @@ class UtilSampler:
         return IdleShare(busy, end - start, num_gpus)
 
 
+#: exit code recorded for a job killed at the gate's time limit (as ``timeout(1)`` reports)
+TIMED_OUT = 124
+
+
 def run_jobs(jobs: Sequence[JobSpec], env: dict[str, str], out: Path, *,
-             concurrent: bool) -> dict[str, int]:
+             concurrent: bool, timeout_s: float | None = None) -> dict[str, int]:
     """Launch ``jobs`` (their configs written first), each logging to ``out/{name}.log``
-    (``_exclusive.log`` without the control plane); returns exit codes by job name."""
+    (``_exclusive.log`` without the control plane); returns exit codes by job name. A job
+    still running ``timeout_s`` after the launch (of all of them, when concurrent) is killed
+    and recorded as :data:`TIMED_OUT`; every job still running when this returns or raises
+    is killed, so none outlives the gate."""
     codes: dict[str, int] = {}
+    running: list[subprocess.Popen[bytes]] = []
 
     def launch(job: JobSpec) -> subprocess.Popen[bytes]:
         write_job_configs(job)
         log = (out / f"{job.name}{'' if env.get('RLIX_CONTROL_PLANE') else '_exclusive'}.log")
-        fh = log.open("wb")
-        return subprocess.Popen(list(job.command), cwd=job.cwd, env={**env, **dict(job.env)},
-                                stdout=fh, stderr=subprocess.STDOUT)
+        with log.open("wb") as fh:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(list(job.command), cwd=job.cwd,
+                                    env={**env, **dict(job.env)}, stdout=fh,
+                                    stderr=subprocess.STDOUT)
+        running.append(proc)
+        return proc
 
-    if concurrent:
-        procs = [(j, launch(j)) for j in jobs]
-        for j, p in procs:
-            codes[j.name] = p.wait()
-    else:
-        for j in jobs:
-            codes[j.name] = launch(j).wait()
+    def wait(job: JobSpec, proc: subprocess.Popen[bytes], deadline: float | None) -> None:
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            codes[job.name] = proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            logger.error("%s still running after %ss: killed", job.name, timeout_s)
+            proc.kill()
+            proc.wait()
+            codes[job.name] = TIMED_OUT
+
+    def deadline() -> float | None:
+        return None if timeout_s is None else time.monotonic() + timeout_s
+
+    try:
+        if concurrent:
+            end = deadline()
+            procs = [(j, launch(j)) for j in jobs]
+            for j, p in procs:
+                wait(j, p, end)
+        else:
+            for j in jobs:
+                wait(j, launch(j), deadline())
+    finally:
+        for proc in running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return codes
 
 
@@ -341,45 +458,40 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
                                 "RLix's launcher")
     plane = connect(namespace=ns, config=ServiceConfig(namespace=ns, trace_dir=str(out)))
     sampler = UtilSampler()
-    sampler.start()
     observe = out / OBSERVE_SUBDIR
     if observe.exists():
         shutil.rmtree(observe)  # records of an earlier run would be judged as this one's
     env = shared_job_env(os.environ, out, ns, ray.get_runtime_context().gcs_address)
-    snapshots: list[dict[int, str | None]] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        while not stop.is_set():
-            try:
-                st = ray.get(plane.scheduler.get_status.remote(), timeout=10)
-                snapshots.append({g.gpu: g.owner_cluster for g in st.gpus})
-            except Exception:
-                logger.warning("status poll failed", exc_info=True)
-            stop.wait(0.5)
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    t0 = time.time()
-    codes = run_jobs(jobs, env, out, concurrent=True)
-    t1 = time.time()
-    stop.set()
-    trace = ray.get(plane.scheduler.get_trace.remote())
-    ray.get(plane.scheduler.flush_trace.remote())
-    intervals, _ = intervals_from_trace(trace)
-    # Stopped before the baseline: nothing may find a control plane there.
-    stop_coordinator(ns)
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("RLIX_")}
-    base_env["RAY_ADDRESS"] = env["RAY_ADDRESS"]
-    excl_jobs = load_jobs(opts, exclusive=True)
-    t2 = time.time()
-    excl_codes = run_jobs(excl_jobs, base_env, out, concurrent=False)
-    t3 = time.time()
-    sampler.stop()
+    coordinator_up = True
+    try:
+        sampler.start()
+        t0 = time.time()
+        codes = run_jobs(jobs, env, out, concurrent=True, timeout_s=opts.job_timeout_s)
+        t1 = time.time()
+        trace = ray.get(plane.scheduler.get_trace.remote(), timeout=60)
+        ray.get(plane.scheduler.flush_trace.remote(), timeout=60)
+        intervals, _ = intervals_from_trace(trace)
+        # Stopped before the baseline: nothing may find a control plane there.
+        stop_coordinator(ns)
+        coordinator_up = False
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("RLIX_")}
+        base_env["RAY_ADDRESS"] = env["RAY_ADDRESS"]
+        excl_jobs = load_jobs(opts, exclusive=True)
+        t2 = time.time()
+        excl_codes = run_jobs(excl_jobs, base_env, out, concurrent=False,
+                              timeout_s=opts.job_timeout_s)
+        t3 = time.time()
+    finally:
+        # A job that raised or hung must not leave the sampler or the coordinator behind.
+        sampler.stop()
+        if coordinator_up:
+            stop_coordinator(ns)
     criteria: list[CriterionResult] = [
+        # What the coordinator decided (its trace holds one owner per GPU at a time, so this
+        # only catches a trace that contradicts itself); engine-side evidence of who computed
+        # where is what only a GPU run can show (docs/gates.md).
         no_double_ownership("ownership_coordinator", intervals,
                             source="the coordinator's GPU trace"),
-        _status_snapshots_ok(snapshots),
         steps_completed(
             [RunCount(f"shared/{j.name}", j.steps if codes[j.name] == 0 else 0, j.steps,
                       None if codes[j.name] == 0 else f"exit {codes[j.name]}") for j in jobs]
@@ -387,6 +499,8 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
                         j.steps, None if excl_codes[j.name] == 0 else f"exit {excl_codes[j.name]}")
                for j in excl_jobs]),
     ]
+    if opts.gate in (2, 3):
+        criteria.append(time_sharing(intervals, opts.gate))
     figs = {j.name: _log_figures(out, j.name) for j in jobs}
     # Only the NeMo RL jobs run our shard controller and router (ROLL uses its own).
     criteria.extend(observed_criteria(
@@ -401,14 +515,6 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
         "namespace": ns, "observe_dir": str(observe),
     }, indent=2))
     return result
-
-
-def _status_snapshots_ok(snapshots: Sequence[dict[int, str | None]]) -> CriterionResult:
-    """Every polled status names at most one owner per GPU and a known GPU set."""
-    gpus = {g for s in snapshots for g in s}
-    ok = bool(snapshots) and all(set(s) == gpus for s in snapshots)
-    return CriterionResult("ownership_status", "coordinator status: one owner per GPU",
-                           f"{len(snapshots)} status snapshots over GPUs {sorted(gpus)}", ok)
 
 
 __all__ = ["GpuGateOptions", "Interval", "PrerequisiteError", "check_prerequisites",

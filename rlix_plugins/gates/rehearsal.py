@@ -44,12 +44,13 @@ from rlix_plugins.gates.criteria import (
     no_double_ownership,
     requests_accounted,
     steps_completed,
+    time_sharing,
     weights_current,
 )
 from rlix_plugins.gates.nemo_rehearsal import PipelineRun, PipelineSpec
 from rlix_plugins.gates.observed import observed_criteria
 from rlix_plugins.gates.roll_sequence import RollRun, RollSpec
-from rlix_plugins.gates.timeline import Interval, intervals_from_trace, pipeline_of
+from rlix_plugins.gates.timeline import Interval, intervals_from_trace
 
 logger = logging.getLogger(__name__)
 
@@ -281,15 +282,7 @@ def _gate_specific(gate: int, shared: PhaseResult, steps: int) -> list[Criterion
             f"({a.overlap_expands} wakes in all); {a.nccl_cycles} NCCL destroy/re-init "
             f"cycles; {a.forced_sleeps} forced sleeps; over {steps} steps", ok))
     else:
-        owners: dict[int, set[str]] = {}
-        for iv in shared.coordinator:
-            owners.setdefault(iv.gpu, set()).add(pipeline_of(iv.owner))
-        shared_gpus = sorted(g for g, p in owners.items() if len(p) >= 2)
-        per_gpu = "; ".join(f"GPU {g}: {len(owners[g])} pipeline(s)" for g in sorted(owners))
-        desc = "both NeMo RL pipelines" if gate == 2 else "the NeMo RL and the ROLL pipeline"
-        out.append(CriterionResult(
-            "time_sharing", f"GPUs used by {desc} in turn (coordinator trace; >= 1 GPU)",
-            f"{per_gpu}; shared: {shared_gpus}", bool(shared_gpus)))
+        out.append(time_sharing(shared.coordinator, gate))
     if gate == 3:
         roll = shared.roll[0] if shared.roll else None
         ok = roll is not None and roll.report_module == "rlix.protocol.types" \

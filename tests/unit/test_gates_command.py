@@ -137,3 +137,50 @@ def test_gate3_roll_configs_are_written_with_the_layout_and_steps(tmp_path: Path
         assert cfg["reference"]["device_mapping"] == train
         assert cfg["actor_infer"]["device_mapping"] == infer
         assert ("pipeline_cls" in cfg) is exclusive  # stock ROLL pipeline for the baseline
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("", "must be a mapping"),
+        ("nemo_rl: []\n", "'nemo_rl' must be a non-empty list"),
+        ("something: 1\n", "needs 'nemo_rl' (a list of jobs) or a top-level 'overrides'"),
+        ("nemo_rl:\n  - overrides: {}\n", "'name' must be a non-empty string"),
+        ("nemo_rl:\n  - name: a\n    overrides: [x]\n", "'overrides' must be a mapping"),
+        ("nemo_rl:\n  - name: a\n  - name: a\n", "job names ['a'] repeat"),
+        ("nemo_rl:\n  - name: a\n    override: {}\n", "unknown keys ['override']"),
+        ("nemo_rl:\n  - name: a\n", "gate 3 needs a 'roll' job"),
+        ("nemo_rl:\n  - name: a\nroll:\n  command: python\n", "roll.command must be"),
+        ("nemo_rl:\n  - name: a\nroll:\n  command: [python]\n  configs: [{src: x}]\n",
+         "roll.configs must be"),
+        ("nemo_rl: [\n", "cannot be read"),
+    ],
+)
+def test_a_malformed_gate_config_is_a_prerequisite_problem(
+    text: str, needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found before Ray, the coordinator or any job starts (it used to be a KeyError or
+    AttributeError traceback after --out was created and Ray started)."""
+    monkeypatch.setattr(gpu_mode, "count_cuda_gpus", lambda: (2, "NVML"))
+    (tmp_path / "nemo" / "nemo_rl").mkdir(parents=True)
+    cfg = tmp_path / "gate.yaml"
+    cfg.write_text(text)
+    opts = GpuGateOptions(3, tmp_path / "out", config=cfg, nemo_rl_src=tmp_path / "nemo",
+                          rlix_src=_rlix_checkout(tmp_path / "rlix"))
+    problems = check_prerequisites(opts)
+    assert any(needle in p for p in problems), problems
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("gate", [1, 2, 3])
+def test_the_shipped_gate_configs_have_no_problems(gate: int) -> None:
+    assert gpu_mode.config_problems(gpu_mode.default_config(gate), gate) == []
+
+
+def test_a_hung_job_is_killed_at_the_time_limit(tmp_path: Path) -> None:
+    quick = gpu_mode.JobSpec("quick", (sys.executable, "-c", "pass"), tmp_path)
+    hung = gpu_mode.JobSpec("hung", (sys.executable, "-c", "import time; time.sleep(60)"),
+                            tmp_path)
+    codes = gpu_mode.run_jobs([quick, hung], {"PATH": os.environ["PATH"]}, tmp_path,
+                              concurrent=True, timeout_s=2.0)
+    assert codes == {"quick": 0, "hung": gpu_mode.TIMED_OUT}

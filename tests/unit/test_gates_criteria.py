@@ -17,6 +17,7 @@ from rlix_plugins.gates.criteria import (
     no_double_ownership,
     requests_accounted,
     steps_completed,
+    time_sharing,
     weights_current,
 )
 from rlix_plugins.gates.nemo_rehearsal import reactivations
@@ -113,6 +114,16 @@ def test_overlap_reactivations_count_only_wakes_after_a_preemption() -> None:
     events = [("expand", 0), ("preempt", 0), ("expand", 0), ("preempt", 0), ("expand", 0),
               ("preempt", 0)]
     assert reactivations(events, overlap) == 2
+
+
+def test_time_sharing_needs_a_gpu_held_by_two_pipelines_in_turn() -> None:
+    a, b = "ft_aaaaaaaaaaaa_actor_infer", "ft_bbbbbbbbbbbb_actor_train"
+    shared = [iv(0, a, 0, 1), iv(0, b, 1, 2), iv(1, a, 0, 2)]
+    assert time_sharing(shared, 2).passed
+    apart = [iv(0, a, 0, 1), iv(1, b, 0, 1)]
+    res = time_sharing(apart, 2)
+    assert not res.passed and "shared: []" in res.measured
+    assert not time_sharing([], 3).passed
 
 
 def test_weights_criterion() -> None:
