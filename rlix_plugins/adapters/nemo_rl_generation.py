@@ -51,7 +51,7 @@ from rlix_plugins.adapters.nemo_rl_partial import (
     MAX_NEW_TOKENS_KEY,
     partial_from,
 )
-from rlix_plugins.adapters.observability import router_counters_emitter
+from rlix_plugins.adapters.observability import recording_engines, router_counters_emitter
 from rlix_plugins.errors import SettingsError, ShardPreemptedError
 from rlix_plugins.generation.engine import (
     ABORTED,
@@ -426,13 +426,18 @@ class RLixVllmGeneration(VllmGeneration):  # type: ignore[misc]
         shards: list[NemoRlShard] | None = None,
         config: RouterConfig | None = None,
         pipeline_id: str | None = None,
+        infer_gpus: Sequence[int] | None = None,
+        infer_tp: int = 1,
     ) -> ShardRouter:
         """Route from now on over ``state`` (one owner per pipeline); returns the router.
 
         With ``RLIX_OBSERVE_DIR`` set the router records its counters for ``pipeline_id``
-        (default: ``PIPELINE_ID`` of this process, exported by the pipeline adapter).
+        (default: ``PIPELINE_ID`` of this process, exported by the pipeline adapter) and, given
+        the inference cluster's ``infer_gpus`` and ``infer_tp``, each shard's busy intervals
+        (:class:`~rlix_plugins.adapters.observability.BusyRecordingEngine`).
         """
         engines = shards if shards is not None else self.rlix_shards()
+        engines = recording_engines(engines, pipeline_id, infer_gpus, infer_tp)
         self._rlix_router = ShardRouter(state, engines, config or default_router_config(),
                                         on_counters=router_counters_emitter(pipeline_id))
         return self._rlix_router

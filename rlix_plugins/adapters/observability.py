@@ -14,6 +14,10 @@ and the gate reads them back (:func:`read_observations`).
 * :class:`RouterCountersObserved`: one router copy's bookkeeping (requests submitted, completed,
   lost, duplicated, cancelled, still in flight, re-dispatched), written when the copy drains, when
   it loses a request, and at most once a second otherwise.
+* :class:`BusyObserved`: when a stage computed on which GPUs: a generation shard from its
+  first running request to the end of its last (:class:`BusyRecordingEngine`), a train step
+  from the grant of its GPUs to their release (the coordinator hooks). The gate checks that
+  no GPU was used by two stages at once from these, independently of the coordinator.
 
 Unset ``RLIX_OBSERVE_DIR``: nothing is probed or written. Lines are appended with one
 ``write(2)`` on an ``O_APPEND`` descriptor, so concurrent writers of one file never interleave
@@ -167,10 +171,150 @@ class RouterCountersObserved:
         )
 
 
-Observation: TypeAlias = ShardVersionsObserved | RouterCountersObserved
-_KINDS: dict[str, type[ShardVersionsObserved] | type[RouterCountersObserved]] = {
+#: stages a busy record names (a generation shard, or the training cluster)
+BUSY_STAGES = ("generation", "train")
+
+
+@dataclass(frozen=True, slots=True)
+class BusyObserved:
+    """A stretch of time in which one stage of a pipeline computed on ``gpus``.
+
+    ``generation``: shard ``shard`` had at least one request running, from its first
+    request's start to its last one's end, as seen by the :class:`BusyRecordingEngine`
+    wrapping the shard's engine. ``train``: the training GPUs were in use, from the grant
+    of ``request_gpus`` to the ``notify_release_gpus`` call (the hooks write it). Wall-clock
+    times (``time.time()``) of the writing process: the processes of a job on one node share
+    the clock; across nodes the gate's check relies on their clocks agreeing.
+    """
+
+    KIND: ClassVar[str] = "busy"
+
+    pipeline_id: str
+    stage: str
+    gpus: tuple[int, ...]
+    start: float
+    end: float
+    shard: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in BUSY_STAGES:
+            raise ObservationError(
+                f"busy record of {self.pipeline_id}: stage {self.stage!r} is not one of "
+                f"{BUSY_STAGES}"
+            )
+        if not self.gpus or any(isinstance(g, bool) or not isinstance(g, int) or g < 0
+                                for g in self.gpus):
+            raise ObservationError(
+                f"busy record of {self.pipeline_id}: gpus must be a non-empty list of GPU ids, "
+                f"got {self.gpus!r}"
+            )
+        if not self.end >= self.start:
+            raise ObservationError(
+                f"busy record of {self.pipeline_id}: ends at {self.end} before it starts "
+                f"({self.start})"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.KIND, "pipeline_id": self.pipeline_id, "stage": self.stage,
+                "gpus": list(self.gpus), "start": self.start, "end": self.end,
+                "shard": self.shard}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> BusyObserved:
+        return cls(
+            pipeline_id=str(d["pipeline_id"]), stage=str(d["stage"]),
+            gpus=tuple(int(g) for g in d["gpus"]), start=float(d["start"]),
+            end=float(d["end"]), shard=None if d.get("shard") is None else int(d["shard"]),
+        )
+
+
+class BusyRecordingEngine:
+    """:class:`~rlix_plugins.generation.engine.ShardEngine` wrapper that records when its
+    shard computes: one :class:`BusyObserved` per stretch with >= 1 request running, handed
+    to ``record`` when the last request's call returns. Wrap the engines the preemption
+    controller drains (the same objects), so a drain that saw the shard idle saw every
+    interval closed. Every other attribute (optional capabilities such as
+    ``abort_requests``) is the inner engine's.
+    """
+
+    def __init__(self, inner: Any, *, pipeline_id: str, shard: int, gpus: Sequence[int],
+                 record: Callable[[BusyObserved], None]) -> None:
+        self.inner = inner
+        self.pipeline_id = pipeline_id
+        self.shard = shard
+        self.gpus = tuple(int(g) for g in gpus)
+        self._record = record
+        self._running = 0
+        self._since = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the wrapper lacks; dunders (pickle's probes on a
+        # half-built object) must not recurse into a missing ``inner``.
+        if name.startswith("__") or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["inner"], name)
+
+    async def generate(self, request: Any) -> Any:
+        if self._running == 0:
+            self._since = time.time()
+        self._running += 1
+        try:
+            return await self.inner.generate(request)
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                try:
+                    self._record(BusyObserved(self.pipeline_id, "generation", self.gpus,
+                                              self._since, time.time(), self.shard))
+                except Exception:  # a lost record fails the gate; it must not fail a request
+                    logger.exception("busy record of shard %d not written", self.shard)
+
+    async def abort_all(self) -> int:
+        return int(await self.inner.abort_all())
+
+    async def num_running(self) -> int:
+        return int(await self.inner.num_running())
+
+    async def sleep(self, level: int | None = None) -> None:
+        await self.inner.sleep(level)
+
+    async def wake_up(self) -> None:
+        await self.inner.wake_up()
+
+    async def resume(self) -> None:
+        await self.inner.resume()
+
+
+def shard_gpus(gpus: Sequence[int], tp: int) -> list[tuple[int, ...]]:
+    """GPU ids of each dp rank of an inference cluster mapped on ``gpus`` with ``tp``."""
+    if tp < 1 or len(gpus) % tp:
+        raise ObservationError(f"{len(gpus)} inference GPUs do not split into ranks of tp={tp}")
+    return [tuple(gpus[r * tp:(r + 1) * tp]) for r in range(len(gpus) // tp)]
+
+
+def recording_engines(engines: Sequence[Any], pipeline_id: str | None,
+                      gpus: Sequence[int] | None, tp: int = 1,
+                      writer: ObservationWriter | None = None) -> list[Any]:
+    """``engines`` wrapped in :class:`BusyRecordingEngine` writing to ``writer`` (default:
+    ``RLIX_OBSERVE_DIR``); unchanged when records are off or the GPUs are unknown."""
+    writer = writer if writer is not None else ObservationWriter.from_env(pipeline_id)
+    if not writer.enabled or gpus is None or writer.pipeline_id is None:
+        return list(engines)
+    per_rank = shard_gpus(gpus, tp)
+    if len(per_rank) != len(engines):
+        raise ObservationError(f"{len(engines)} shard engines but {len(per_rank)} ranks on "
+                               f"GPUs {list(gpus)} (tp={tp})")
+    return [BusyRecordingEngine(e, pipeline_id=writer.pipeline_id, shard=r, gpus=g,
+                                record=writer.write)
+            for r, (e, g) in enumerate(zip(engines, per_rank, strict=True))]
+
+
+Observation: TypeAlias = ShardVersionsObserved | RouterCountersObserved | BusyObserved
+_KINDS: dict[str, type[ShardVersionsObserved] | type[RouterCountersObserved]
+             | type[BusyObserved]] = {
     ShardVersionsObserved.KIND: ShardVersionsObserved,
     RouterCountersObserved.KIND: RouterCountersObserved,
+    BusyObserved.KIND: BusyObserved,
 }
 
 
@@ -344,13 +488,15 @@ class Observations:
     shard_versions: tuple[ShardVersionsObserved, ...]
     router_counters: tuple[RouterCountersObserved, ...]
     files: tuple[str, ...]
+    busy: tuple[BusyObserved, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.shard_versions and not self.router_counters
+        return not self.shard_versions and not self.router_counters and not self.busy
 
     def pipelines(self) -> list[str]:
         ids = {r.pipeline_id for r in self.shard_versions}
+        ids |= {r.pipeline_id for r in self.busy}
         return sorted(ids | {r.pipeline_id for r in self.router_counters})
 
 
@@ -384,6 +530,7 @@ def read_observations(directory: Path) -> Observations:
     """
     versions: list[ShardVersionsObserved] = []
     counters: list[RouterCountersObserved] = []
+    busy: list[BusyObserved] = []
     files = sorted(directory.glob("*.jsonl")) if directory.is_dir() else []
     for path in files:
         for i, line in enumerate(path.read_text().splitlines(), start=1):
@@ -392,10 +539,12 @@ def read_observations(directory: Path) -> Observations:
             rec = parse_line(line, f"{path}:{i}")
             if isinstance(rec, ShardVersionsObserved):
                 versions.append(rec)
+            elif isinstance(rec, BusyObserved):
+                busy.append(rec)
             else:
                 counters.append(rec)
     return Observations(directory, tuple(versions), tuple(counters),
-                        tuple(p.name for p in files))
+                        tuple(p.name for p in files), tuple(busy))
 
 
 def write_all(directory: Path, records: Iterable[Observation]) -> None:
@@ -407,7 +556,10 @@ def write_all(directory: Path, records: Iterable[Observation]) -> None:
 
 
 __all__ = [
+    "BUSY_STAGES",
     "ENV_OBSERVE_DIR",
+    "BusyObserved",
+    "BusyRecordingEngine",
     "Observation",
     "ObservationError",
     "ObservationWriter",
@@ -421,6 +573,8 @@ __all__ = [
     "observe_dir_from_env",
     "parse_line",
     "read_observations",
+    "recording_engines",
     "router_counters_emitter",
+    "shard_gpus",
     "write_all",
 ]

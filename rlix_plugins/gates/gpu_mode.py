@@ -47,7 +47,7 @@ from rlix_plugins.gates.criteria import (
     steps_completed,
     time_sharing,
 )
-from rlix_plugins.gates.observed import observed_criteria
+from rlix_plugins.gates.observed import observed_criteria, ownership_from_records
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
 
 logger = logging.getLogger(__name__)
@@ -503,9 +503,9 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
         criteria.append(time_sharing(intervals, opts.gate))
     figs = {j.name: _log_figures(out, j.name) for j in jobs}
     # Only the NeMo RL jobs run our shard controller and router (ROLL uses its own).
-    criteria.extend(observed_criteria(
-        [("shared", observe)],
-        expected_pipelines=sum(1 for j in jobs if j.name != "roll")))
+    nemo_jobs = sum(1 for j in jobs if j.name != "roll")
+    criteria.extend(observed_criteria([("shared", observe)], expected_pipelines=nemo_jobs))
+    criteria.append(ownership_from_records(observe, expected_pipelines=nemo_jobs))
     criteria.append(idle_below_exclusive(sampler.idle(t0, t1, 2), sampler.idle(t2, t3, 2)))
     result = GateResult(opts.gate, "gpu", tuple(criteria))
     (out / f"gate{opts.gate}_report.json").write_text(json.dumps({

@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rlix_plugins.adapters.observability import (
+    BusyObserved,
+    BusyRecordingEngine,
     ObservationWriter,
     RouterCountersObserved,
     ShardVersionsObserved,
@@ -53,7 +55,7 @@ from rlix_plugins.adapters.observability import (
 )
 from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
 from rlix_plugins.gates.timeline import Interval, RunRecord
-from rlix_plugins.generation.engine import EngineOutput, GenerationRequest, GenerationResult
+from rlix_plugins.generation.engine import GenerationRequest, GenerationResult
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.generation.router import (
@@ -173,50 +175,6 @@ def reactivations(events: list[tuple[str, int]], ranks: set[int]) -> int:
     return count
 
 
-class BusyEngine:
-    """:class:`ShardEngine` wrapper that logs when its shard computes (>= 1 request running).
-
-    The interval closes when the last request's stream has ended; a preemption's drain waits
-    for exactly that, so a shard's busy interval always ends before its GPU is granted on.
-    """
-
-    def __init__(self, inner: Any, gpu: int, owner: str, log: list[Interval]) -> None:
-        self.inner = inner
-        self.gpu = gpu
-        self.owner = owner
-        self._log = log
-        self._running = 0
-        self._since = 0.0
-
-    async def generate(self, request: GenerationRequest) -> EngineOutput:
-        if self._running == 0:
-            self._since = time.time()
-        self._running += 1
-        try:
-            out: EngineOutput = await self.inner.generate(request)
-            return out
-        finally:
-            self._running -= 1
-            if self._running == 0:
-                self._log.append(Interval(self.gpu, self.owner, STAGE_GENERATION, self._since,
-                                          time.time()))
-
-    async def abort_all(self) -> int:
-        return int(await self.inner.abort_all())
-
-    async def num_running(self) -> int:
-        return int(await self.inner.num_running())
-
-    async def sleep(self, level: int | None = None) -> None:
-        await self.inner.sleep(level)
-
-    async def wake_up(self) -> None:
-        await self.inner.wake_up()
-
-    async def resume(self) -> None:
-        await self.inner.resume()
-
-
 class AsyncEngineReceiver:
     """:class:`~rlix_plugins.training.sync.ReceiverHandle` for an in-process ``AsyncLLM``: the
     worker extension's ``rlix_receive_weights`` runs through ``collective_rpc`` on the engine's
@@ -271,9 +229,13 @@ class RehearsalRuntime:
         self.state = LocalShardState(self.store)
         from rlix_plugins.generation.vllm_engine import VllmAsyncShard
 
+        # The library's recording wrapper (what GPU mode's jobs use) feeds both the
+        # rehearsal's own busy log and the busy records the gate judges; the lifecycle drains
+        # these same objects, so a shard seen idle has closed its interval.
         self.engines = [
-            BusyEngine(VllmAsyncShard(e, name=f"{spec.label}/{r}"), spec.infer_gpus[r],
-                       self.infer_cluster, self.busy)
+            BusyRecordingEngine(VllmAsyncShard(e, name=f"{spec.label}/{r}"),
+                                pipeline_id=self.pipeline_id, shard=r,
+                                gpus=(spec.infer_gpus[r],), record=self._on_busy)
             for r, e in enumerate(self._engines_raw)
         ]
         self.lifecycle = ShardLifecycle(self.state, self.engines, PreemptionConfig())
@@ -463,6 +425,13 @@ class RehearsalRuntime:
         return list(samples)
 
     # ------------------------------------------------------------------ step loop
+    def _on_busy(self, rec: BusyObserved) -> None:
+        """A shard's busy interval closed: into the busy log and the run's records."""
+        for g in rec.gpus:
+            self.busy.append(Interval(g, self.infer_cluster, STAGE_GENERATION, rec.start,
+                                      rec.end))
+        self._observer.write(rec)
+
     def run(self, steps: int, mode: str, hooks: Any, request_generation: Any) -> PipelineRun:
         """``steps`` train steps; ``mode`` "shared" (under the coordinator) or "exclusive"."""
         from rlix_plugins.training.progress import ProgressTracker, hooks_sink, outstanding_sink
@@ -621,7 +590,12 @@ class RehearsalPipeline(PipelineCoordinator):
             settings = Settings(control_plane=ControlPlane.RLIX,
                                 namespace=self.control_namespace, request_timeout_s=300.0,
                                 lease_s=10.0)
-            hooks: Any = CoordinatorHooks(self.pipeline_id, settings, heartbeat=True)
+            observe = rt.spec.observe_dir
+            # The hooks write the train steps' busy records (as in a GPU-mode job).
+            observer = ObservationWriter(
+                None if observe is None else Path(observe) / "shared", self.pipeline_id)
+            hooks: Any = CoordinatorHooks(self.pipeline_id, settings, heartbeat=True,
+                                          observer=observer)
             self._hooks = hooks
             return rt.run(steps, mode, hooks, self._request_generation)
         from rlix_plugins.hooks.protocol import NoOpRLixHooks

@@ -34,10 +34,15 @@ from rlix_plugins.adapters.observability import (
     ShardVersionsObserved,
     read_observations,
 )
-from rlix_plugins.gates.criteria import CriterionResult
+from rlix_plugins.gates.criteria import CriterionResult, no_double_ownership
+from rlix_plugins.gates.timeline import Interval
+from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN
 
 WEIGHTS_REQUIREMENT = ("after each sync every active shard serves the trainer's current "
                        "version (engine-reported, from the jobs' records)")
+OWNERSHIP_REQUIREMENT = ("no GPU used by two pipelines' stages at once (the jobs' own records "
+                         "of when each shard had requests running and each train step held "
+                         "its GPUs)")
 REQUESTS_REQUIREMENT = ("zero lost or duplicated requests (router bookkeeping from the jobs' "
                         "records: completed == submitted - cancelled, none in flight at the end)")
 
@@ -201,6 +206,35 @@ def requests_from_records(
                            all(t.ok for t in totals) and not missing)
 
 
+def ownership_from_records(directory: Path, *, expected_pipelines: int | None = None,
+                           name: str = "ownership_observed") -> CriterionResult:
+    """No GPU used by two pipelines' stages at once, judged from the jobs' own busy records
+    (generation shards with requests running, train steps between grant and release) of ONE
+    run: evidence independent of the coordinator's bookkeeping. No records, or records of
+    fewer pipelines than expected, fail."""
+    try:
+        obs = read_observations(directory)
+    except ObservationError as exc:
+        return CriterionResult(name, OWNERSHIP_REQUIREMENT, f"unreadable records: {exc}", False)
+    intervals = [
+        Interval(g, f"{r.pipeline_id}_{ACTOR_INFER if r.stage == 'generation' else ACTOR_TRAIN}",
+                 r.stage, r.start, r.end)
+        for r in obs.busy for g in r.gpus
+    ]
+    result = no_double_ownership(name, intervals,
+                                 source=f"the jobs' busy records in {directory}")
+    stages = {(r.pipeline_id, r.stage) for r in obs.busy}
+    pipelines = {p for p, _ in stages}
+    gaps = []
+    if expected_pipelines is not None and len(pipelines) < expected_pipelines:
+        gaps.append(f"busy records of {len(pipelines)} of {expected_pipelines} pipelines")
+    untrained = sorted(p for p in pipelines if (p, "train") not in stages)
+    if untrained:
+        gaps.append(f"no train records of {untrained}")
+    measured = result.measured + ("; " + "; ".join(gaps) if gaps else "")
+    return CriterionResult(name, OWNERSHIP_REQUIREMENT, measured, result.passed and not gaps)
+
+
 def _coverage_gaps(
     runs: Sequence[tuple[str, set[str]]], expected_pipelines: int | None, kind: str
 ) -> list[str]:
@@ -238,6 +272,7 @@ __all__ = [
     "RequestTotals",
     "StaleShard",
     "observed_criteria",
+    "ownership_from_records",
     "request_totals",
     "requests_from_records",
     "stale_shards",

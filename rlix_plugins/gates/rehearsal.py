@@ -48,7 +48,7 @@ from rlix_plugins.gates.criteria import (
     weights_current,
 )
 from rlix_plugins.gates.nemo_rehearsal import PipelineRun, PipelineSpec
-from rlix_plugins.gates.observed import observed_criteria
+from rlix_plugins.gates.observed import observed_criteria, ownership_from_records
 from rlix_plugins.gates.roll_sequence import RollRun, RollSpec
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
 
@@ -335,6 +335,8 @@ def evaluate(gate: int, steps: int, shared: PhaseResult,
             [(p.mode, observe_dir / p.mode) for p in phases],
             expected_pipelines=len(shared.nemo),
             names=("weights_observed", "requests_observed")))
+        criteria.append(ownership_from_records(observe_dir / shared.mode,
+                                               expected_pipelines=len(shared.nemo)))
     shared_idle = measure_idle(shared.busy, NUM_GPUS, shared.start, shared.end)
     figures: dict[str, Any] = {"shared": dataclasses.asdict(shared_idle)}
     if exclusive is not None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlix_plugins.adapters.observability import BusyObserved, ObservationWriter
 from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
 from rlix_plugins.protocol.names import ACTOR_TRAIN, SCHEDULER_ACTOR, cluster_id
 from rlix_plugins.protocol.types import (
@@ -70,6 +71,7 @@ class CoordinatorHooks:
         train_cluster: str = ACTOR_TRAIN,
         heartbeat: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        observer: ObservationWriter | None = None,
     ) -> None:
         self.pipeline_id = pipeline_id
         self.settings = settings
@@ -80,6 +82,11 @@ class CoordinatorHooks:
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self.heartbeat_error: BaseException | None = None
+        #: where train busy records go (``RLIX_OBSERVE_DIR`` unless given); off when unset
+        self.observer = observer if observer is not None else ObservationWriter.from_env(
+            pipeline_id)
+        #: the training GPUs and when they were granted, until after_training
+        self._training: tuple[tuple[int, ...], float] | None = None
         if heartbeat:
             self.start_heartbeat()
 
@@ -147,9 +154,17 @@ class CoordinatorHooks:
             pipeline_id=self.pipeline_id,
         )
         logger.info("step %d: training GPUs granted %s", step, gpus)
+        if isinstance(gpus, (list, tuple)) and gpus:
+            self._training = (tuple(int(g) for g in gpus), time.time())
 
     def after_training(self, step: int) -> None:
         """Release the training GPUs (weights cached, training state offloaded)."""
+        if self._training is not None:
+            gpus, since = self._training
+            self._training = None
+            # Written before the release: once released, the GPUs may be woken for others.
+            self.observer.write(BusyObserved(self.pipeline_id, "train", gpus, since,
+                                             time.time()))
         self._call(
             "notify_release_gpus",
             cluster_id=self.train_cluster_id,

@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 BATCH = 24
 EXPECTED = {"ownership_coordinator", "ownership_busy_log", "coordinator_status", "steps",
-            "weights", "requests", "idle_share", "weights_observed", "requests_observed"}
+            "weights", "requests", "idle_share", "weights_observed", "requests_observed",
+            "ownership_observed"}
 
 
 def _run_gate(gate: int, out: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -74,6 +75,10 @@ def _check_common(gate: int, out: Path, proc: subprocess.CompletedProcess[str],
         assert set(obs.pipelines()) == ids
         assert {t.pipeline_id: t.submitted for t in request_totals("", obs.router_counters)} \
             == dict.fromkeys(ids, STEPS * BATCH)
+        if mode == "shared":
+            # busy records of every pipeline's shards and of its train steps (the hooks')
+            assert {(r.pipeline_id, r.stage) for r in obs.busy} == {
+                (i, s) for i in ids for s in ("generation", "train")}
         events = {r.event for r in obs.shard_versions}
         if mode == "exclusive":
             # The generation GPU is never slept there: every new version is an active refresh.

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from rlix_plugins.gates.nemo_rehearsal import BusyEngine, PipelineSpec
+from rlix_plugins.adapters.observability import BusyObserved, BusyRecordingEngine
+from rlix_plugins.gates.nemo_rehearsal import PipelineSpec
 from rlix_plugins.gates.roll_sequence import SimulatedRollShards
-from rlix_plugins.gates.timeline import Interval
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
 
 
@@ -26,8 +26,9 @@ class ScriptedEngineStandIn:
 
 
 def test_busy_engine_logs_one_interval_per_busy_period() -> None:
-    log: list[Interval] = []
-    eng = BusyEngine(ScriptedEngineStandIn(0.05), gpu=1, owner="ft_x_actor_infer", log=log)
+    log: list[BusyObserved] = []
+    eng = BusyRecordingEngine(ScriptedEngineStandIn(0.05), pipeline_id="ft_x", shard=0,
+                              gpus=(1,), record=log.append)
 
     async def go() -> None:
         reqs = [GenerationRequest(f"r{i}", (5,), 3) for i in range(3)]
@@ -38,7 +39,7 @@ def test_busy_engine_logs_one_interval_per_busy_period() -> None:
     asyncio.run(go())
     assert len(log) == 2
     first, second = log
-    assert first.gpu == 1 and first.owner == "ft_x_actor_infer" and first.stage == "generation"
+    assert first.gpus == (1,) and first.pipeline_id == "ft_x" and first.stage == "generation"
     assert 0.04 <= first.end - first.start < 0.5
     assert second.start - first.end >= 0.04  # the gap is not counted as busy
 
@@ -48,8 +49,9 @@ def test_busy_engine_closes_interval_when_the_request_fails() -> None:
         async def generate(self, request: GenerationRequest) -> EngineOutput:
             raise RuntimeError("boom")
 
-    log: list[Interval] = []
-    eng = BusyEngine(FailingStandIn(), gpu=0, owner="o", log=log)
+    log: list[BusyObserved] = []
+    eng = BusyRecordingEngine(FailingStandIn(), pipeline_id="ft_x", shard=0, gpus=(0,),
+                              record=log.append)
     with pytest.raises(RuntimeError):
         asyncio.run(eng.generate(GenerationRequest("r", (5,), 1)))
     assert len(log) == 1
