@@ -131,8 +131,11 @@ def run_policy(
     return result
 
 
-def isolated_jct(job: JobSpec, gpus_per_node: int, *, seed: int) -> float:
-    """JCT of ``job`` alone on its dedicated GPUs (the slowdown denominator)."""
+def isolated_jct(
+    job: JobSpec, gpus_per_node: int, *, seed: int, config: EngineConfig | None = None
+) -> float:
+    """JCT of ``job`` alone on its dedicated GPUs (the slowdown denominator), under the same
+    engine settings (cycle interval, tick, blocking cycles) as the runs it divides."""
     alone = replace(job, arrival_s=0.0)
     nodes = -(-job.footprint // gpus_per_node)
     wl = Workload(
@@ -143,7 +146,7 @@ def isolated_jct(job: JobSpec, gpus_per_node: int, *, seed: int) -> float:
         exclusive_nodes=nodes,
         shared_nodes=nodes,
     )
-    cfg = EngineConfig(record_tenures=False)
+    cfg = replace(config or EngineConfig(), record_tenures=False)
     return run_policy(wl, "exclusive", seed=seed, config=cfg).makespan
 
 
@@ -158,6 +161,7 @@ def run_all(
     runs = tuple(PolicyRun(p, run_policy(workload, p, seed=seed, config=config)) for p in policies)
     # A job's random stream is keyed by (seed, job name): alone it draws the same lengths.
     isolated = {
-        job.name: isolated_jct(job, workload.gpus_per_node, seed=seed) for job in workload.jobs
+        job.name: isolated_jct(job, workload.gpus_per_node, seed=seed, config=config)
+        for job in workload.jobs
     }
     return runs, isolated

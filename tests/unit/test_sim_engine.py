@@ -24,7 +24,7 @@ from rlix_plugins.sim.metrics import jain, summarize
 from rlix_plugins.sim.physics import GpuLedger, PhysicsViolation, TrajectoryCounter
 from rlix_plugins.sim.placement import SpanPlacer
 from rlix_plugins.sim.rlix_policy import RlixPlanner, round_half_up
-from rlix_plugins.sim.runner import make_planner, run_policy
+from rlix_plugins.sim.runner import isolated_jct, make_planner, run_policy
 from rlix_plugins.sim.scenario import ScenarioError, load_scenario
 from rlix_plugins.sim.workloads import (
     JobSpec,
@@ -544,3 +544,13 @@ def test_workloads_are_deterministic_per_seed() -> None:
     a = run_policy(wl, "ours", seed=5, config=EngineConfig(record_tenures=False))
     b = run_policy(wl, "ours", seed=5, config=EngineConfig(record_tenures=False))
     assert a.makespan == b.makespan and a.aborted == b.aborted
+
+
+def test_slowdown_denominators_run_under_the_comparisons_engine_settings() -> None:
+    """A job's JCT alone is measured with the engine settings of the runs it divides (the
+    4,096-GPU point runs 1 s cycles and a 30 s tick; its denominators used the defaults)."""
+    job = long_tail_agentic(num_jobs=1, nodes=1, steps=2).jobs[0]
+    slow = EngineConfig(cycle_interval_s=5.0, tick_s=30.0)
+    default = isolated_jct(job, 8, seed=3)
+    assert isolated_jct(job, 8, seed=3, config=EngineConfig()) == default
+    assert isolated_jct(job, 8, seed=3, config=slow) != default
