@@ -44,7 +44,7 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -367,23 +367,42 @@ class BucketCache:
             for _ in iterator:
                 pass
             return None
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            # Checked before the collective is consumed: a bad number must not cost a gather.
+            raise WeightCacheError(
+                f"pipeline {self.pipeline_id!r}: weight version must be an int >= 0, got "
+                f"{version!r}"
+            )
+        claimed = False  # only this call's own claim on the number may be released below
         try:
             self._begin_build(version)
+            claimed = True
             if expected_bytes is not None:
                 self.check_capacity(expected_bytes, probe=memory_probe)
             storage = self.resolve_storage(expected_bytes)
             built = self._pack(version, iterator, storage, memory_probe)
         except BaseException:
-            with self._lock:
-                self._building.discard(version)
+            if claimed:
+                with self._lock:
+                    self._building.discard(version)
             if self.config.drain_on_error:
                 self._drain(iterator)
             raise
         with self._lock:
             self._building.discard(version)
-            self._versions[version] = built
-            self._latest = version
-            freed = self._retire_others_locked()
+            closed = self._closed
+            if not closed:
+                self._versions[version] = built
+                self._latest = version
+                freed = self._retire_others_locked()
+        if closed:
+            # close() ran while this build packed: the cache stays closed and nothing of the
+            # build may outlive it (its shared-memory files included).
+            self._free_all([built])
+            raise WeightCacheError(
+                f"pipeline {self.pipeline_id!r}: the cache was closed while weight version "
+                f"{version} was being built; the build was discarded"
+            )
         self._free_all(freed)
         logger.info(
             "pipeline %s: cached weight version %d (%d buckets, %d tensors, %.1f MiB, %s)",
@@ -630,19 +649,42 @@ class BucketCache:
     @contextlib.contextmanager
     def pinned(self, version: int) -> Iterator[CachedVersion]:
         """Hold ``version`` for the duration of a sync (it cannot be freed meanwhile)."""
-        with self._lock:
-            cv = self._get(version)
-            cv.pins += 1
+        cv = self._pin(version)
         try:
             yield cv
         finally:
-            freed: list[CachedVersion] = []
-            with self._lock:
-                cv.pins -= 1
-                if cv.retired and cv.pins == 0 and self._versions.get(cv.version) is cv:
-                    del self._versions[cv.version]
-                    freed.append(cv)
-            self._free_all(freed)
+            self._unpin(cv)
+
+    def hold(self, version: int) -> Callable[[], None]:
+        """Pin ``version`` beyond a ``with`` block (a receiver still reading its pages after
+        its sync gave up on it); returns the release, which acts once however often called."""
+        cv = self._pin(version)
+        released = threading.Event()
+        guard = threading.Lock()
+
+        def release() -> None:
+            with guard:
+                if released.is_set():
+                    return
+                released.set()
+            self._unpin(cv)
+
+        return release
+
+    def _pin(self, version: int) -> CachedVersion:
+        with self._lock:
+            cv = self._get(version)
+            cv.pins += 1
+        return cv
+
+    def _unpin(self, cv: CachedVersion) -> None:
+        freed: list[CachedVersion] = []
+        with self._lock:
+            cv.pins -= 1
+            if cv.retired and cv.pins == 0 and self._versions.get(cv.version) is cv:
+                del self._versions[cv.version]
+                freed.append(cv)
+        self._free_all(freed)
 
     def named_tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Copies of every tensor of ``version`` (for checks and debugging)."""

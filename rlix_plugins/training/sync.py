@@ -18,11 +18,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -89,6 +90,11 @@ class SyncOptions:
     raise_on_error: bool = True
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.ack_timeout_s, (int, float)) and 0 < self.ack_timeout_s < math.inf):
+            # A negative or NaN bound failed every sync as "no connection within the timeout".
+            raise WeightSyncError(
+                f"SyncOptions.ack_timeout_s must be finite seconds > 0, got {self.ack_timeout_s!r}"
+            )
         # The sync compares kinds by identity, so a plain string must become the enum member.
         kinds: dict[str, TransportKind] = {}
         for shard_id, raw in self.transports.items():
@@ -451,6 +457,20 @@ def sync_version(
                 ) as pool:
                     for res in pool.map(lambda g: g.run(), groups):
                         outcomes.extend(res)
+            for m in members:
+                if m.future is not None and not m.future.done():
+                    # The sync gave up on a receiver that is still applying (its "end" may
+                    # already be queued, so it can still finish and record this version): its
+                    # pages must not be recycled under it by the next builds until it stops.
+                    release = cache.hold(version)
+                    m.future.add_done_callback(_releaser(release))
+                    logger.warning(
+                        "pipeline %s: shard %s still receiving weight version %d after its "
+                        "sync ended; the version stays cached until it stops",
+                        cache.pipeline_id,
+                        m.receiver.shard_id,
+                        version,
+                    )
         finally:
             for m in members:
                 m.socket.close(linger=0)
@@ -477,6 +497,15 @@ def sync_version(
     if report.failed and opts.raise_on_error:
         raise _error_for(report)
     return report
+
+
+def _releaser(release: Callable[[], None]) -> Callable[[concurrent.futures.Future[Any]], None]:
+    """A future's done-callback that calls ``release``."""
+
+    def done(_: concurrent.futures.Future[Any]) -> None:
+        release()
+
+    return done
 
 
 def _error_for(report: SyncReport) -> RlixPluginsError:
