@@ -19,6 +19,11 @@ class ProtocolError(RlixPluginsError, ValueError):
     """A wire value (cluster id, pipeline id, report) is malformed."""
 
 
+class CorruptStateError(ProtocolError):
+    """The coordinator's saved state cannot be read back (truncated, malformed, or from
+    another cluster); the message names where it is and how to start afresh."""
+
+
 class RegistrationError(RlixPluginsError, ValueError):
     """A pipeline registration is invalid (device mapping, TP layout, overlap, duplicate)."""
 

@@ -6,6 +6,9 @@ coordinator keeps answering probes, as one on an unreachable node is never confi
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+
+import pytest
 
 from rlix_plugins.coordinator.core import PolicyConfig
 from rlix_plugins.protocol import Priority, ProgressReport
@@ -107,5 +110,125 @@ def test_a_grant_is_answered_only_once_it_is_saved(scheduler_service: ServiceBui
         failing = False
         assert await asyncio.wait_for(train, 5) == [0, 1]
         await service.stop(clear_state=False)
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def _failing_saves(service: object) -> dict[str, bool]:
+    """Make the service's state store fail while ``flag["failing"]``; returns the flag."""
+    store = service._store  # type: ignore[attr-defined]
+    save = store.save
+    flag = {"failing": True}
+
+    def flaky_save(record: object) -> None:
+        if flag["failing"]:
+            raise OSError("disk full (test)")
+        save(record)
+
+    store.save = flaky_save
+    return flag
+
+
+def test_a_release_and_a_registration_are_answered_only_once_saved(
+    scheduler_service: ServiceBuilder,
+) -> None:
+    """Answered before their save, a restart undid them while the caller acted on them: the
+    released cluster still held its GPUs (its next GENERATION request was refused), the
+    registered pipeline was unknown."""
+
+    async def go() -> None:
+        service = scheduler_service(request_timeout_s=20.0)
+        await register_pipeline(service, B, train=[0, 1])
+        cid = f"{B}_actor_train"
+        assert await service.request_gpus(cluster_id=cid, priority=Priority.ACTOR_TRAINING)
+        flag = _failing_saves(service)
+        release = asyncio.create_task(service.notify_release_gpus(cluster_id=cid))
+        register = asyncio.create_task(register_pipeline(service, A, train=[2]))
+        await asyncio.sleep(0.5)
+        assert not release.done() and not register.done()
+        flag["failing"] = False
+        await asyncio.wait_for(asyncio.gather(release, register), 5)
+        await service.stop(clear_state=False)
+        restarted = scheduler_service(request_timeout_s=20.0)
+        assert restarted._state.holdings == {}
+        assert A in restarted._state.pipelines
+        await restarted.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_release_whose_state_is_never_saved_fails_with_a_typed_error(
+    scheduler_service: ServiceBuilder,
+) -> None:
+    from rlix_plugins.errors import CoordinatorUnavailableError
+
+    async def go() -> None:
+        service = scheduler_service(request_timeout_s=1.0)
+        await register_pipeline(service, B, train=[0, 1])
+        cid = f"{B}_actor_train"
+        assert await service.request_gpus(cluster_id=cid, priority=Priority.ACTOR_TRAINING)
+        _failing_saves(service)
+        try:
+            await service.notify_release_gpus(cluster_id=cid)
+        except CoordinatorUnavailableError as exc:
+            assert "could not save its state" in str(exc)
+        else:
+            raise AssertionError("a release that was never saved was answered")
+        await service.stop(clear_state=False)
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"state": {"version": 1', "not valid JSON"),
+        ("[]", "JSON list, not an object"),
+        ('{"inflight": null}', "no 'state' object"),
+        ('{"state": {"version": 1}}', "snapshot is malformed"),
+    ],
+)
+def test_a_corrupt_saved_state_is_a_typed_error_naming_the_cure(
+    scheduler_service: ServiceBuilder, tmp_path: Path, text: str, needle: str
+) -> None:
+    from rlix_plugins.errors import CorruptStateError
+
+    (tmp_path / "scheduler_state.json").write_text(text)
+
+    async def go() -> None:
+        with pytest.raises(CorruptStateError, match=needle) as err:
+            scheduler_service()
+        assert "rlix-plugins coordinator stop" in str(err.value)
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_completed_shrinks_are_saved_before_the_commit(
+    scheduler_service: ServiceBuilder, fake_coordinators: dict[str, FakePipelineCoordinator]
+) -> None:
+    """A crash between a cycle's shrinks and its commit must restore those ranks as asleep;
+    a plan with shrinks and no expands (a preemption for a grant) used to save nothing
+    in between."""
+
+    async def go() -> None:
+        service = scheduler_service(request_timeout_s=20.0)
+        await register_pipeline(service, A, infer=[0, 1, 2, 3])
+        await register_pipeline(service, B, train=[0])
+        await service.request_gpus(
+            cluster_id=f"{A}_actor_infer", priority=Priority.GENERATION, step_target_estimate=100
+        )
+        await asyncio.sleep(0.3)
+        saved: list[object] = []
+        store = service._store
+        save = store.save
+
+        def spy(record: dict[str, object]) -> None:
+            saved.append(record.get("inflight"))
+            save(record)
+
+        store.save = spy  # type: ignore[method-assign]
+        await service.request_gpus(cluster_id=f"{B}_actor_train", priority=Priority.ACTOR_TRAINING)
+        assert {"confirmed_shrinks": [[f"{A}_actor_infer", 0]], "expands": []} in saved
+        await service.stop()
 
     asyncio.run(asyncio.wait_for(go(), 60))

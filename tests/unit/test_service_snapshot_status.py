@@ -110,3 +110,59 @@ def test_status_view_lists_owners_stages_demand_and_queue() -> None:
         assert needle in text
     with pytest.raises(AttributeError):
         status.revision = 5  # type: ignore[misc]
+
+
+def test_reservation_figures_and_fenced_pipelines_survive_a_snapshot() -> None:
+    """What the reservation rule plans with (held_since, last_hold_s) and the pipelines frozen
+    until confirmed dead used to be lost by a restart: no cluster could backfill, and a
+    restored fenced pipeline's ranks could be moved (P7)."""
+    state = _busy_state()
+    state.release("ft_a_actor_train", now=11.0)  # held from 1 to 11
+    state.fence("ft_b")
+    data = json.loads(json.dumps(snapshot(state)))
+    back = restore(data, Topology(1, 8))
+    assert back.last_hold_s == state.last_hold_s == {"ft_a_actor_train": 10.0}
+    assert back.held_since == state.held_since
+    assert back.fenced == {"ft_b"}
+    # snapshots written before these fields existed restore as before (nothing known)
+    for key in ("held_since", "last_hold_s", "fenced"):
+        del data[key]
+    older = restore(data, Topology(1, 8))
+    assert older.last_hold_s == {} and older.fenced == set()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d.pop("topology"),
+        lambda d: d["holdings"].update({"x_actor_train": 1}),
+        lambda d: d.update(pipelines="nonsense"),
+        lambda d: d["active_ranks"].update({"ft_a_actor_infer": [[0, "soon"]]}),
+    ],
+)
+def test_a_malformed_snapshot_is_a_corrupt_state_error(damage: object) -> None:
+    from rlix_plugins.errors import CorruptStateError
+
+    data = json.loads(json.dumps(snapshot(_busy_state())))
+    damage(data)  # type: ignore[operator]
+    with pytest.raises(CorruptStateError, match="snapshot is malformed"):
+        restore(data, Topology(1, 8))
+    with pytest.raises(CorruptStateError, match="JSON object"):
+        restore([], Topology(1, 8))  # type: ignore[arg-type]
+
+
+def test_bad_request_fields_are_refused_and_leave_state_unchanged() -> None:
+    from rlix_plugins.errors import RequestStateError, UnknownPipelineError
+    from tests.core_builders import observable
+
+    state = _busy_state()
+    before = observable(state)
+    with pytest.raises(RequestStateError, match="global_step must be an int >= 0"):
+        state.submit_request("ft_a_actor_infer", GEN, now=3, global_step="junk")  # type: ignore[arg-type]
+    with pytest.raises(RequestStateError, match="lora_name must be a str"):
+        state.submit_request("ft_a_actor_infer", GEN, now=3, lora_name=object())  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="pipeline_id must be a non-empty str"):
+        state.pipeline(["ft_a"])  # type: ignore[arg-type]
+    with pytest.raises(UnknownPipelineError):
+        state.pipeline("ft_zz")
+    assert observable(state) == before

@@ -19,12 +19,12 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rlix_plugins.coordinator.core.invariants import check_state
+from rlix_plugins.coordinator.core.invariants import InvariantViolation, check_state
 from rlix_plugins.coordinator.core.model import GpuOwner, Topology
 from rlix_plugins.coordinator.core.plan import Plan, RankMove, ShrinkReason
 from rlix_plugins.coordinator.core.registration import validate_registration
 from rlix_plugins.coordinator.core.state import SchedulerState
-from rlix_plugins.errors import ProtocolError
+from rlix_plugins.errors import CorruptStateError, ProtocolError
 from rlix_plugins.protocol.types import Priority, ProgressReport
 
 SNAPSHOT_VERSION = 1
@@ -84,6 +84,11 @@ def snapshot(state: SchedulerState) -> dict[str, Any]:
         "progress": progress,
         "estimates": dict(state.estimates),
         "warming": sorted([cid, r] for cid, r in state.warming),
+        # What the reservation rule plans with (EASY backfill needs each cluster's expected
+        # holding) and the pipelines frozen until they are confirmed dead (P7).
+        "held_since": dict(state.held_since),
+        "last_hold_s": dict(state.last_hold_s),
+        "fenced": sorted(state.fenced),
     }
 
 
@@ -91,8 +96,22 @@ def restore(data: Mapping[str, Any], topology: Topology | None = None) -> Schedu
     """Rebuild a :class:`SchedulerState` from :func:`snapshot` output and check its invariants.
 
     ``topology`` must match the snapshot's when given (a coordinator restarted on a different
-    cluster shape cannot trust the old GPU ids).
+    cluster shape cannot trust the old GPU ids). A snapshot that is not one (missing or
+    malformed fields, unknown clusters) raises :class:`CorruptStateError`.
     """
+    if not isinstance(data, Mapping):
+        raise CorruptStateError(f"a snapshot is a JSON object, got {type(data).__name__}")
+    try:
+        return _restore(data, topology)
+    except ProtocolError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, InvariantViolation) as exc:
+        raise CorruptStateError(
+            f"snapshot is malformed ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _restore(data: Mapping[str, Any], topology: Topology | None) -> SchedulerState:
     if data.get("version") != SNAPSHOT_VERSION:
         raise ProtocolError(
             f"snapshot version {data.get('version')!r} is not supported; expected "
@@ -143,6 +162,16 @@ def restore(data: Mapping[str, Any], topology: Topology | None = None) -> Schedu
         for cid, r in data.get("warming", [])
         if int(r) in state.active_ranks.get(str(cid), {})
     }
+    # Absent from older snapshots: a restart then forgets them, as it used to.
+    state.held_since = {
+        str(c): float(t) for c, t in data.get("held_since", {}).items() if c in state.holdings
+    }
+    state.last_hold_s = {
+        str(c): float(t) for c, t in data.get("last_hold_s", {}).items() if c in state.clusters
+    }
+    for pid in data.get("fenced", []):
+        if pid in state.pipelines:
+            state.fence(str(pid))
     # Revisions must keep growing across a restart so a client comparing them is not fooled.
     state.revision = int(data["revision"]) + 1
     check_state(state)

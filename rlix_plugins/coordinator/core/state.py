@@ -27,7 +27,7 @@ from rlix_plugins.errors import (
     UnknownClusterError,
     UnknownPipelineError,
 )
-from rlix_plugins.protocol.names import parse_cluster_id
+from rlix_plugins.protocol.names import parse_cluster_id, validate_pipeline_id
 from rlix_plugins.protocol.types import OUTSTANDING_METRIC, Priority, ProgressReport
 
 StreamKey = tuple[str, str | None]
@@ -102,6 +102,10 @@ class SchedulerState:
         return spec
 
     def pipeline(self, pipeline_id: str) -> PipelineSpec:
+        """The registered pipeline; ProtocolError for a malformed id, else
+        :class:`UnknownPipelineError` when it is not registered."""
+        if not isinstance(pipeline_id, str):
+            validate_pipeline_id(pipeline_id)  # raises (an unhashable id is no TypeError)
         spec = self.pipelines.get(pipeline_id)
         if spec is None:
             raise UnknownPipelineError(
@@ -254,6 +258,12 @@ class SchedulerState:
             raise RequestStateError(
                 f"step_target_estimate must be an int >= 0 or None, got {step_target_estimate!r}"
             )
+        if global_step is not None and (
+            isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0
+        ):
+            raise RequestStateError(f"global_step must be an int >= 0 or None, got {global_step!r}")
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise RequestStateError(f"lora_name must be a str or None, got {lora_name!r}")
         if cluster_id in self.pending:
             raise RequestStateError(
                 f"cluster {cluster_id!r} already has a pending request "

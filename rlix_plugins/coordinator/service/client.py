@@ -171,11 +171,23 @@ def stop_coordinator(
     """
     stopped = []
     sched = _get(SCHEDULER_ACTOR, namespace)
+    cleared = False
     if sched is not None:
         try:
             ray.get(sched.stop.remote(clear_state=clear_state), timeout=timeout_s)
+            cleared = clear_state
         except Exception:
             logger.warning("scheduler did not stop cleanly; killing it", exc_info=True)
+    if clear_state and not cleared:
+        # No scheduler could clear it (e.g. one that cannot start because its saved state is
+        # corrupt): forget the default (Ray KV) state here. A ServiceConfig.state_file is the
+        # operator's file to remove.
+        from rlix_plugins.coordinator.service.persistence import KvStateStore
+
+        try:
+            KvStateStore(namespace).clear()
+        except Exception:
+            logger.warning("could not clear the saved state of %s", namespace, exc_info=True)
     roll = _get(ROLL_RESOURCE_MANAGER_ACTOR, namespace)
     if roll is not None:
         try:

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlix_plugins.errors import CorruptStateError
+
 logger = logging.getLogger(__name__)
 
 _KV_NAMESPACE = "rlix_plugins"
@@ -28,6 +30,23 @@ class StateStore(Protocol):
     def save(self, record: dict[str, Any]) -> None: ...
 
     def clear(self) -> None: ...
+
+
+def _parse(raw: str | bytes, where: str) -> dict[str, Any]:
+    """A saved record, or :class:`CorruptStateError` naming where it is."""
+    try:
+        record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptStateError(
+            f"the coordinator's saved state in {where} is not valid JSON ({exc}); "
+            "start afresh with `rlix-plugins coordinator stop` (clears it) or remove it"
+        ) from None
+    if not isinstance(record, dict):
+        raise CorruptStateError(
+            f"the coordinator's saved state in {where} is a JSON {type(record).__name__}, "
+            "not an object; start afresh with `rlix-plugins coordinator stop` or remove it"
+        )
+    return record
 
 
 def kv_key(namespace: str) -> bytes:
@@ -47,8 +66,7 @@ class KvStateStore:
         raw = internal_kv._internal_kv_get(self._key, namespace=_KV_NAMESPACE)
         if raw is None:
             return None
-        record: dict[str, Any] = json.loads(raw)
-        return record
+        return _parse(raw, f"Ray KV key {self._key.decode()!r} (namespace {_KV_NAMESPACE!r})")
 
     def save(self, record: dict[str, Any]) -> None:
         from ray.experimental import internal_kv
@@ -74,8 +92,7 @@ class FileStateStore:
             text = self.path.read_text()
         except FileNotFoundError:
             return None
-        record: dict[str, Any] = json.loads(text)
-        return record
+        return _parse(text, f"file {self.path}")
 
     def save(self, record: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +102,12 @@ class FileStateStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        # The rename itself must survive a host crash, or an older state comes back.
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def clear(self) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -64,13 +64,19 @@ from rlix_plugins.coordinator.service.resource_manager import topology_from_ray
 from rlix_plugins.coordinator.service.trace import Holder, OwnershipTrace
 from rlix_plugins.errors import (
     CoordinatorUnavailableError,
+    CorruptStateError,
     PipelineFailedError,
     ProtocolError,
     RegistrationError,
     RequestTimeoutError,
     UnknownPipelineError,
 )
-from rlix_plugins.protocol.names import GENERATION_CLUSTER, cluster_id, parse_cluster_id
+from rlix_plugins.protocol.names import (
+    GENERATION_CLUSTER,
+    cluster_id,
+    parse_cluster_id,
+    validate_pipeline_id,
+)
 from rlix_plugins.protocol.types import Priority, coerce_priority, coerce_progress_report
 
 logger = logging.getLogger(__name__)
@@ -106,6 +112,8 @@ class SchedulerService:
         #: nobody may learn of or act on a decision a restart would not restore, so they wait
         #: until a save succeeds (retried each cycle), in commit order
         self._undurable: list[Callable[[], None]] = []
+        #: whether the last save succeeded (answers to releases and registrations wait for one)
+        self._saved = True
         self._dead: OrderedDict[str, DeadPipeline] = OrderedDict()
         self._inflight: dict[str, Any] | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
@@ -151,7 +159,18 @@ class SchedulerService:
             topo = self.cfg.topology or topology_from_ray()
             logger.info("scheduler %s: fresh state, topology %s", self.cfg.namespace, topo)
             return SchedulerState(topo)
-        state = restore(record["state"], self.cfg.topology)
+        if not isinstance(record.get("state"), dict):
+            raise CorruptStateError(
+                f"scheduler {self.cfg.namespace}: the saved record has no 'state' object; "
+                "start afresh with `rlix-plugins coordinator stop` (clears it)"
+            )
+        try:
+            state = restore(record["state"], self.cfg.topology)
+        except CorruptStateError as exc:
+            raise CorruptStateError(
+                f"scheduler {self.cfg.namespace}: {exc}; start afresh with "
+                "`rlix-plugins coordinator stop` (clears the saved state)"
+            ) from None
         inflight = record.get("inflight")
         if inflight:
             settle_inflight(
@@ -196,12 +215,33 @@ class SchedulerService:
         try:
             self._store.save(record)
         except Exception:
-            # Never let it take the scheduler down. A lost save of a release only makes a
-            # restart more conservative (GPUs stay owned); a commit's answers wait for a
-            # successful save instead (:meth:`_commit`).
+            # Never let it take the scheduler down; but nobody may act on what was not saved:
+            # a commit's answers wait for a successful save (:meth:`_commit`), and so do the
+            # answers to releases and (un)registrations (:meth:`_until_durable`).
             logger.exception("scheduler %s: persisting state failed", self.cfg.namespace)
+            self._saved = False
             return False
+        self._saved = True
         return True
+
+    async def _until_durable(self, what: str) -> None:
+        """Return once the state as it is now has been saved. A release or (un)registration
+        answered before its save would be undone by a restart while its caller acts on it
+        (a released cluster still holding its GPUs, a registered pipeline unknown). Retried
+        with backoff up to ``request_timeout_s``, then a typed error (the event stays applied
+        in memory and is saved with the next successful save)."""
+        if self._saved:
+            return
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        delay = 0.05
+        while not self._persist():
+            if time.monotonic() >= deadline:
+                raise CoordinatorUnavailableError(
+                    f"{what}: the coordinator could not save its state for "
+                    f"{self.cfg.request_timeout_s:g}s (see its log); retry the call"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     # ================================================================== helpers
     def _now(self) -> float:
@@ -215,6 +255,7 @@ class SchedulerService:
             )
 
     def _check_alive(self, pipeline_id: str) -> None:
+        validate_pipeline_id(pipeline_id)  # a list or dict id is a ProtocolError, not a TypeError
         dead = self._dead.get(pipeline_id)
         if dead is not None:
             raise PipelineFailedError(
@@ -340,6 +381,7 @@ class SchedulerService:
         self._state.register(spec)
         self._persist()
         logger.info("registered %s: %s", spec.pipeline_id, [c.cluster_id for c in spec.clusters])
+        await self._until_durable(f"register_pipeline({spec.pipeline_id})")
 
     async def admit_pipeline(self, *, pipeline_id: str) -> None:
         """Check the pipeline is registered and alive (the orchestrator hands out our handle)."""
@@ -354,6 +396,7 @@ class SchedulerService:
             pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered")
         )
         self._kick()
+        await self._until_durable(f"unregister_pipeline({pipeline_id})")
         return freed
 
     async def kill_pipeline(self, pipeline_id: str) -> None:
@@ -507,6 +550,7 @@ class SchedulerService:
         cid = self._resolve_caller(cluster_id, pipeline_id)
         self._release(cid)
         self._kick()
+        await self._until_durable(f"notify_release_gpus({cid})")
 
     def _release(self, cid: str) -> None:
         now = self._now()
@@ -558,6 +602,7 @@ class SchedulerService:
                 lora_name=request_lora_name,
             )
             self._release(rel)
+            await self._until_durable(f"notify_release_then_request_gpus({rel})")
             return await self._submit_and_wait(
                 req, prio, request_global_step, request_step_target_estimate, request_lora_name
             )
@@ -569,6 +614,7 @@ class SchedulerService:
         )
         self._release(rel)
         self._kick()
+        await self._until_durable(f"notify_release_then_request_gpus({rel})")
         if isinstance(got, list):
             return got
         return await self._wait(req, prio, got)
@@ -727,6 +773,19 @@ class SchedulerService:
             if plan.shrinks:
                 self._persist()
         failed_shrinks = await self._resize_all(plan.shrinks_by_cluster(), remove=True)
+        if plan.shrinks:
+            # The shrinks are done: a crash from here on must restore those ranks as asleep,
+            # whatever comes next (expands to send, a background commit, or only a commit).
+            async with self._lock:
+                self._inflight = {
+                    "confirmed_shrinks": [
+                        [m.cluster_id, m.dp_rank]
+                        for m in plan.shrinks
+                        if m.cluster_id not in failed_shrinks
+                    ],
+                    "expands": [],
+                }
+                self._persist()
         # An expand on a GPU whose shrink failed must not be sent (two shards on one GPU).
         blocked = {g for m in plan.shrinks if m.cluster_id in failed_shrinks for g in m.gpus}
         sendable = tuple(
