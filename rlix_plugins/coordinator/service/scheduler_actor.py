@@ -777,15 +777,7 @@ class SchedulerService:
             # The shrinks are done: a crash from here on must restore those ranks as asleep,
             # whatever comes next (expands to send, a background commit, or only a commit).
             async with self._lock:
-                self._inflight = {
-                    "confirmed_shrinks": [
-                        [m.cluster_id, m.dp_rank]
-                        for m in plan.shrinks
-                        if m.cluster_id not in failed_shrinks
-                    ],
-                    "expands": [],
-                }
-                self._persist()
+                self._record_inflight(plan, failed_shrinks, ())
         # An expand on a GPU whose shrink failed must not be sent (two shards on one GPU).
         blocked = {g for m in plan.shrinks if m.cluster_id in failed_shrinks for g in m.gpus}
         sendable = tuple(
@@ -803,6 +795,21 @@ class SchedulerService:
             self._metrics.cycle(time.perf_counter() - t0)
         return bool(result.granted or result.shrunk or result.expanded or result.released)
 
+    def _record_inflight(
+        self, plan: Plan, failed_shrinks: set[str], expands: tuple[RankMove, ...]
+    ) -> None:
+        """Save the shrinks that are done and the expands about to be sent (under ``_lock``):
+        what a restart settles (:func:`settle_inflight`) if the cycle dies before its commit."""
+        self._inflight = {
+            "confirmed_shrinks": [
+                [m.cluster_id, m.dp_rank]
+                for m in plan.shrinks
+                if m.cluster_id not in failed_shrinks
+            ],
+            "expands": [[m.cluster_id, m.dp_rank] for m in expands],
+        }
+        self._persist()
+
     async def _expand_then_commit(
         self, plan: Plan, failed_shrinks: set[str], sendable: tuple[RankMove, ...]
     ) -> CommitResult:
@@ -810,15 +817,7 @@ class SchedulerService:
         to_send = Plan(plan.revision, expands=sendable).expands_by_cluster()
         if to_send:
             async with self._lock:
-                self._inflight = {
-                    "confirmed_shrinks": [
-                        [m.cluster_id, m.dp_rank]
-                        for m in plan.shrinks
-                        if m.cluster_id not in failed_shrinks
-                    ],
-                    "expands": [[m.cluster_id, m.dp_rank] for m in sendable],
-                }
-                self._persist()
+                self._record_inflight(plan, failed_shrinks, sendable)
         # A failed expand leaves the shard's state unknown: the pipeline is fenced and the rank
         # is committed as active, so its GPUs stay with it until it is confirmed dead.
         unsent = await self._resize_all(to_send, remove=False)
