@@ -122,6 +122,9 @@ class ProgressTracker:
         self._sent_seq = 0
         #: reports with a lower seq belong to an earlier batch
         self._batch_seq = 0
+        #: the current batch's ``new_batch`` report has not reached the sink yet: the next
+        #: report carries the flag again (a failed first report must not lose the batch start)
+        self._unannounced = False
         self._active = False
 
     @property
@@ -148,6 +151,7 @@ class ProgressTracker:
             self._collected = min(max(0, already_collected), step_target)
             self._batch_ts = self._clock()
             self._last_bucket = None
+            self._unannounced = True
             report = self._report_locked(new_batch=True)
             self._batch_seq = self._seq
         self._emit(report)
@@ -190,11 +194,13 @@ class ProgressTracker:
             with self._lock:
                 self._active = False
                 self._last_bucket = None
+                self._unannounced = False
                 self._batch_seq = self._seq + 1  # reports built so far are of the old batch
             if self._on_clear is not None:
                 self._on_clear()
 
     def _report_locked(self, *, new_batch: bool) -> ProgressReport:
+        new_batch = new_batch or self._unannounced
         self._seq += 1
         bucket = progress_bucket(self._collected, self._target)
         metrics: dict[str, object] = {
@@ -237,6 +243,8 @@ class ProgressTracker:
             with self._lock:
                 if self._active and seq >= self._batch_seq:
                     self._last_bucket = bucket
+                    if metrics.get("new_batch"):
+                        self._unannounced = False
 
 
 def with_outstanding(report: ProgressReport, outstanding: int | None) -> ProgressReport:

@@ -89,3 +89,23 @@ def test_a_failed_report_is_sent_again_by_the_next_record() -> None:
     assert got == [4, 0]
     assert t.record(weight_version=0) is None  # delivered now: no more repeats
     assert got == [4, 0]
+
+
+def test_a_failed_new_batch_report_is_announced_by_the_next_one() -> None:
+    """The coordinator must learn a batch started even when its first report failed: the
+    next report carries ``new_batch`` again, once, until one is delivered."""
+    delivered: list[tuple[bool, int]] = []
+    failures = 1
+
+    def sink(report: ProgressReport) -> None:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise ConnectionError("coordinator unreachable (test)")
+        delivered.append((bool((report.metrics or {})["new_batch"]), report.completed))
+
+    t = ProgressTracker("p", sink)
+    t.begin_batch(step=1, step_target=100, weight_version=0)  # lost
+    t.record(10, weight_version=0)
+    t.record(10, weight_version=0)
+    assert delivered == [(True, 10), (False, 20)]
