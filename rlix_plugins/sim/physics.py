@@ -145,7 +145,13 @@ class TrajectoryCounter:
         self.consumed += n
 
     def check_final(self, expected: int) -> None:
-        if self.consumed != expected or len(self.completed) != self.consumed:
+        """At the end: exactly ``expected`` trajectories consumed, and every one created was
+        generated and consumed (none left queued or running when its job finished)."""
+        if (
+            self.consumed != expected
+            or len(self.completed) != self.consumed
+            or self.created != self.consumed
+        ):
             raise PhysicsViolation(
                 f"trajectories: expected {expected} consumed, got {self.consumed}; "
                 f"completed {len(self.completed)} of {self.created} created"

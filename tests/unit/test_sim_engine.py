@@ -120,6 +120,11 @@ def test_ledger_rejects_two_tenants_and_over_100_percent() -> None:
     counter.complete(ids[0])
     with pytest.raises(PhysicsViolation, match="twice"):
         counter.complete(ids[0])
+    # one trajectory consumed, the other created and never generated: a run that ends with
+    # work left in a queue is caught even when the consumed count is right
+    counter.consume(1, 1, 1)
+    with pytest.raises(PhysicsViolation, match="completed 1 of 2 created"):
+        counter.check_final(1)
 
 
 def test_three_policies_same_workload_complete_and_count_trajectories() -> None:
