@@ -202,8 +202,9 @@ class NemoRlPipeline:
             self.layout.num_shards, name=f"rlix:shard_state:{self.pipeline_id}",
             namespace=pipeline_namespace(self.pipeline_id), initial=ShardStatus.ACTIVE,
         )
+        # Ranks over the mapping registered with the coordinator (sorted), as its trace has them.
         self.generation.rlix_attach(self.state, pipeline_id=self.pipeline_id,
-                                    infer_gpus=self.layout.infer_gpus,
+                                    infer_gpus=self.layout.device_mappings()[ACTOR_INFER],
                                     infer_tp=self.layout.infer_tp)
         self.coordinator = start_pipeline_coordinator(
             self.pipeline_id, PendingController(),

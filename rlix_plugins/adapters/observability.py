@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeAlias
 
+from rlix_plugins.coordinator.core.model import ClusterSpec
 from rlix_plugins.errors import RlixPluginsError
 from rlix_plugins.generation.router import RouterCounters
+from rlix_plugins.protocol.names import ACTOR_INFER
 from rlix_plugins.settings import ENV_PIPELINE_ID
 
 logger = logging.getLogger(__name__)
@@ -286,10 +288,12 @@ class BusyRecordingEngine:
 
 
 def shard_gpus(gpus: Sequence[int], tp: int) -> list[tuple[int, ...]]:
-    """GPU ids of each dp rank of an inference cluster mapped on ``gpus`` with ``tp``."""
+    """GPU ids of each dp rank of an inference cluster registered on ``gpus`` with ``tp``
+    (the coordinator's own rule, :meth:`ClusterSpec.rank_gpus`)."""
     if tp < 1 or len(gpus) % tp:
         raise ObservationError(f"{len(gpus)} inference GPUs do not split into ranks of tp={tp}")
-    return [tuple(gpus[r * tp:(r + 1) * tp]) for r in range(len(gpus) // tp)]
+    spec = ClusterSpec("", "", ACTOR_INFER, tp, tuple(int(g) for g in gpus))
+    return [spec.rank_gpus(r) for r in range(spec.dp_size)]
 
 
 def recording_engines(engines: Sequence[Any], pipeline_id: str | None,

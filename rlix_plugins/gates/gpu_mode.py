@@ -383,18 +383,15 @@ def run_jobs(jobs: Sequence[JobSpec], env: dict[str, str], out: Path, *,
             proc.wait()
             codes[job.name] = TIMED_OUT
 
-    def deadline() -> float | None:
-        return None if timeout_s is None else time.monotonic() + timeout_s
-
     try:
         if concurrent:
-            end = deadline()
+            end = None if timeout_s is None else time.monotonic() + timeout_s
             procs = [(j, launch(j)) for j in jobs]
             for j, p in procs:
                 wait(j, p, end)
         else:
             for j in jobs:
-                wait(j, launch(j), deadline())
+                wait(j, launch(j), None if timeout_s is None else time.monotonic() + timeout_s)
     finally:
         for proc in running:
             if proc.poll() is None:

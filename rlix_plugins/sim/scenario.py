@@ -163,9 +163,9 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
                 kind=kind,
                 redispatch_prefill_s=_get(p, "redispatch_prefill_s", float, where, 1.0),
             )
-        except ValueError as exc:
-            if isinstance(exc, ScenarioError):
-                raise
+        except ScenarioError:
+            raise
+        except ValueError as exc:  # a JobSpec field out of range
             raise ScenarioError(f"{where}: {exc}") from None
         jobs.append(job)
         placements.append(Placement(train, infer))

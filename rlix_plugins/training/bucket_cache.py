@@ -655,18 +655,20 @@ class BucketCache:
         finally:
             self._unpin(cv)
 
-    def hold(self, version: int) -> Callable[[], None]:
+    def hold(self, version: int) -> Callable[..., None]:
         """Pin ``version`` beyond a ``with`` block (a receiver still reading its pages after
-        its sync gave up on it); returns the release, which acts once however often called."""
+        its sync gave up on it); returns the release, which ignores its arguments (a future's
+        done-callback) and acts once however often called."""
         cv = self._pin(version)
-        released = threading.Event()
         guard = threading.Lock()
+        held = True
 
-        def release() -> None:
+        def release(*_: object) -> None:
+            nonlocal held
             with guard:
-                if released.is_set():
+                if not held:
                     return
-                released.set()
+                held = False
             self._unpin(cv)
 
         return release

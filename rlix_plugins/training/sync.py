@@ -23,7 +23,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -462,8 +462,7 @@ def sync_version(
                     # The sync gave up on a receiver that is still applying (its "end" may
                     # already be queued, so it can still finish and record this version): its
                     # pages must not be recycled under it by the next builds until it stops.
-                    release = cache.hold(version)
-                    m.future.add_done_callback(_releaser(release))
+                    m.future.add_done_callback(cache.hold(version))
                     logger.warning(
                         "pipeline %s: shard %s still receiving weight version %d after its "
                         "sync ended; the version stays cached until it stops",
@@ -497,15 +496,6 @@ def sync_version(
     if report.failed and opts.raise_on_error:
         raise _error_for(report)
     return report
-
-
-def _releaser(release: Callable[[], None]) -> Callable[[concurrent.futures.Future[Any]], None]:
-    """A future's done-callback that calls ``release``."""
-
-    def done(_: concurrent.futures.Future[Any]) -> None:
-        release()
-
-    return done
 
 
 def _error_for(report: SyncReport) -> RlixPluginsError:

@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from rlix_plugins import cli
+from rlix_plugins.adapters.observability import read_observations
 from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
 from rlix_plugins.hooks import make_hooks
@@ -87,11 +88,12 @@ def test_cli_start_status_stop(
 
 
 def test_hooks_block_release_report_and_keep_the_lease(
-    coordinator: Any, monkeypatch: pytest.MonkeyPatch
+    coordinator: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     monkeypatch.setenv("RLIX_NAMESPACE", coordinator.namespace)
     monkeypatch.setenv("RLIX_LEASE_S", "1.5")
+    monkeypatch.setenv("RLIX_OBSERVE_DIR", str(tmp_path / "observe"))
     settings = load_settings()
     pid, other = "ft_hooks0000001", "ft_hooksother01"
     register_pipeline(coordinator, pid, {"actor_train": [0, 1], "actor_infer": [0, 1, 2, 3]})
@@ -112,8 +114,14 @@ def test_hooks_block_release_report_and_keep_the_lease(
         t.join()
         owners = _status(coordinator).owners()
         assert owners[0] == owners[1] == pid
+        assert read_observations(tmp_path / "observe").busy == ()
         hooks.after_training(0)
         assert _status(coordinator).owners()[0] is None
+        # the train step's busy record (gates judge ownership from it): the granted GPUs, from
+        # the grant to the release call
+        (rec,) = read_observations(tmp_path / "observe").busy
+        assert (rec.pipeline_id, rec.stage, rec.gpus) == (pid, "train", (0, 1))
+        assert rec.end >= rec.start
         # Progress: 2% buckets; the scheduler sees the remaining demand.
         sent = []
         real_call = hooks._call

@@ -1,5 +1,7 @@
 """Busy records (when each stage computed where) and the ownership criterion judged from
-them: written by the library's engine wrapper and the coordinator hooks, read by the gate."""
+them: written by the library's engine wrapper and the coordinator hooks, read by the gate.
+The hooks' train records are checked on real Ray in
+tests/integration/test_coordinator_cli_hooks.py, the whole path in the gate rehearsals."""
 
 from __future__ import annotations
 
@@ -20,8 +22,6 @@ from rlix_plugins.adapters.observability import (
     write_all,
 )
 from rlix_plugins.gates.observed import ownership_from_records
-from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
-from rlix_plugins.settings import load_settings
 
 A = "ft_aaaaaaaaaaaa"
 B = "ft_bbbbbbbbbbbb"
@@ -116,22 +116,3 @@ def test_recording_engines_only_wrap_when_records_are_on(tmp_path: Path) -> None
     assert [(e.shard, e.gpus) for e in on] == [(0, (0, 1)), (1, (2, 3))]
     with pytest.raises(ObservationError, match="2 shard engines but 1 ranks"):
         recording_engines(engines, A, [0, 1], 2, writer=ObservationWriter(tmp_path, A))
-
-
-def test_hooks_record_each_train_step_from_grant_to_release(tmp_path: Path) -> None:
-    hooks = CoordinatorHooks(A, load_settings({}), scheduler=object(), heartbeat=False,
-                             observer=ObservationWriter(tmp_path, A))
-    calls: list[str] = []
-
-    def fake_call(method: str, *args: Any, **kwargs: Any) -> Any:
-        """FAKE scheduler call (no Ray here): grants GPUs 0 and 1."""
-        calls.append(method)
-        return [0, 1] if method == "request_gpus" else None
-
-    hooks._call = fake_call  # type: ignore[method-assign]
-    hooks.before_training(0)
-    assert read_observations(tmp_path).busy == ()
-    hooks.after_training(0)
-    (rec,) = read_observations(tmp_path).busy
-    assert (rec.pipeline_id, rec.stage, rec.gpus) == (A, "train", (0, 1))
-    assert calls == ["request_gpus", "notify_release_gpus"]

@@ -1,6 +1,7 @@
 """Pieces of the CPU rehearsal that run without Ray or vLLM: the busy-interval wrapper around
-a shard engine (with a scripted stand-in engine, named as such) and the ROLL pipeline's
-simulated shards."""
+a shard engine when its request fails (with a failing stand-in engine, named as such; the
+wrapper's intervals are in test_gates_busy_records.py) and the ROLL pipeline's simulated
+shards."""
 
 from __future__ import annotations
 
@@ -12,36 +13,6 @@ from rlix_plugins.adapters.observability import BusyObserved, BusyRecordingEngin
 from rlix_plugins.gates.nemo_rehearsal import PipelineSpec
 from rlix_plugins.gates.roll_sequence import SimulatedRollShards
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
-
-
-class ScriptedEngineStandIn:
-    """Stand-in for VllmAsyncShard: each request takes ``delay`` seconds."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-
-    async def generate(self, request: GenerationRequest) -> EngineOutput:
-        await asyncio.sleep(self.delay)
-        return EngineOutput((1,) * request.max_tokens, "length")
-
-
-def test_busy_engine_logs_one_interval_per_busy_period() -> None:
-    log: list[BusyObserved] = []
-    eng = BusyRecordingEngine(ScriptedEngineStandIn(0.05), pipeline_id="ft_x", shard=0,
-                              gpus=(1,), record=log.append)
-
-    async def go() -> None:
-        reqs = [GenerationRequest(f"r{i}", (5,), 3) for i in range(3)]
-        await asyncio.gather(*(eng.generate(r) for r in reqs))  # overlapping: one period
-        await asyncio.sleep(0.05)  # idle gap
-        await eng.generate(GenerationRequest("r9", (5,), 3))  # a second period
-
-    asyncio.run(go())
-    assert len(log) == 2
-    first, second = log
-    assert first.gpus == (1,) and first.pipeline_id == "ft_x" and first.stage == "generation"
-    assert 0.04 <= first.end - first.start < 0.5
-    assert second.start - first.end >= 0.04  # the gap is not counted as busy
 
 
 def test_busy_engine_closes_interval_when_the_request_fails() -> None:
