@@ -15,6 +15,18 @@ from rlix_plugins.gates.roll_sequence import SimulatedRollShards
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
 
 
+class ScriptedEngineStandIn:
+    """Stand-in for VllmAsyncShard: each request takes ``delay`` seconds (also used by
+    test_observability.py)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    async def generate(self, request: GenerationRequest) -> EngineOutput:
+        await asyncio.sleep(self.delay)
+        return EngineOutput((1,) * request.max_tokens, "length")
+
+
 def test_busy_engine_closes_interval_when_the_request_fails() -> None:
     class FailingStandIn:
         async def generate(self, request: GenerationRequest) -> EngineOutput:
