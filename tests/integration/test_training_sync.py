@@ -380,3 +380,44 @@ def test_gpu_transports(kind: TransportKind) -> None:  # pragma: no cover - need
     finally:
         receiver.close()
         cache.close()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as c:
+        c.settimeout(1.0)
+        return c.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_broadcast_close_stops_the_rendezvous_server() -> None:
+    """A sync's sender closes its TCPStore server itself (not when garbage collected): a
+    trainer syncing every step would otherwise keep one listening port per sync."""
+    from rlix_plugins.training.transports.collective import BroadcastReceiver, BroadcastSender
+
+    cache = _cache("ft_b", 1, _weights(2, n=2, size=64))
+    with cache.pinned(1) as version:
+        sender = BroadcastSender(TransportKind.GLOO, version, group_size=1, timeout_s=30)
+    details = sender.details(1)
+    port = int(details["store_port"])
+    offer = SyncOffer(
+        pipeline_id="ft_b", sync_id="s1", shard_id="shard0", version=1,
+        transport=TransportKind.GLOO, control_address="", num_buckets=0, total_bytes=0,
+        max_bucket_bytes=16, checksum=ChecksumKind.CRC32, timeout_s=30.0, details=details,
+    )
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(BroadcastReceiver, offer)
+        sender.prepare()
+        receiver = joined.result(timeout=30)
+    assert _listening(port)
+    receiver.close()
+    sender.close()
+    deadline = time.monotonic() + 5.0
+    while _listening(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _listening(port)
+    sender.close()  # idempotent
+    receiver.close()
+    with pytest.raises(WeightSyncError, match="closed"):
+        sender.prepare()
+    cache.close()

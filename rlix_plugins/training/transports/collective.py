@@ -93,6 +93,7 @@ class BroadcastSender(SenderTransport):
             wait_for_workers=False,
         )
         self._prefix = f"rlix-sync-{uuid.uuid4().hex}"
+        self._port = int(self._store.port)
         self._group: Any = None
         self._staging: torch.Tensor | None = None
         if kind is TransportKind.NCCL:
@@ -102,7 +103,7 @@ class BroadcastSender(SenderTransport):
     def details(self, rank: int) -> dict[str, Any]:
         return {
             "store_host": self._host,
-            "store_port": int(self._store.port),
+            "store_port": self._port,
             "prefix": self._prefix,
             "rank": rank,
             "world_size": self._size,
@@ -111,6 +112,8 @@ class BroadcastSender(SenderTransport):
     def prepare(self) -> None:
         import torch.distributed as dist
 
+        if self._store is None:
+            raise WeightSyncError("this broadcast sender is closed; a sync makes a new one")
         # blocks until every receiver has joined the rendezvous (bounded by the timeout)
         self._group = _make_group(
             self.kind,
@@ -140,9 +143,16 @@ class BroadcastSender(SenderTransport):
             raise WeightSyncError(f"{self.kind.value} broadcast of bucket failed: {exc}") from exc
 
     def close(self) -> None:
+        """Shut the group down and stop the rendezvous server (idempotent).
+
+        torch's TCPStore has no close(): its server thread stops when the last reference goes,
+        and the group holds one through the PrefixStore, so both are dropped here rather than
+        left to garbage collection (a sender per sync would otherwise keep a listening port).
+        """
         if self._group is not None:
             _shutdown(self._group)
             self._group = None
+        self._store = None
         self._staging = None
 
 
@@ -169,7 +179,7 @@ class BroadcastReceiver(ReceiverTransport):
             int(d["world_size"]),
             offer.timeout_s,
         )
-        self._store = store
+        self._store: Any = store
         device = "cuda" if kind is TransportKind.NCCL else "cpu"
         # one bucket of receive buffer, reused: the receiver's whole extra memory
         self._buffer = torch.empty(max(offer.max_bucket_bytes, 1), dtype=torch.uint8, device=device)
@@ -182,7 +192,11 @@ class BroadcastReceiver(ReceiverTransport):
         return view
 
     def close(self) -> None:
+        """Shut the group down and drop this receiver's store client (idempotent)."""
         import torch
 
-        _shutdown(self._group)
+        if self._group is not None:
+            _shutdown(self._group)
+            self._group = None
+        self._store = None
         self._buffer = torch.empty(0, dtype=torch.uint8)
