@@ -84,7 +84,7 @@ class BroadcastSender(SenderTransport):
         self._size = group_size + 1
         self._timeout_s = timeout_s
         self._host = "127.0.0.1" if kind is TransportKind.GLOO else _node_address()
-        self._store = dist.TCPStore(  # type: ignore[attr-defined]
+        self._store: Any = dist.TCPStore(  # type: ignore[attr-defined]
             self._host,
             0,
             self._size,
