@@ -31,6 +31,7 @@ The mixin (:class:`RLixMegatronWorkerMixin`) needs from its host only
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -51,13 +52,41 @@ RLIX_MEGATRON_WORKER_FQN = "rlix_plugins.patches.megatron.RLixMegatronPolicyWork
 
 
 def parallel_config_from_state(ps: Any) -> ParallelConfig:
-    """The ``initialize_model_parallel`` arguments that reproduce the live parallel state."""
-    return ParallelConfig.of(
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        context_parallel_size=ps.get_context_parallel_world_size(),
-        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-    )
+    """The ``initialize_model_parallel`` arguments that reproduce the live parallel state.
+
+    Read back: TP, PP, virtual PP, CP, EP and expert-TP sizes, and whether the ``*_GLOO``
+    groups exist (each only where this megatron-core's ``initialize_model_parallel`` takes
+    it). Not readable from the state (so megatron's defaults are used on re-init): ``order``,
+    timeouts, NCCL communicator configs, hierarchical CP sizes, distributed-optimizer
+    instances.
+    """
+    kwargs: dict[str, Any] = {
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+    }
+    optional: dict[str, Callable[[], Any]] = {
+        # without it the re-initialised state reports no interleaving (None) to the schedule
+        "virtual_pipeline_model_parallel_size": lambda: (
+            ps.get_virtual_pipeline_model_parallel_world_size()
+        ),
+        # megatron defaults it to the TP size, which re-shapes experts that had their own
+        "expert_tensor_parallel_size": lambda: ps.get_expert_tensor_parallel_world_size(),
+        # megatron's default (True) would add gloo groups the host turned off, and change the
+        # layout the destroyed groups are paired against
+        "create_gloo_process_groups": lambda: (
+            getattr(ps, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
+        ),
+    }
+    try:
+        accepted = set(inspect.signature(ps.initialize_model_parallel).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - a C or patched callable
+        accepted = set()
+    for name, read in optional.items():
+        if name in accepted:
+            kwargs[name] = read()
+    return ParallelConfig.of(**kwargs)
 
 
 class RLixMegatronWorkerMixin:

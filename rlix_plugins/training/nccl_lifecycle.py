@@ -528,20 +528,53 @@ class MegatronParallelLifecycle:
         return bool(self.ps.model_parallel_is_initialized())
 
     def initialize(self) -> None:
-        """``initialize_model_parallel(**config)``, remembering which groups it created."""
+        """``initialize_model_parallel(**config)``, remembering which groups it created.
+
+        If megatron rejects the configuration, the groups it had created are destroyed, the
+        module state is restored and :class:`ParallelStateError` names the configuration."""
         if self.initialized:
             raise ParallelStateError(
                 "Megatron parallel state is already initialised; destroy() it first"
             )
         before = {id(pg) for pg in live_process_groups()}
+        saved = self._snapshot()
         try:
             self.ps.initialize_model_parallel(**dict(self.config.init_kwargs))
-        except TypeError as exc:
+        except Exception as exc:
+            # megatron raises (often a bare AssertionError) after creating some groups and
+            # setting some globals: undo both, or the groups leak and the next initialize()
+            # fails on megatron's "already initialized" instead of on the configuration
+            self._undo_initialize(
+                [pg for pg in live_process_groups() if id(pg) not in before], saved
+            )
             raise ParallelStateError(
                 f"initialize_model_parallel rejected the saved configuration "
-                f"{dict(self.config.init_kwargs)}: {exc}"
+                f"{dict(self.config.init_kwargs)}: {type(exc).__name__}: {exc}; valid "
+                f"keywords: {self._valid_keywords()}"
             ) from exc
         self._created = [pg for pg in live_process_groups() if id(pg) not in before]
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The module's state slots (shallow copies: megatron appends to its lists)."""
+        return {name: copy.copy(getattr(self.ps, name))
+                for name in self._defaults if hasattr(self.ps, name)}
+
+    def _undo_initialize(self, created: list[Any], saved: Mapping[str, Any]) -> None:
+        """Destroy the groups an unfinished initialize created and restore the module state."""
+        import torch.distributed as dist
+
+        pg_map = _world().pg_map
+        for pg in created:
+            if pg is not dist.GroupMember.WORLD and pg in pg_map:
+                dist.destroy_process_group(pg)
+        for name, value in saved.items():
+            setattr(self.ps, name, value)
+
+    def _valid_keywords(self) -> list[str]:
+        try:
+            return list(inspect.signature(self.ps.initialize_model_parallel).parameters)
+        except (TypeError, ValueError):  # pragma: no cover - a C or patched callable
+            return []
 
     def destroy(self) -> DestroyReport:
         """Destroy every process group of the parallel state and reset the module."""
@@ -608,8 +641,16 @@ class MegatronParallelLifecycle:
         """Re-create the parallel state from the saved configuration (after :meth:`destroy`),
         pair every destroyed group with its successor and, given ``roots``, rebind the
         references held under them (:meth:`rebind`)."""
+        saved = self._snapshot()
         self.initialize()
-        self._mapping = GroupMapping.between(self._destroyed_slots, group_slots(self.ps))
+        try:
+            self._mapping = GroupMapping.between(self._destroyed_slots, group_slots(self.ps))
+        except ParallelStateError:
+            # back to the destroyed state: left initialised, a retry would see "nothing to
+            # re-init" while the holders keep the destroyed groups
+            self._undo_initialize(self._created, saved)
+            self._created = []
+            raise
         self._destroyed_slots = {}
         if self._mapping.unmatched:
             logger.warning(
