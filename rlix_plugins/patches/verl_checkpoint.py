@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
@@ -182,29 +183,50 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
 
         offer = await asyncio.to_thread(self._take_offer, global_steps)
         chunks: queue.Queue[object] = queue.Queue(maxsize=1)
+        # Set when the consumer (veRL's loader) is gone: the receiving thread must not wait on
+        # a full queue nobody reads (it holds the transport's socket and a bucket).
+        stopped = threading.Event()
+
+        def put(item: object) -> bool:
+            while not stopped.is_set():
+                try:
+                    chunks.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
         def load(batch: list[tuple[str, Any]]) -> None:
             # Copies: the bucket's memory is released as soon as this returns.
-            chunks.put([(name, t.clone()) for name, t in batch])
+            if not put([(name, t.clone()) for name, t in batch]):
+                raise WeightSyncError(
+                    f"weight version {offer.version}: the loader stopped before the end"
+                )
 
         def run() -> None:
             try:
                 receive_weights(offer, load)
-                chunks.put(_END)
+                put(_END)
             except BaseException as exc:
-                chunks.put(exc)
+                put(exc)
 
         worker = threading.Thread(target=run, name=f"rlix-recv-v{offer.version}", daemon=True)
         worker.start()
-        while True:
-            item = await asyncio.to_thread(chunks.get)
-            if item is _END:
-                break
-            if isinstance(item, BaseException):
-                raise item
-            assert isinstance(item, list)
-            for pair in item:
-                yield pair
+        try:
+            while True:
+                item = await asyncio.to_thread(chunks.get)
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, list)
+                for pair in item:
+                    yield pair
+        finally:
+            stopped.set()
+            # Wakes a getter thread still waiting if this generator was cancelled there.
+            with contextlib.suppress(queue.Full):
+                chunks.put_nowait(_END)
         self.loaded_versions.append(offer.version)
 
     async def get_weights(self) -> AsyncIterator[tuple[str, Any]]:
@@ -503,9 +525,11 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
         if not chosen:
             return metrics
         replicas = [self.replicas[i] for i in chosen]
-        if self._active is not None:
-            _run(_gather(r.abort_all_requests() for r in replicas))
         try:
+            # Inside the try: an abort failing on one replica must not leave the others
+            # paused (their gates would stay closed to every request routed there).
+            if self._active is not None:
+                _run(_gather(r.abort_all_requests() for r in replicas))
             report = self.rlix_sync(chosen, version)
         finally:
             if self._active is not None:

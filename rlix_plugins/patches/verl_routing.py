@@ -252,12 +252,24 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         ACTIVE shards are routed to from now on. ``migration``: see :meth:`set_migration`
         (None keeps the current config: defaults, or off by ``RLIX_VERL_MIGRATION=off``).
         """
-        if migration is not None:
-            self.set_migration(migration)
+        # Everything is checked before anything changes: a refused bind leaves the balancer
+        # (its migration config included) as it was.
         if self._store is not None:
             raise ShardStateError("shards are already bound to this load balancer")
         if not servers:
             raise ShardStateError("bind_shards needs at least one (address, handle)")
+        valid = [s.value for s in ShardStatus]
+        if initial not in valid:
+            raise ShardStateError(f"initial shard status {initial!r} is not valid; use one of "
+                                  f"{valid}")
+        ids = [sid for sid, _ in servers]
+        repeated = sorted({sid for sid in ids if ids.count(sid) > 1})
+        if repeated:
+            raise ShardStateError(f"server address(es) {repeated} given more than once; each "
+                                  "dp rank needs its own server")
+        config = None if migration is None else migration_config(migration)
+        if config is not None:
+            self._migration = config
         self._store = ShardStateStore(len(servers), initial=ShardStatus(initial))
         self._shard_ids = tuple(sid for sid, _ in servers)
         self._shard_handles = dict(servers)
@@ -275,6 +287,9 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         enabled and ``auto``) before this returns.
         """
         store = self._require_store()
+        valid = [e.value for e in ShardEvent]
+        if event not in valid:
+            raise ShardStateError(f"shard event {event!r} is not valid; use one of {valid}")
         before = set(store.snapshot().active)
         new = store.apply(dp_ranks, ShardEvent(event))
         self._sync_pool(new)
@@ -656,6 +671,19 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         length = getattr(rollout, "response_length", None) if rollout is not None else None
         return length if isinstance(length, int) and length > 0 else None
 
+    def _default_budget(self, prompt_len: int) -> int | None:
+        """The token budget veRL's vLLM server gives a request without ``max_tokens``:
+        ``min(response_length, prompt_length + response_length - prompt_len)`` (at least 1);
+        None when the config does not say."""
+        response = self._response_length()
+        if response is None:
+            return None
+        rollout = self.config.actor_rollout_ref.rollout
+        prompt = getattr(rollout, "prompt_length", None)
+        if isinstance(prompt, int) and prompt > 0:
+            return max(1, min(response, prompt + response - prompt_len))
+        return response
+
     async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
         attempt = _ATTEMPT.get()
         if attempt is not None:
@@ -714,6 +742,14 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         params = dict(sampling_params)
         limit_key = next((k for k in ("max_tokens", "max_new_tokens") if k in params), None)
         budget = params.get(limit_key) if limit_key else None
+        if limit_key is None:
+            # No explicit limit: the server derives each attempt's budget from its prompt, and a
+            # continuation's prompt (prompt + tokens so far) would be granted up to a whole
+            # response_length again. Keep the first attempt's budget for the whole request; the
+            # first attempt itself goes out unchanged.
+            budget = self._default_budget(len(prompt_ids))
+            if budget is not None:
+                limit_key = "max_tokens"
         tokens: list[int] = []
         log_probs: list[float] | None = None
         first_steps: Any = None
@@ -721,7 +757,7 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         migrated_at: list[int] = []
         while True:
             dispatches += 1
-            hint = int(params[limit_key]) if limit_key else self._response_length()
+            hint = int(params[limit_key]) if limit_key in params else budget
             attempt = _ClientAttempt(
                 super()._vllm_request_id(request_id), hint, len(migrated_at)
             )

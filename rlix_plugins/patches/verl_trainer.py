@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: seconds between progress reports read from the replay buffer
 PROGRESS_PERIOD_S = 1.0
+#: bound on waiting, at close, for a progress report still in flight
+PROGRESS_JOIN_S = 10.0
 
 
 def _uses_cache_backend(config: Any) -> bool:
@@ -175,6 +177,7 @@ class RLixTrainerMixin:
     _rlix_wrapped = True
     _rlix_adapter: Any = None
     _rlix_progress: threading.Event | None = None
+    _rlix_progress_thread: threading.Thread | None = None
 
     # veRL attributes this mixin relies on (set by PPOTrainer)
     config: Any
@@ -238,6 +241,11 @@ class RLixTrainerMixin:
         """Stop progress reports and the heartbeat; idempotent."""
         if self._rlix_progress is not None:
             self._rlix_progress.set()
+        thread, self._rlix_progress_thread = self._rlix_progress_thread, None
+        if thread is not None and thread is not threading.current_thread():
+            # A report in flight must land before the adapter clears the progress, or the
+            # coordinator keeps demand from a job that has ended.
+            thread.join(PROGRESS_JOIN_S)
         adapter, self._rlix_adapter = self._rlix_adapter, None
         if adapter is not None:
             adapter.close()
@@ -301,18 +309,23 @@ class RLixTrainerMixin:
         stop = threading.Event()
         self._rlix_progress = stop
         lb = routing_load_balancer(self)
+        adapter = self._rlix_adapter  # close() clears the attribute; this thread ends first
 
         def loop() -> None:
             while not stop.wait(PROGRESS_PERIOD_S):
                 try:
                     pending, outstanding = ray.get(lb.rlix_progress_counts.remote())
-                    self._rlix_adapter.report_collected(
+                    if stop.is_set():
+                        break  # closed while reading: the progress is being cleared
+                    adapter.report_collected(
                         int(pending), self.global_steps, outstanding=int(outstanding)
                     )
                 except Exception:
                     logger.exception("progress report failed; retrying")
 
-        threading.Thread(target=loop, daemon=True, name="rlix-verl-progress").start()
+        thread = threading.Thread(target=loop, daemon=True, name="rlix-verl-progress")
+        self._rlix_progress_thread = thread
+        thread.start()
 
 
 def rlix_trainer_class(base: type) -> type:

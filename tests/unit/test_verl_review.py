@@ -1,0 +1,249 @@
+"""Defect-review regressions for the veRL patch (real verl 0.9.1 classes, no Ray actors)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.fixtures.verl_env import VerlEnv
+
+pytestmark = pytest.mark.verl
+
+
+class _Done:
+    """What a Ray ``.remote()`` call returns here: an awaitable that already holds its value."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Any:
+        if False:  # pragma: no cover - makes this a generator
+            yield
+        return self.value
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any, **kwargs: Any) -> _Done:
+        return _Done(self._fn(*args, **kwargs))
+
+
+class _Handle:
+    """An in-process stand-in for a Ray actor handle over ``obj`` (sync methods only)."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._obj, name))
+
+
+# ---------------------------------------------------------------- routing: response budget
+class _AbortOnceServer:
+    """veRL's vLLM server default budget (no ``max_tokens``): min(response_length,
+    prompt_length + response_length - len(prompt)); the first attempt is aborted halfway."""
+
+    def __init__(self, prompt_length: int, response_length: int) -> None:
+        self.prompt_length = prompt_length
+        self.response_length = response_length
+        self.calls: list[dict[str, Any]] = []
+
+    async def _generate(self, *, request_id: str, prompt_ids: list[int],
+                        sampling_params: dict[str, Any], **_: Any) -> Any:
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.calls.append(dict(sampling_params))
+        cap = min(self.response_length,
+                  self.prompt_length + self.response_length - len(prompt_ids))
+        n = int(sampling_params.get("max_tokens", cap))
+        if len(self.calls) == 1:
+            half = n // 2
+            return TokenOutput(token_ids=[1] * half, log_probs=[-0.1] * half,
+                               stop_reason="aborted")
+        return TokenOutput(token_ids=[2] * n, log_probs=[-0.2] * n, stop_reason="length")
+
+    @property
+    def generate(self) -> Any:
+        server = self
+
+        class _Gen:
+            def remote(self, **kwargs: Any) -> Any:
+                return server._generate(**kwargs)
+
+        return _Gen()
+
+
+def test_continuation_without_max_tokens_keeps_the_response_budget(verl_env: VerlEnv) -> None:
+    """A preempted request of a job that sets no ``max_tokens`` (veRL's default) must not get
+    a fresh response budget on its continuation: the total stays <= response_length."""
+    from omegaconf import OmegaConf
+
+    from rlix_plugins.patches.verl_routing import RLixLLMServerClient, RLixRequestLoadBalancer
+
+    prompt_length, response_length = 16, 20
+    server = _AbortOnceServer(prompt_length, response_length)
+    lb = RLixRequestLoadBalancer({"s0": server})
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "name": "vllm", "full_determinism": False,
+        "prompt_length": prompt_length, "response_length": response_length,
+    }}})
+    client = RLixLLMServerClient(config=cfg, load_balancer_handle=_Handle(lb))
+    out = asyncio.run(client.generate("r", prompt_ids=[9] * 4, sampling_params={}))
+    assert len(out.token_ids) <= response_length, (len(out.token_ids), server.calls)
+    assert len(out.token_ids) == response_length  # the budget is used, not cut short
+    assert server.calls[0] == {}  # the first attempt is veRL's own, unchanged
+    assert out.num_preempted == 1
+
+
+# ---------------------------------------------------------------- routing: bind_shards input
+def test_bind_shards_bad_input_is_typed_and_changes_nothing(verl_env: VerlEnv) -> None:
+    from rlix_plugins.errors import ShardStateError
+    from rlix_plugins.generation.migration import MigrationConfig
+    from rlix_plugins.patches.verl_routing import RLixRequestLoadBalancer
+
+    lb = RLixRequestLoadBalancer({"a": object(), "b": object()})
+    before = lb.migration()
+    off = MigrationConfig(enabled=False)
+    with pytest.raises(ShardStateError, match=r"'bogus'.*valid.*active"):
+        lb.bind_shards([("a", object())], initial="bogus", migration=off)
+    assert lb.migration() == before
+    with pytest.raises(ShardStateError, match=r"'a'.*more than once"):
+        lb.bind_shards([("a", object()), ("a", object())], migration=off)
+    assert lb.migration() == before
+    lb.bind_shards([("a", object()), ("b", object())])
+    with pytest.raises(ShardStateError, match="already bound"):
+        lb.bind_shards([("a", object())], migration=off)
+    assert lb.migration() == before  # a refused second bind leaves the config alone
+    with pytest.raises(ShardStateError, match=r"'bogus'.*valid.*preempt"):
+        lb.apply_shard_event([0], "bogus")
+    assert lb.shard_snapshot().active == (0, 1)
+
+
+# ---------------------------------------------------------------- checkpoint: receiver thread
+def test_receive_weights_stops_its_thread_when_the_loader_fails(
+    verl_env: VerlEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """veRL's loader raising mid-stream must not leave the receiving thread (and its socket
+    and buckets) blocked forever on the full hand-over queue."""
+    import torch
+
+    import rlix_plugins.training.receiver as receiver
+    from rlix_plugins.patches.verl_checkpoint import RLixCacheCheckpointEngine
+
+    stopped = threading.Event()
+    handed = []
+
+    def fake_receive(offer: Any, load: Callable[[list[tuple[str, Any]]], None]) -> None:
+        try:
+            for i in range(10):
+                load([(f"w{i}", torch.zeros(2))])
+                handed.append(i)
+        finally:
+            stopped.set()
+
+    monkeypatch.setattr(receiver, "receive_weights", fake_receive)
+
+    class _Offer:
+        version = 3
+
+    engine = RLixCacheCheckpointEngine(bucket_size=1 << 20)
+    monkeypatch.setattr(engine, "_take_offer", lambda version: _Offer())
+
+    async def broken_loader() -> None:
+        async for _name, _t in engine.receive_weights(3):
+            raise RuntimeError("shape mismatch in load_weights")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        asyncio.run(broken_loader())
+    assert stopped.wait(5.0), f"receiving thread still blocked after {handed}"
+    assert engine.loaded_versions == []
+
+
+# ---------------------------------------------------------------- checkpoint: refresh abort
+def test_refresh_resumes_replicas_when_an_abort_fails(verl_env: VerlEnv) -> None:
+    """An in-place refresh whose abort fails on one replica must still resume the replicas it
+    paused (a closed gate would reject every request routed there)."""
+    from rlix_plugins.patches.verl_checkpoint import RLixCheckpointEngineManager
+
+    class _Replica:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+            self.paused = False
+
+        async def abort_all_requests(self) -> None:
+            self.paused = True
+            if self.fail:
+                raise RuntimeError("server died")
+
+        async def resume_generation(self) -> None:
+            self.paused = False
+
+    mgr = RLixCheckpointEngineManager.__new__(RLixCheckpointEngineManager)
+    good, bad = _Replica(False), _Replica(True)
+    mgr.replicas = [good, bad]
+    mgr._active = lambda: {0, 1}
+    mgr._ranks = [0, 1]
+    mgr._observe = None
+    mgr.refreshed = []
+    mgr.rlix_sync = lambda indices, version: {"seconds": 0.0}
+    with pytest.raises(RuntimeError, match="server died"):
+        mgr._refresh(5, {})
+    assert not good.paused and not bad.paused
+
+
+# ---------------------------------------------------------------- trainer: progress thread
+def test_close_lets_an_inflight_progress_report_land_before_clearing(
+    verl_env: VerlEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A progress report in flight when the run ends must not land after the adapter cleared
+    the progress (the coordinator would see demand from a finished job), and the progress
+    thread must be gone once close returns."""
+    import ray
+
+    from rlix_plugins.patches import verl_trainer
+
+    events: list[str] = []
+    release = threading.Event()
+
+    class _Adapter:
+        def report_collected(self, collected: int, step: int, outstanding: int) -> None:
+            events.append("report")
+            release.wait(5.0)
+            events.append("report done")
+
+        def close(self) -> None:
+            events.append("clear")
+
+    class _Lb:
+        class rlix_progress_counts:  # a Ray actor method stand-in
+            @staticmethod
+            def remote() -> tuple[int, int]:
+                return (1, 0)
+
+    monkeypatch.setattr(verl_trainer, "PROGRESS_PERIOD_S", 0.01)
+    monkeypatch.setattr(verl_trainer, "routing_load_balancer", lambda trainer: _Lb())
+    monkeypatch.setattr(ray, "get", lambda ref, **_: ref)
+
+    class _Trainer(verl_trainer.RLixTrainerMixin):
+        pass
+
+    trainer = _Trainer()
+    trainer.global_steps = 1
+    trainer._rlix_adapter = _Adapter()
+    trainer._start_progress()
+    for _ in range(500):
+        if events:
+            break
+        threading.Event().wait(0.01)
+    assert events == ["report"]
+    threading.Timer(0.3, release.set).start()
+    trainer._rlix_close()
+    assert events[-1] == "clear", events
+    assert "report done" in events and events.count("report") == 1, events
+    assert not [t for t in threading.enumerate() if t.name == "rlix-verl-progress"]
