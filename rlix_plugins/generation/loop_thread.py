@@ -48,7 +48,19 @@ class LoopThread:
 
         If the wait ends without a result (timeout, interrupt) the coroutine is cancelled
         (at its next await): a caller told the call failed must not see it go ahead later.
+
+        Raises:
+            RuntimeError: called on the loop's own thread (a sync callback running on the
+                loop): blocking there would stop the loop that has to run ``coro``, so the
+                call could only time out or hang; ``await`` the coroutine instead.
         """
+        if threading.current_thread() is self._thread:
+            coro.close()  # never scheduled: close it so Python does not warn "never awaited"
+            raise RuntimeError(
+                f"LoopThread.run() called on its own loop thread {self._thread.name} would "
+                "deadlock (the loop cannot run the coroutine while run() blocks it); await "
+                "the coroutine instead"
+            )
         self._check_open(coro)
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:

@@ -224,6 +224,8 @@ class ShardLifecycle:
 
         Raises:
             ShardStateError: a rank is not sleeping (nothing changed).
+            PreemptionError: ``wake_up`` failed on a shard; it stays sleeping, the ranks that
+                woke are marked woken.
         """
         async with self._op_lock():
             snap = await self._state.refresh()
@@ -243,6 +245,8 @@ class ShardLifecycle:
 
         Raises:
             ShardStateError: a rank is not woken (nothing changed).
+            PreemptionError: ``resume`` failed on a shard; no rank is activated (the gates
+                that did reopen stay open on woken shards, which get no traffic).
         """
         async with self._op_lock():
             snap = await self._state.refresh()

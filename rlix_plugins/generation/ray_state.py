@@ -92,7 +92,15 @@ class RayShardState:
         initial: ShardStatus = ShardStatus.ACTIVE,
         last_active: LastActivePolicy = LastActivePolicy.ALLOW,
     ) -> RayShardState:
-        """Start the owner actor (named if ``name`` is given) and return a view of it."""
+        """Start the owner actor (named if ``name`` is given) and return a view of it.
+
+        Raises:
+            ShardStateError: ``num_shards < 1`` or ``initial`` is neither active nor sleeping
+                (checked here, before any actor starts).
+        """
+        # Validate in the caller: the actor's __init__ raising would only surface as Ray's
+        # ActorDiedError, after a worker process was spent on it.
+        ShardSnapshot.initial(num_shards, ShardStatus(initial))
         options: dict[str, Any] = {}
         if name is not None:
             options["name"] = name

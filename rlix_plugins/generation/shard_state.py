@@ -125,11 +125,18 @@ def _check_rank(snapshot: ShardSnapshot, dp_rank: int) -> None:
 
 def normalize_ranks(snapshot: ShardSnapshot, dp_ranks: Iterable[int]) -> tuple[int, ...]:
     """Validated, de-duplicated, sorted ranks; at least one."""
-    ranks = tuple(sorted(set(dp_ranks)))
+    if isinstance(dp_ranks, (str, bytes)) or not isinstance(dp_ranks, Iterable):
+        raise ShardStateError(
+            f"dp ranks must be an iterable of ints such as [0, 1], got {dp_ranks!r}"
+        )
+    given = list(dp_ranks)
+    # Each rank is checked before sorting: mixed types (0 and "1") would otherwise fail in
+    # sorted() with an untyped TypeError.
+    for r in given:
+        _check_rank(snapshot, r)
+    ranks = tuple(sorted(set(given)))
     if not ranks:
         raise ShardStateError("no dp ranks given; name at least one shard")
-    for r in ranks:
-        _check_rank(snapshot, r)
     return ranks
 
 
