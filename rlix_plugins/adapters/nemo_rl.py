@@ -69,6 +69,10 @@ class NemoRlLayout:
     def __post_init__(self) -> None:
         if not self.infer_gpus or not self.train_gpus:
             raise RegistrationError("a NeMo RL pipeline needs inference and training GPUs")
+        if self.infer_tp < 1:
+            raise RegistrationError(
+                f"inference tp={self.infer_tp} is not valid; the tensor-parallel size must be >= 1"
+            )
         if len(self.infer_gpus) % self.infer_tp:
             raise RegistrationError(
                 f"{len(self.infer_gpus)} inference GPUs are not a multiple of tp={self.infer_tp}"
@@ -96,8 +100,17 @@ class NemoRlLayout:
         with training on the first ``rlix.train_gpu_count`` (default 1) of them."""
         rl = dict((cfg or {}).get("rlix") or {})
         infer = tuple(int(g) for g in rl.get("infer_gpus", range(num_shards * tp)))
-        count = int(rl.get("train_gpu_count", 1))
-        train = tuple(int(g) for g in rl.get("train_gpus", infer[:count]))
+        if "train_gpus" in rl:
+            train = tuple(int(g) for g in rl["train_gpus"])
+        else:
+            count = int(rl.get("train_gpu_count", 1))
+            # A slice would silently take fewer GPUs (or, negative, all but some) than asked.
+            if not 1 <= count <= len(infer):
+                raise RegistrationError(
+                    f"policy.generation.rlix.train_gpu_count={count} is not valid for "
+                    f"{len(infer)} inference GPU(s); valid: 1..{len(infer)}"
+                )
+            train = infer[:count]
         return cls(infer, train, tp)
 
 
@@ -178,11 +191,24 @@ class NemoRlPipeline:
         self._cached_once = False
         self._gen_thread: threading.Thread | None = None
         self._controller: NemoRlShardController | None = None
+        self._registered = False
         self._closed = False
 
     # registration -------------------------------------------------------------------------
     def register(self) -> None:
-        """Register + admit, create the shard-state owner, serve ``resize_infer``, route."""
+        """Register + admit, create the shard-state owner, serve ``resize_infer``, route.
+
+        On any failure the pipeline is shut down (:meth:`shutdown`: unregistered if it got
+        that far, heartbeat and actors stopped) before the error propagates: nobody else
+        holds it to clean up.
+        """
+        try:
+            self._register()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _register(self) -> None:
         import ray
 
         from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
@@ -196,6 +222,7 @@ class NemoRlPipeline:
             cluster_tp_configs=self.layout.tp_configs(),
             cluster_device_mappings=self.layout.device_mappings(),
         ))
+        self._registered = True
         # Shards start ACTIVE (NeMo RL loads and refits them during setup); the first
         # sync_weights puts them to sleep and the coordinator takes over.
         self.state = RayShardState.create(
@@ -259,10 +286,11 @@ class NemoRlPipeline:
     # training cycle -----------------------------------------------------------------------
     def before_training(self) -> None:
         """First touch of the training GPUs in a step: request them, re-init NCCL groups."""
-        if self._holding_train:
-            return
-        self.hooks.before_training(self.step)
-        self._holding_train = True
+        if not self._holding_train:
+            self.hooks.before_training(self.step)
+            self._holding_train = True
+        # Checked even when the GPUs are already held: a re-init that failed must be retried,
+        # never skipped (training would run without its process groups).
         if self._nccl_destroyed and self.policy is not None:
             # Policy.run_all_workers_single_data waits for the workers and returns results.
             self.policy.run_all_workers_single_data("rlix_reinit_parallel_state")
@@ -322,8 +350,9 @@ class NemoRlPipeline:
     # end of the job ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Leave the coordinator: unregister (every GPU the pipeline held is freed and a
-        waiting request fails), stop the heartbeat, stop the coordinator and shard-state
-        actors. Idempotent; each part is attempted even if an earlier one failed."""
+        waiting request fails; skipped if it never registered), stop the heartbeat, the
+        shard controller's event-loop thread, the coordinator and shard-state actors.
+        Idempotent; each part is attempted even if an earlier one failed."""
         if self._closed:
             return
         self._closed = True
@@ -340,13 +369,18 @@ class NemoRlPipeline:
             orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
             ray.get(orch.unregister_pipeline.remote(self.pipeline_id))
 
-        attempt("unregister", unregister)
+        if self._registered:
+            # Only our own registration: the id of a failed register_pipeline may be another
+            # job's (an explicit PIPELINE_ID already taken).
+            attempt("unregister", unregister)
         close = getattr(self.hooks, "close", None)
         if callable(close):
             attempt("heartbeat stop", close)
         if self._gen_thread is not None:
             # Unregistering failed its pending generation request; the thread ends with it.
             self._gen_thread.join(timeout=10)
+        if self._controller is not None:
+            attempt("shard controller", self._controller.close)
         if self.coordinator is not None:
             attempt("coordinator actor", lambda: ray.kill(self.coordinator, no_restart=True))
         if self.state is not None:
@@ -383,15 +417,33 @@ def attach_generation(generation: Any) -> None:
     with _pipeline_lock:
         if _pipeline is not None:
             return
-        orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=settings.namespace)
-        pid: str = settings.pipeline_id or str(ray.get(orch.allocate_pipeline_id.remote("ft")))
-        os.environ[ENV_PIPELINE_ID] = pid  # inherited by the collector and buffer actors
         layout = NemoRlLayout.from_generation_config(
             generation.cfg, generation.dp_size, generation.model_parallel_size
         )
-        hooks = make_hooks(settings, pipeline_id=pid)
-        pipeline = NemoRlPipeline(settings, generation, layout, hooks, pid)
-        pipeline.register()
+        # The coordinator resizes ranks 0..num_shards-1 and the shard state has that many
+        # entries; the router and the controller drive NeMo RL's dp_size shards.
+        if layout.num_shards != generation.dp_size:
+            raise RegistrationError(
+                f"policy.generation.rlix: {len(layout.infer_gpus)} inference GPU(s) at "
+                f"tp*pp={layout.infer_tp} make {layout.num_shards} shard(s), but NeMo RL built "
+                f"{generation.dp_size} dp rank(s); infer_gpus must list exactly the inference "
+                "cluster's GPUs"
+            )
+        orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=settings.namespace)
+        pid: str = settings.pipeline_id or str(ray.get(orch.allocate_pipeline_id.remote("ft")))
+        previous_pid = os.environ.get(ENV_PIPELINE_ID)
+        os.environ[ENV_PIPELINE_ID] = pid  # inherited by the collector and buffer actors
+        try:
+            hooks = make_hooks(settings, pipeline_id=pid)
+            pipeline = NemoRlPipeline(settings, generation, layout, hooks, pid)
+            pipeline.register()  # shuts itself down when it fails
+        except BaseException:
+            # No pipeline exists: its id must not reach actors started later.
+            if previous_pid is None:
+                os.environ.pop(ENV_PIPELINE_ID, None)
+            else:
+                os.environ[ENV_PIPELINE_ID] = previous_pid
+            raise
         generation.weight_synchronizer = RLixWeightSynchronizer(pipeline)
         _pipeline = pipeline
         policy = _pending_policy

@@ -75,6 +75,8 @@ class LifecycleShardController:
         self._probe = probe
         self._observer = observer if observer is not None else ObservationWriter.from_env()
         self._loop: LoopThread | None = loop
+        # A loop handed in belongs to the caller; only one this controller started is closed.
+        self._owns_loop = loop is None
         self._lock = threading.Lock()
         self._step: int | None = None
 
@@ -87,6 +89,14 @@ class LifecycleShardController:
             if self._loop is None:
                 self._loop = LoopThread()
             return self._loop
+
+    def close(self) -> None:
+        """Stop the event-loop thread this controller started (idempotent; a loop passed in
+        is left to its owner). The controller must not be used afterwards."""
+        with self._lock:
+            loop, self._loop = (self._loop, None) if self._owns_loop else (None, self._loop)
+        if loop is not None:
+            loop.close()
 
     def _statuses(self) -> tuple[ShardStatus, ...]:
         async def read() -> tuple[ShardStatus, ...]:
@@ -124,12 +134,15 @@ class LifecycleShardController:
     def expand(self, dp_ranks: Sequence[int]) -> None:
         """Wake sleeping ranks, sync the newest cached weights to exactly them, activate.
 
+        A rank left PREEMPTED by a shrink that failed part-way is taken down again first
+        (abort, drain, sleep), then woken like a sleeping one.
+
         Raises:
             ShardStateError: a rank does not exist, or a rank needs weights and no version is
                 cached yet (nothing changed in either case).
         """
         ranks, statuses = self._checked("expand", dp_ranks)
-        woken = [r for r in ranks if statuses[r] in (ShardStatus.SLEEPING, ShardStatus.WOKEN)]
+        woken = [r for r in ranks if statuses[r] is not ShardStatus.ACTIVE]
         if not woken:
             return
         # The state does not record a shard's sleep level, and WOKEN means "weights stale until
@@ -141,7 +154,12 @@ class LifecycleShardController:
                 "(a shard woken from level-2 sleep holds none); build the cache before the "
                 "first shrink; nothing was changed"
             )
-        sleeping = [r for r in woken if statuses[r] is ShardStatus.SLEEPING]
+        # PREEMPTED is unrouted but in an unknown engine state (awake or asleep): skipping it
+        # would report an expand that never happened. The lifecycle retakes it down.
+        half_down = [r for r in woken if statuses[r] is ShardStatus.PREEMPTED]
+        if half_down:
+            self._loop_thread().run(self._lifecycle.preempt(half_down))
+        sleeping = [r for r in woken if statuses[r] is not ShardStatus.WOKEN]
         if sleeping:
             self._loop_thread().run(self._lifecycle.wake(sleeping))
         # Read again after the wake: a version cached meanwhile is the one to serve.

@@ -130,3 +130,39 @@ def test_expand_with_a_version_wakes_syncs_and_activates(rig: Rig) -> None:
     assert rig.calls == [("wake_up", 1), ("resume", 1)]
     assert rig.weights.synced == [([1], 3)]
     assert rig.statuses() == (A, A)
+
+
+def test_expand_of_a_half_taken_down_shard_finishes_the_take_down_then_routes_it(
+    rig: Rig,
+) -> None:
+    # An earlier shrink failed part-way: the shard is PREEMPTED (unrouted, maybe still awake).
+    rig.store.apply([0], ShardEvent.PREEMPT)
+    rig.weights.version = 3
+    rig.controller.expand([0])
+    # expand promises "awake, synced and routable": never a silent success on an unrouted shard.
+    assert rig.statuses() == (A, S)
+    assert rig.calls == [("abort_all", 0), ("sleep", 0), ("wake_up", 0), ("resume", 0)]
+    assert rig.weights.synced == [([0], 3)]
+
+
+def test_shard_controller_close_stops_its_own_loop_thread_only() -> None:
+    store = ShardStateStore(1)
+    view = LocalShardState(store)
+    lifecycle = ShardLifecycle(view, [FakeRecordingEngine(0, [])])
+    weights = Weights()
+    owned = LifecycleShardController(lifecycle, view, weights.sync, weights.latest,
+                                     observer=ObservationWriter(None, None))
+    owned.shrink([0])  # starts the controller's own event-loop thread
+    loop = owned._loop
+    assert loop is not None and not loop.closed
+    owned.close()
+    owned.close()  # idempotent
+    assert loop.closed
+    given = LoopThread(name="test-given-loop")
+    try:
+        borrowed = LifecycleShardController(lifecycle, view, weights.sync, weights.latest,
+                                            observer=ObservationWriter(None, None), loop=given)
+        borrowed.close()
+        assert not given.closed  # a loop handed in belongs to the caller
+    finally:
+        given.close()
