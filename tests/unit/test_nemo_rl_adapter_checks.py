@@ -11,24 +11,12 @@ import pytest
 
 from rlix_plugins.adapters.nemo_rl import CacheSync, NemoRlLayout, NemoRlPipeline
 from rlix_plugins.adapters.nemo_rl_placement_plan import (
-    BundleGpu,
     PlacementError,
     PlacementPlan,
-    RolePlacement,
 )
 from rlix_plugins.errors import RegistrationError
-from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN
 from rlix_plugins.settings import load_settings
-
-
-def _plan(infer: tuple[int, ...], train: tuple[int, ...]) -> PlacementPlan:
-    return PlacementPlan(
-        gpus_per_node=8, node_ranks={"n0": 0},
-        bundle_gpus=tuple(BundleGpu(i, "n0", g) for i, g in enumerate(infer)),
-        infer=RolePlacement(ACTOR_INFER, infer, tuple(range(len(infer))), (0,) * len(infer)),
-        train=RolePlacement(ACTOR_TRAIN, train, tuple(infer.index(g) for g in train),
-                            (0,) * len(train)),
-    )
+from tests.support.nemo_rl_plans import one_node_plan
 
 
 def _pipeline(layout: NemoRlLayout, plan: PlacementPlan | None) -> NemoRlPipeline:
@@ -40,13 +28,13 @@ def _pipeline(layout: NemoRlLayout, plan: PlacementPlan | None) -> NemoRlPipelin
 
 def test_matching_plan_passes_and_no_plan_is_not_checked() -> None:
     layout = NemoRlLayout((0, 1), (0,))
-    _pipeline(layout, _plan((0, 1), (0,))).check_placement()
+    _pipeline(layout, one_node_plan((0, 1), (0,))).check_placement()
     _pipeline(layout, None).check_placement()
 
 
 def test_mismatched_plan_fails_registration_before_the_coordinator_is_contacted() -> None:
     # Training placed on GPU 1 while the coordinator would be told GPU 0.
-    pipeline = _pipeline(NemoRlLayout((0, 1), (0,)), _plan((0, 1), (1,)))
+    pipeline = _pipeline(NemoRlLayout((0, 1), (0,)), one_node_plan((0, 1), (1,)))
     with pytest.raises(PlacementError, match=r"actor_train: coordinator told \[0\], workers "
                                              r"placed on \[1\]"):
         pipeline.register()  # raises before any Ray call (none is running here)

@@ -18,18 +18,16 @@ import pytest
 from rlix_plugins.adapters import nemo_rl
 from rlix_plugins.adapters.nemo_rl import NemoRlLayout, NemoRlPipeline
 from rlix_plugins.adapters.nemo_rl_placement_plan import (
-    BundleGpu,
     PlacementError,
     PlacementPlan,
-    RolePlacement,
 )
 from rlix_plugins.adapters.observability import ObservationWriter
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
 from rlix_plugins.errors import RegistrationError
 from rlix_plugins.generation import ShardLifecycle
 from rlix_plugins.generation.state_store import LocalShardState, ShardStateStore
-from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN
 from rlix_plugins.settings import ENV_PIPELINE_ID, load_settings
+from tests.support.nemo_rl_plans import one_node_plan
 
 PID = "ft_000000000042"
 
@@ -74,16 +72,6 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeOrchestrator]:
     yield orch
 
 
-def _plan(infer: tuple[int, ...], train: tuple[int, ...]) -> PlacementPlan:
-    return PlacementPlan(
-        gpus_per_node=8, node_ranks={"n0": 0},
-        bundle_gpus=tuple(BundleGpu(i, "n0", g) for i, g in enumerate(infer)),
-        infer=RolePlacement(ACTOR_INFER, infer, tuple(range(len(infer))), (0,) * len(infer)),
-        train=RolePlacement(ACTOR_TRAIN, train, tuple(infer.index(g) for g in train),
-                            (0,) * len(train)),
-    )
-
-
 def _generation(dp_size: int, plan: PlacementPlan | None = None, cfg: Any = None) -> Any:
     cluster = None if plan is None else SimpleNamespace(rlix_plan=plan)
     return SimpleNamespace(cfg=cfg or {}, dp_size=dp_size, model_parallel_size=1,
@@ -105,7 +93,7 @@ def test_a_failed_registration_stops_the_heartbeat_and_leaves_nothing_behind(
     monkeypatch.delenv(ENV_PIPELINE_ID, raising=False)
     fake_ray.allocate_pipeline_id = SimpleNamespace(remote=lambda kind: PID)  # type: ignore[attr-defined]
     # Training placed on GPU 1 while the layout (and the coordinator) would say GPU 0.
-    gen = _generation(2, _plan((0, 1), (1,)))
+    gen = _generation(2, one_node_plan((0, 1), (1,)))
     with pytest.raises(PlacementError):
         nemo_rl.attach_generation(gen)
     assert hooks.calls == ["close"]  # the heartbeat of a pipeline that never registered stops

@@ -102,30 +102,33 @@ def _config_round_trip(rank: int, world_size: int) -> dict[str, Any]:
     from rlix_plugins.patches.megatron import parallel_config_from_state
     from rlix_plugins.training.nccl_lifecycle import MegatronParallelLifecycle
 
-    out: dict[str, Any] = {}
-    # what a host may have initialised with: interleaved pipeline, no gloo groups
-    ps.initialize_model_parallel(
-        pipeline_model_parallel_size=2,
-        virtual_pipeline_model_parallel_size=2,
-        create_gloo_process_groups=False,
-    )
-    lc = MegatronParallelLifecycle.adopt(parallel_config_from_state(ps), ps)
-    lc.destroy()
-    lc.reinitialize()
-    out["vpp"] = ps.get_virtual_pipeline_model_parallel_world_size()
-    out["gloo"] = ps._DATA_PARALLEL_GROUP_GLOO is not None
-    lc.destroy()
-    # experts with a tensor-parallel size of their own
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_tensor_parallel_size=1)
-    lc = MegatronParallelLifecycle.adopt(parallel_config_from_state(ps), ps)
-    lc.destroy()
-    lc.reinitialize()
-    out["etp"] = ps.get_expert_tensor_parallel_world_size()
-    out["gloo_default"] = ps._DATA_PARALLEL_GROUP_GLOO is not None
-    lc.destroy()
-    return out
+    def after_reinit(**init: Any) -> dict[str, Any]:
+        """Initialise as a host would, destroy and re-create from the config read back."""
+        ps.initialize_model_parallel(**init)
+        lc = MegatronParallelLifecycle.adopt(parallel_config_from_state(ps), ps)
+        lc.destroy()
+        lc.reinitialize()
+        seen = {
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size(),
+            "gloo": ps._DATA_PARALLEL_GROUP_GLOO is not None,
+        }
+        lc.destroy()
+        return seen
+
+    return {
+        # interleaved pipeline, no gloo groups
+        "vpp_no_gloo": after_reinit(
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            create_gloo_process_groups=False,
+        ),
+        # experts with a tensor-parallel size of their own (gloo groups by default)
+        "own_expert_tp": after_reinit(tensor_model_parallel_size=2, expert_tensor_parallel_size=1),
+    }
 
 
 def test_worker_config_from_state_reproduces_vpp_expert_tp_and_gloo() -> None:
     for result in run_world(_config_round_trip, 2, timeout_s=300):
-        assert result == {"vpp": 2, "gloo": False, "etp": 1, "gloo_default": True}
+        assert result["vpp_no_gloo"]["vpp"] == 2 and result["vpp_no_gloo"]["gloo"] is False
+        assert result["own_expert_tp"]["etp"] == 1 and result["own_expert_tp"]["gloo"] is True
