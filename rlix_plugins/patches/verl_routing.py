@@ -572,6 +572,18 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         return tuple(started)
 
 
+def _concat_rows(head: Any, tail: Any) -> Any:
+    """``head`` then ``tail`` along the first axis (numpy arrays or torch tensors, as the
+    server returns them)."""
+    if hasattr(head, "dim") and hasattr(tail, "dim"):
+        import torch
+
+        return torch.cat([head, tail], dim=0)
+    import numpy as np
+
+    return np.concatenate([np.asarray(head), np.asarray(tail)], axis=0)
+
+
 class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
     """veRL's LLM server client that never returns an aborted generation.
 
@@ -752,6 +764,12 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
                 limit_key = "max_tokens"
         tokens: list[int] = []
         log_probs: list[float] | None = None
+        # Routing of every generated token as it was generated (MoE router replay): the first
+        # attempt's rows, then only the new tokens' rows of each continuation (its prefill
+        # re-routes the earlier tokens, possibly under newer weights), as veRL's own
+        # resumable client keeps them. The prefix-cache hit count is the first prefill's.
+        routed: Any = None
+        cached_tokens: Any = None
         first_steps: Any = None
         dispatches = preempted = 0
         migrated_at: list[int] = []
@@ -771,6 +789,10 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
                 _ATTEMPT.reset(token)
             if dispatches == 1:
                 first_steps = out.extra_fields.get("min_global_steps")
+                cached_tokens = out.extra_fields.get("num_cached_tokens")
+            if out.routed_experts is not None and out.token_ids:
+                routed = (out.routed_experts if routed is None else _concat_rows(
+                    routed, out.routed_experts[-len(out.token_ids):]))
             tokens.extend(out.token_ids)
             if out.log_probs is not None:
                 log_probs = (log_probs or []) + list(out.log_probs)
@@ -793,6 +815,9 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             if done:
                 out.token_ids = tokens
                 out.log_probs = log_probs
+                out.routed_experts = routed if routed is not None else out.routed_experts
+                if cached_tokens is not None:
+                    out.extra_fields["num_cached_tokens"] = cached_tokens
                 out.num_preempted = (out.num_preempted or 0) + preempted
                 out.extra_fields["min_global_steps"] = first_steps
                 out.extra_fields["rlix_attempts"] = dispatches

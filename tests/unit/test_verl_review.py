@@ -101,6 +101,62 @@ def test_continuation_without_max_tokens_keeps_the_response_budget(verl_env: Ver
     assert out.num_preempted == 1
 
 
+class _RoutedServer:
+    """Returns MoE routing rows for prompt + generated tokens (one row per token, tagged with
+    the attempt) and a prefix-cache hit count; the first attempt is aborted after 3 tokens."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    async def _generate(self, *, request_id: str, prompt_ids: list[int],
+                        sampling_params: dict[str, Any], **_: Any) -> Any:
+        import numpy as np
+        from verl.workers.rollout.replica import TokenOutput
+
+        self.attempts += 1
+        n = 3 if self.attempts == 1 else int(sampling_params["max_tokens"])
+        rows = np.full((len(prompt_ids) + n, 2), self.attempts)
+        return TokenOutput(
+            token_ids=[self.attempts] * n, log_probs=[-0.1] * n, routed_experts=rows,
+            stop_reason="aborted" if self.attempts == 1 else "length",
+            extra_fields={"num_cached_tokens": 10 * self.attempts},
+        )
+
+    @property
+    def generate(self) -> Any:
+        server = self
+
+        class _Gen:
+            def remote(self, **kwargs: Any) -> Any:
+                return server._generate(**kwargs)
+
+        return _Gen()
+
+
+def test_continuation_keeps_each_tokens_routing_and_the_first_prefix_hit(
+    verl_env: VerlEnv,
+) -> None:
+    """MoE router replay needs the routing each token had when it was generated: the earlier
+    tokens' rows from the first attempt (a continuation's prefill re-routes them), only the new
+    tokens' rows from the continuation; the prefix-cache hit count is the first prefill's."""
+    from omegaconf import OmegaConf
+
+    from rlix_plugins.patches.verl_routing import RLixLLMServerClient, RLixRequestLoadBalancer
+
+    server = _RoutedServer()
+    lb = RLixRequestLoadBalancer({"s0": server})
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "name": "vllm", "full_determinism": False, "response_length": 8,
+    }}})
+    client = RLixLLMServerClient(config=cfg, load_balancer_handle=_Handle(lb))
+    out = asyncio.run(client.generate("r", prompt_ids=[9] * 4,
+                                      sampling_params={"max_tokens": 8}))
+    assert out.token_ids == [1, 1, 1, 2, 2, 2, 2, 2]
+    # 4 prompt rows + 3 tokens from attempt 1, then the 5 new tokens' rows from attempt 2
+    assert out.routed_experts[:, 0].tolist() == [1] * 7 + [2] * 5
+    assert out.extra_fields["num_cached_tokens"] == 10
+
+
 # ---------------------------------------------------------------- routing: bind_shards input
 def test_bind_shards_bad_input_is_typed_and_changes_nothing(verl_env: VerlEnv) -> None:
     from rlix_plugins.errors import ShardStateError
