@@ -10,10 +10,16 @@ so the shim is a lazy import hook, not an eager import. Nothing of NeMo RL is ed
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
 from typing import Any
+
+# This file shadows tests/support/amx_site's sitecustomize: make its request too (absent only
+# in a process the test session did not start).
+with contextlib.suppress(ImportError):
+    import rlix_amx_request  # noqa: F401
 
 _TARGET = "nemo_rl.models.policy"
 
