@@ -93,8 +93,10 @@ class LifecycleShardController:
     def close(self) -> None:
         """Stop the event-loop thread this controller started (idempotent; a loop passed in
         is left to its owner). The controller must not be used afterwards."""
+        if not self._owns_loop:
+            return
         with self._lock:
-            loop, self._loop = (self._loop, None) if self._owns_loop else (None, self._loop)
+            loop, self._loop = self._loop, None
         if loop is not None:
             loop.close()
 
@@ -142,24 +144,24 @@ class LifecycleShardController:
                 cached yet (nothing changed in either case).
         """
         ranks, statuses = self._checked("expand", dp_ranks)
-        woken = [r for r in ranks if statuses[r] is not ShardStatus.ACTIVE]
-        if not woken:
+        inactive = [r for r in ranks if statuses[r] is not ShardStatus.ACTIVE]
+        if not inactive:
             return
         # The state does not record a shard's sleep level, and WOKEN means "weights stale until
         # synced": with nothing cached there is nothing to sync, so refuse before waking.
         # Hosts build the first version before the first shrink, so this is an ordering bug.
         if self._version() is None:
             raise ShardStateError(
-                f"expand: shard(s) {woken} need weights but no weight version is cached yet "
+                f"expand: shard(s) {inactive} need weights but no weight version is cached yet "
                 "(a shard woken from level-2 sleep holds none); build the cache before the "
                 "first shrink; nothing was changed"
             )
         # PREEMPTED is unrouted but in an unknown engine state (awake or asleep): skipping it
         # would report an expand that never happened. The lifecycle retakes it down.
-        half_down = [r for r in woken if statuses[r] is ShardStatus.PREEMPTED]
+        half_down = [r for r in inactive if statuses[r] is ShardStatus.PREEMPTED]
         if half_down:
             self._loop_thread().run(self._lifecycle.preempt(half_down))
-        sleeping = [r for r in woken if statuses[r] is not ShardStatus.WOKEN]
+        sleeping = [r for r in inactive if statuses[r] is not ShardStatus.WOKEN]
         if sleeping:
             self._loop_thread().run(self._lifecycle.wake(sleeping))
         # Read again after the wake: a version cached meanwhile is the one to serve.
@@ -170,9 +172,9 @@ class LifecycleShardController:
                 "stay woken and unrouted"
             )
         # Woken from level-2 sleep a shard has no valid weights: routed only after this.
-        self._sync(woken, version)
-        self._loop_thread().run(self._lifecycle.activate(woken))
-        self.observe("expand", woken, version)
+        self._sync(inactive, version)
+        self._loop_thread().run(self._lifecycle.activate(inactive))
+        self.observe("expand", inactive, version)
 
     def refresh(self, dp_ranks: Sequence[int], version: int, *, step: int | None = None) -> None:
         """Active refresh: sync ``version`` into shards that stay active (no drain), then

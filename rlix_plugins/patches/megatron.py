@@ -31,7 +31,6 @@ The mixin (:class:`RLixMegatronWorkerMixin`) needs from its host only
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -42,6 +41,7 @@ from rlix_plugins.training.nccl_lifecycle import (
     MegatronParallelLifecycle,
     ParallelConfig,
     RebindReport,
+    init_keywords,
 )
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
@@ -79,10 +79,7 @@ def parallel_config_from_state(ps: Any) -> ParallelConfig:
             getattr(ps, "_DATA_PARALLEL_GROUP_GLOO", None) is not None
         ),
     }
-    try:
-        accepted = set(inspect.signature(ps.initialize_model_parallel).parameters)
-    except (TypeError, ValueError):  # pragma: no cover - a C or patched callable
-        accepted = set()
+    accepted = init_keywords(ps)
     for name, read in optional.items():
         if name in accepted:
             kwargs[name] = read()

@@ -450,6 +450,31 @@ def groups_in_module(module: ModuleType) -> list[Any]:
     return list(seen.values())
 
 
+def init_keywords(module: ModuleType) -> frozenset[str]:
+    """Parameters ``module.initialize_model_parallel`` takes (empty when unreadable)."""
+    try:
+        return frozenset(inspect.signature(module.initialize_model_parallel).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - a C or patched callable
+        return frozenset()
+
+
+def _destroy_live(groups: Iterable[Any]) -> dict[str, int]:
+    """Destroy each of ``groups`` still in torch's world map (the default group never);
+    returns how many per backend."""
+    import torch.distributed as dist
+
+    pg_map = _world().pg_map
+    world = dist.GroupMember.WORLD
+    by_backend: dict[str, int] = {}
+    for pg in groups:
+        if pg is world or pg not in pg_map:
+            continue  # already gone (megatron destroyed its gloo groups, or a stale handle)
+        name = backend_name(pg)
+        dist.destroy_process_group(pg)
+        by_backend[name] = by_backend.get(name, 0) + 1
+    return by_backend
+
+
 def pristine_state(module: ModuleType) -> dict[str, Any]:
     """Module globals whose source default is ``None`` or an empty container: its state slots."""
     try:
@@ -550,7 +575,7 @@ class MegatronParallelLifecycle:
             raise ParallelStateError(
                 f"initialize_model_parallel rejected the saved configuration "
                 f"{dict(self.config.init_kwargs)}: {type(exc).__name__}: {exc}; valid "
-                f"keywords: {self._valid_keywords()}"
+                f"keywords: {sorted(init_keywords(self.ps))}"
             ) from exc
         self._created = [pg for pg in live_process_groups() if id(pg) not in before]
 
@@ -561,20 +586,9 @@ class MegatronParallelLifecycle:
 
     def _undo_initialize(self, created: list[Any], saved: Mapping[str, Any]) -> None:
         """Destroy the groups an unfinished initialize created and restore the module state."""
-        import torch.distributed as dist
-
-        pg_map = _world().pg_map
-        for pg in created:
-            if pg is not dist.GroupMember.WORLD and pg in pg_map:
-                dist.destroy_process_group(pg)
+        _destroy_live(created)
         for name, value in saved.items():
             setattr(self.ps, name, value)
-
-    def _valid_keywords(self) -> list[str]:
-        try:
-            return list(inspect.signature(self.ps.initialize_model_parallel).parameters)
-        except (TypeError, ValueError):  # pragma: no cover - a C or patched callable
-            return []
 
     def destroy(self) -> DestroyReport:
         """Destroy every process group of the parallel state and reset the module."""
@@ -597,16 +611,8 @@ class MegatronParallelLifecycle:
             if id(pg) not in targets and pg is not world_default:
                 targets[id(pg)] = pg
                 diff_only += 1
-        pg_map = _world().pg_map
-        by_backend: dict[str, int] = {}
-        destroyed = 0
-        for pg in targets.values():
-            if pg not in pg_map:
-                continue  # already gone (megatron destroyed its gloo groups, or a stale handle)
-            name = backend_name(pg)
-            dist.destroy_process_group(pg)
-            by_backend[name] = by_backend.get(name, 0) + 1
-            destroyed += 1
+        by_backend = _destroy_live(targets.values())
+        destroyed = sum(by_backend.values())
         self.ps.destroy_model_parallel()
         reset = 0
         for name, default in self._defaults.items():

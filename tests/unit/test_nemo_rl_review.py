@@ -1,14 +1,15 @@
-"""Driver-adapter defects found in review: cleanup on a failed registration and on shutdown,
-the layout's input checks, and the NCCL re-init after a failed attempt.
+"""Driver-adapter defects found in review: cleanup on shutdown, the layout's input checks,
+and the NCCL re-init after a failed attempt (cleanup after a failed registration is checked on
+real Ray in tests/integration/test_nemo_rl_registration_cleanup.py).
 
-No Ray runs here: ``ray.get_actor`` / ``ray.kill`` are replaced by recorders, the hooks and the
-policy are FAKE stand-ins carrying only what the adapter calls; the adapter, the layout, the
-placement plan check and the shard controller are real.
+No Ray runs here: these checks must hold before anything is contacted, so ``ray.get_actor`` /
+``ray.kill`` are replaced by FAKE recorders; the hooks and the policy are FAKE stand-ins
+carrying only what the adapter calls; the adapter, the layout and the shard controller are
+real.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +19,6 @@ import pytest
 from rlix_plugins.adapters import nemo_rl
 from rlix_plugins.adapters.nemo_rl import NemoRlLayout, NemoRlPipeline
 from rlix_plugins.adapters.nemo_rl_placement_plan import (
-    PlacementError,
     PlacementPlan,
 )
 from rlix_plugins.adapters.observability import ObservationWriter
@@ -26,8 +26,7 @@ from rlix_plugins.adapters.shard_controller import LifecycleShardController
 from rlix_plugins.errors import RegistrationError
 from rlix_plugins.generation import ShardLifecycle
 from rlix_plugins.generation.state_store import LocalShardState, ShardStateStore
-from rlix_plugins.settings import ENV_PIPELINE_ID, load_settings
-from tests.support.nemo_rl_plans import one_node_plan
+from rlix_plugins.settings import load_settings
 
 PID = "ft_000000000042"
 
@@ -76,61 +75,6 @@ def _generation(dp_size: int, plan: PlacementPlan | None = None, cfg: Any = None
     cluster = None if plan is None else SimpleNamespace(rlix_plan=plan)
     return SimpleNamespace(cfg=cfg or {}, dp_size=dp_size, model_parallel_size=1,
                            worker_group=SimpleNamespace(cluster=cluster))
-
-
-# ------------------------------------------------------------------ failed registration
-
-
-def test_a_failed_registration_stops_the_heartbeat_and_leaves_nothing_behind(
-    monkeypatch: pytest.MonkeyPatch, fake_ray: FakeOrchestrator,
-) -> None:
-    hooks = FakeHooks()
-    import rlix_plugins.hooks as hooks_module
-
-    monkeypatch.setattr(hooks_module, "make_hooks", lambda settings, pipeline_id=None: hooks)
-    monkeypatch.setattr(nemo_rl, "settings_if_enabled",
-                        lambda: load_settings({"RLIX_CONTROL_PLANE": "rlix"}))
-    monkeypatch.delenv(ENV_PIPELINE_ID, raising=False)
-    fake_ray.allocate_pipeline_id = SimpleNamespace(remote=lambda kind: PID)  # type: ignore[attr-defined]
-    # Training placed on GPU 1 while the layout (and the coordinator) would say GPU 0.
-    gen = _generation(2, one_node_plan((0, 1), (1,)))
-    with pytest.raises(PlacementError):
-        nemo_rl.attach_generation(gen)
-    assert hooks.calls == ["close"]  # the heartbeat of a pipeline that never registered stops
-    assert "unregister_pipeline" not in fake_ray.calls  # never registered: nothing to undo
-    assert nemo_rl.current_pipeline() is None
-    assert ENV_PIPELINE_ID not in os.environ  # the id of a pipeline that does not exist
-    assert not hasattr(gen, "weight_synchronizer")
-
-
-def test_a_failure_after_register_pipeline_unregisters_and_stops_the_actors(
-    monkeypatch: pytest.MonkeyPatch, fake_ray: FakeOrchestrator,
-) -> None:
-    from rlix_plugins.generation import ray_state
-
-    hooks = FakeHooks()
-    killed: list[Any] = []
-    import ray
-
-    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
-    state = SimpleNamespace(handle="state-actor", close=lambda: None)
-    monkeypatch.setattr(ray_state.RayShardState, "create",
-                        classmethod(lambda cls, n, **kw: state))
-
-    def attach(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("router attach failed")
-
-    gen = _generation(2)
-    gen.rlix_attach = attach
-    pipeline = NemoRlPipeline(load_settings({"RLIX_CONTROL_PLANE": "rlix"}), gen,
-                              NemoRlLayout((0, 1), (0,)), hooks, PID)  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="router attach failed"):
-        pipeline.register()
-    # Registered with the coordinator, then failed: it leaves again (frees its GPUs) and the
-    # shard-state actor it created is stopped; no one else could ever do it.
-    assert fake_ray.calls == ["register_pipeline", "unregister_pipeline"]
-    assert killed == ["state-actor"]
-    assert hooks.calls == ["close"]
 
 
 # ------------------------------------------------------------------ shutdown

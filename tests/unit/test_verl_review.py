@@ -45,7 +45,24 @@ class _Handle:
 
 
 # ---------------------------------------------------------------- routing: response budget
-class _AbortOnceServer:
+class _ServerStandIn:
+    """A veRL vLLM server actor's ``generate.remote(...)``, served by ``_generate``."""
+
+    async def _generate(self, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    @property
+    def generate(self) -> Any:
+        server = self
+
+        class _Gen:
+            def remote(self, **kwargs: Any) -> Any:
+                return server._generate(**kwargs)
+
+        return _Gen()
+
+
+class _AbortOnceServer(_ServerStandIn):
     """veRL's vLLM server default budget (no ``max_tokens``): min(response_length,
     prompt_length + response_length - len(prompt)); the first attempt is aborted halfway."""
 
@@ -67,16 +84,6 @@ class _AbortOnceServer:
             return TokenOutput(token_ids=[1] * half, log_probs=[-0.1] * half,
                                stop_reason="aborted")
         return TokenOutput(token_ids=[2] * n, log_probs=[-0.2] * n, stop_reason="length")
-
-    @property
-    def generate(self) -> Any:
-        server = self
-
-        class _Gen:
-            def remote(self, **kwargs: Any) -> Any:
-                return server._generate(**kwargs)
-
-        return _Gen()
 
 
 def test_continuation_without_max_tokens_keeps_the_response_budget(verl_env: VerlEnv) -> None:
@@ -101,7 +108,7 @@ def test_continuation_without_max_tokens_keeps_the_response_budget(verl_env: Ver
     assert out.num_preempted == 1
 
 
-class _RoutedServer:
+class _RoutedServer(_ServerStandIn):
     """Returns MoE routing rows for prompt + generated tokens (one row per token, tagged with
     the attempt) and a prefix-cache hit count; the first attempt is aborted after 3 tokens."""
 
@@ -121,16 +128,6 @@ class _RoutedServer:
             stop_reason="aborted" if self.attempts == 1 else "length",
             extra_fields={"num_cached_tokens": 10 * self.attempts},
         )
-
-    @property
-    def generate(self) -> Any:
-        server = self
-
-        class _Gen:
-            def remote(self, **kwargs: Any) -> Any:
-                return server._generate(**kwargs)
-
-        return _Gen()
 
 
 def test_continuation_keeps_each_tokens_routing_and_the_first_prefix_hit(
