@@ -23,8 +23,8 @@ Measured in one run on one machine:
 * the load average during each part (the machine is shared);
 * Megatron destroy/re-init cycle time on 2 gloo ranks (TP=2).
 
-GPU-only figures (pinned H2D streaming, NVML memory across NCCL cycles) run only where
-``torch.cuda.is_available()``; elsewhere they are recorded as not measured.
+GPU-only figures (pinned vs pageable copies, the cache built from GPU weights, CUDA IPC sync,
+NCCL memory across destroy/re-init cycles) are measured by ``benchmarks/gpu/run.py``.
 """
 
 from __future__ import annotations
@@ -372,31 +372,6 @@ def bench_nccl_cycle(cycles: int) -> dict[str, Any]:
     }
 
 
-def bench_gpu(total: int) -> dict[str, Any]:
-    if not torch.cuda.is_available():
-        return {"status": "not measured: no GPU in this task"}
-    # pinned host -> device streaming, bucket-sized copies (what CUDA IPC / NCCL staging does)
-    src = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(total, dtype=torch.uint8, device="cuda")
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    h2d = 5 * total / (time.perf_counter() - t0) / 1e9
-    result: dict[str, Any] = {"status": "measured", "pinned_h2d_gbps": h2d}
-    try:
-        import pynvml  # type: ignore[import-not-found,unused-ignore]
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        result["nvml_used_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    except Exception as exc:  # pynvml missing: record why
-        result["nvml"] = f"not measured: {exc}"
-    return result
-
-
 def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -543,7 +518,7 @@ def main() -> None:
         "transports": transports,
         "shm_floor": floor,
         "nccl_cycle": cycle,
-        "gpu": bench_gpu(bucket),
+        "gpu": "measured by benchmarks/gpu/run.py on a GPU machine (results/gpu.json there)",
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     args.output.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,12 @@ Decisions:
 * **Segment checksums**: besides the bucket checksum, every ``segment_bytes`` slice of a bucket
   has its own checksum, so a receiver can verify a slice and apply it while it is still in the
   CPU cache instead of reading the whole bucket twice.
+* **Staged on the GPU** (``stage_on_gpu``, fletcher64 only): when the weights come from a
+  CUDA device, each bucket is packed in one GPU staging buffer, its checksums are summed there
+  and it goes to host memory in one copy. Measured on an H100 (benchmarks/gpu): packing
+  straight into pinned memory and checksumming on the host built at 9.4 GB/s, 17% of one
+  plain D2H copy, the host checksum being the bottleneck. The price: one bucket of GPU memory
+  while a build runs.
 * **Recycled files** (``SHARED``, ``recycle_files=True``): the files of a freed version go to a
   pool (at most as many files as the largest version has buckets) and the next build rewrites
   them in place. Same-host receivers then keep their mappings across syncs: mapping and
@@ -57,7 +63,12 @@ from rlix_plugins.errors import (
     UnknownWeightVersionError,
     WeightCacheError,
 )
-from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor, segment_checksums
+from rlix_plugins.training.checksum import (
+    ChecksumKind,
+    checksum_tensor,
+    segment_checksums,
+    segment_checksums_torch,
+)
 from rlix_plugins.training.host_memory import (
     HostMemory,
     accelerator_available,
@@ -96,7 +107,8 @@ class CacheConfig:
     else on the node when checking host RAM. ``segment_bytes`` is the unit a receiver verifies
     and applies at a time (a multiple of 32 KiB; 2 MiB measured best here: smaller segments pay
     numpy's per-call cost, larger ones fall out of the L2/L3 cache). ``recycle_files`` reuses
-    the /dev/shm files of freed versions (see the module docstring).
+    the /dev/shm files of freed versions; ``stage_on_gpu`` packs and checksums buckets of CUDA
+    weights on their GPU (one bucket of GPU memory during a build; see the module docstring).
     """
 
     bucket_bytes: int = 256 << 20
@@ -107,6 +119,7 @@ class CacheConfig:
     drain_on_error: bool = True
     segment_bytes: int = 2 << 20
     recycle_files: bool = True
+    stage_on_gpu: bool = True
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < ALIGNMENT or self.bucket_bytes % ALIGNMENT:
@@ -540,6 +553,9 @@ class BucketCache:
         n_tensors = 0
         total = 0
         seen: set[str] = set()
+        # GPU staging buffer (see stage_on_gpu), decided by the first tensor of the version
+        stage: torch.Tensor | None = None
+        decided = False
         try:
             for name, tensor in iterator:
                 if name in seen:
@@ -549,6 +565,9 @@ class BucketCache:
                 seen.add(name)
                 raw = _as_bytes(tensor)
                 nbytes = int(raw.numel())
+                if not decided:
+                    decided = True
+                    stage = self._gpu_stage(raw)
                 if nbytes > cap:
                     raise OversizeTensorError(
                         f"tensor {name!r} ({dtype_name(tensor.dtype)}, shape "
@@ -558,26 +577,30 @@ class BucketCache:
                     )
                 if current is None or offset + nbytes > cap:
                     if current is not None:
-                        buckets.append(self._seal(current, entries, offset, version))
+                        buckets.append(self._seal(current, entries, offset, version, stage))
                         current = None
                     current = self._allocate(storage, version, len(buckets), probe)
                     entries, offset = [], 0
-                dst = current.storage[offset : offset + nbytes]
-                # non_blocking D2H into pinned memory overlaps the copies of one bucket; the
-                # bucket is synchronised in _seal before its checksum is taken.
-                dst.copy_(raw, non_blocking=storage is StorageKind.PINNED and raw.is_cuda)
+                packed = current.storage if stage is None else stage
+                # non_blocking: the copies of one bucket overlap (D2D into the stage, or D2H
+                # into pinned memory); _seal synchronises before the checksum is taken.
+                packed[offset : offset + nbytes].copy_(
+                    raw, non_blocking=stage is not None or (
+                        storage is StorageKind.PINNED and raw.is_cuda
+                    )
+                )
                 entries.append(
                     TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes)
                 )
                 end = _align(offset + nbytes)
                 if end > offset + nbytes:
                     # zero the alignment gap so the checksum does not depend on stale bytes
-                    current.storage[offset + nbytes : min(end, cap)].zero_()
+                    packed[offset + nbytes : min(end, cap)].zero_()
                 offset = end
                 n_tensors += 1
                 total += nbytes
             if current is not None:
-                buckets.append(self._seal(current, entries, min(offset, cap), version))
+                buckets.append(self._seal(current, entries, min(offset, cap), version, stage))
                 current = None
         except BaseException:
             for b in buckets if current is None else [*buckets, current]:
@@ -597,17 +620,43 @@ class BucketCache:
             recycles_files=recycles,
         )
 
-    def _seal(self, bucket: Bucket, entries: list[TensorEntry], used: int, version: int) -> Bucket:
+    def _gpu_stage(self, first: torch.Tensor) -> torch.Tensor | None:
+        """One bucket of staging memory on the GPU of ``first``, when the version's bucket
+        checksums are to be computed there (see ``CacheConfig.stage_on_gpu``)."""
         import torch
 
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # pending non_blocking D2H copies into this bucket
-        data = bucket.storage[:used]
+        if not (
+            self.config.stage_on_gpu and first.is_cuda
+            and self.config.checksum is ChecksumKind.FLETCHER64
+        ):
+            return None
+        return torch.empty(self.config.bucket_bytes, dtype=torch.uint8, device=first.device)
+
+    def _seal(
+        self,
+        bucket: Bucket,
+        entries: list[TensorEntry],
+        used: int,
+        version: int,
+        stage: torch.Tensor | None = None,
+    ) -> Bucket:
+        import torch
+
         seg = self.config.segment_bytes
-        if data.device.type == "cpu":
-            checksum, segs = segment_checksums(data.numpy(), seg, self.config.checksum)
-        else:  # pragma: no cover - pinned host memory is CPU; kept for completeness
-            checksum, segs = checksum_tensor(data, self.config.checksum), ()
+        data = bucket.storage[:used]
+        if stage is not None:
+            # block sums on the GPU (only they come back), then one copy to host memory; the
+            # stage is reused for the next bucket, so this copy must be complete on return
+            checksum, segs = segment_checksums_torch(stage[:used], seg)
+            data.copy_(stage[:used], non_blocking=data.is_pinned())
+            torch.cuda.synchronize(stage.device)
+        else:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # pending non_blocking D2H copies into this bucket
+            if data.device.type == "cpu":
+                checksum, segs = segment_checksums(data.numpy(), seg, self.config.checksum)
+            else:  # pragma: no cover - pinned host memory is CPU; kept for completeness
+                checksum, segs = checksum_tensor(data, self.config.checksum), ()
         bucket.layout = BucketLayout(
             index=bucket.layout.index,
             nbytes=used,

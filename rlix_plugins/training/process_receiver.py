@@ -20,6 +20,7 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -76,7 +77,9 @@ def _status_kb(field: str) -> int:
     return 0
 
 
-def _child(conn: multiprocessing.connection.Connection, layout: dict[str, Any]) -> None:
+def _child(
+    conn: multiprocessing.connection.Connection, layout: dict[str, Any], device: str
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -86,8 +89,10 @@ def _child(conn: multiprocessing.connection.Connection, layout: dict[str, Any]) 
     from rlix_plugins.training.transports.shm import mappings_opened
 
     torch.set_num_threads(1)
+    if device.startswith("cuda:"):
+        torch.cuda.set_device(device)  # CUDA IPC / NCCL receivers use the current device
     tensors = {
-        name: torch.zeros(tuple(shape), dtype=torch_dtype(dtype))
+        name: torch.zeros(tuple(shape), dtype=torch_dtype(dtype), device=device)
         for name, (dtype, shape) in layout.items()
     }
     for t in tensors.values():
@@ -122,7 +127,12 @@ def _child(conn: multiprocessing.connection.Connection, layout: dict[str, Any]) 
 
 
 class SpawnedReceiver(AddressedReceiver):
-    """Sender-side handle of a receiver child process (see module docstring)."""
+    """Sender-side handle of a receiver child process (see module docstring).
+
+    ``device`` is where the child's tensors live: ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` for a
+    GPU engine's weights (the child's current device; RSS figures then cover only its host
+    memory).
+    """
 
     def __init__(
         self,
@@ -130,13 +140,18 @@ class SpawnedReceiver(AddressedReceiver):
         layout: Layout,
         location: ReceiverLocation | None = None,
         start_timeout_s: float = 120.0,
+        device: str = "cpu",
     ) -> None:
+        if not (device == "cpu" or re.fullmatch(r"cuda(:\d+)?", device)):
+            raise WeightSyncError(
+                f"receiver device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}"
+            )
         super().__init__(shard_id, location)
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
             target=_child,
-            args=(child_conn, {k: (d, tuple(s)) for k, (d, s) in layout.items()}),
+            args=(child_conn, {k: (d, tuple(s)) for k, (d, s) in layout.items()}, device),
             daemon=True,
             name=f"rlix-receiver-{shard_id}",
         )

@@ -354,32 +354,86 @@ def test_dead_receiver_process_is_reported_gone_quickly() -> None:
         cache.close()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", [TransportKind.CUDA_IPC, TransportKind.NCCL])
-def test_gpu_transports(kind: TransportKind) -> None:  # pragma: no cover - needs a GPU
-    """UNVERIFIED here (no GPU): CUDA IPC to a process on the same GPU, NCCL to another."""
+def _gpu_uuid(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    return str(getattr(props, "uuid", f"gpu{index}"))
+
+
+def _sync_to_gpu_receiver(kind: TransportKind, receiver_device: str, receiver_gpu: int) -> None:
     w = _weights(8)
     cache = BucketCache("ft_gpu", CacheConfig(bucket_bytes=BUCKET, ram_reserve_bytes=0))
-    cache.build(1, w.items())
-    gpu = (
-        torch.cuda.get_device_properties(0).uuid
-        if hasattr(torch.cuda.get_device_properties(0), "uuid")
-        else "gpu0"
-    )
-    receiver = SpawnedReceiver("g0", _layout(w), ReceiverLocation(gpu_uuid=str(gpu)))
+    assert cache.resolve_storage() is StorageKind.PINNED  # a CUDA device: pinned buckets
+    cache.build(1, ((k, v.cuda()) for k, v in w.items()))  # from GPU tensors, as a trainer's
+    location = ReceiverLocation(gpu_uuid=_gpu_uuid(receiver_gpu))
+    receiver = SpawnedReceiver("g0", _layout(w), location, device=receiver_device)
     try:
         report = sync_version(
             cache,
             1,
             [receiver],
-            sender=SenderLocation(gpu_uuid=str(gpu), cuda=True),
+            sender=SenderLocation(gpu_uuid=_gpu_uuid(0), cuda=True),
             options=SyncOptions(transports={"g0": kind}),
         )
         assert report.succeeded == ("g0",)
+        assert report.outcomes[0].transport is kind
+        # fingerprints computed in the child on its own device (GPU checksum for cuda)
         assert receiver.param_checksums() == {k: _fp(v) for k, v in w.items()}
     finally:
         receiver.close()
         cache.close()
+
+
+def test_spawned_receiver_rejects_an_unknown_device_before_starting() -> None:
+    with pytest.raises(WeightSyncError, match="'cpu', 'cuda' or 'cuda:N', got 'gpu0'"):
+        SpawnedReceiver("bad", {}, device="gpu0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("receiver_device", ["cuda", "cpu"])
+def test_cuda_ipc_to_a_process_on_the_same_gpu(receiver_device: str) -> None:
+    """CUDA IPC of the sender's staging buffer into another process on the same GPU; the
+    receiver's tensors on the GPU (an engine's weights) or on the host."""
+    _sync_to_gpu_receiver(TransportKind.CUDA_IPC, receiver_device, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage_on_gpu", [True, False])
+def test_cache_built_from_gpu_weights_serves_host_receivers(stage_on_gpu: bool) -> None:
+    """Buckets of CUDA weights packed and checksummed on the GPU (or on the host) have the
+    layout and checksums of a cache built from the same weights on the host, and a host
+    receiver verifies every segment of them."""
+    w = _weights(9)
+    cfg = CacheConfig(bucket_bytes=BUCKET, ram_reserve_bytes=0, stage_on_gpu=stage_on_gpu)
+    cache = BucketCache("ft_gpu_stage", cfg)
+    cache.build(1, ((k, v.cuda()) for k, v in w.items()))
+    ref = BucketCache(
+        "ft_gpu_ref",
+        CacheConfig(bucket_bytes=BUCKET, storage=StorageKind.PAGEABLE, ram_reserve_bytes=0),
+    )
+    ref.build(1, w.items())
+    target = StateDictTarget(_zeros_like(w))
+    receiver = ThreadReceiver("h0", target.load_weights)
+    try:
+        with cache.pinned(1) as built, ref.pinned(1) as expected:
+            assert built.storage is StorageKind.PINNED
+            assert [b.layout for b in built.buckets] == [b.layout for b in expected.buckets]
+        report = sync_version(
+            cache, 1, [receiver], options=SyncOptions(transports={"h0": TransportKind.ZMQ})
+        )
+        assert report.succeeded == ("h0",)
+        assert all(torch.equal(target.tensors[k], v) for k, v in w.items())
+    finally:
+        receiver.close()
+        cache.close()
+        ref.close()
+
+
+@pytest.mark.gpu
+def test_nccl_broadcast_to_a_process_on_another_gpu() -> None:
+    """NCCL refuses two ranks of one communicator on the same GPU: needs a second GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL to another process needs a second GPU; this machine has one")
+    _sync_to_gpu_receiver(TransportKind.NCCL, "cuda:1", 1)
 
 
 def _listening(port: int) -> bool:

@@ -23,6 +23,8 @@ from rlix_plugins.training.checksum import (
     checksum_bytes,
     fletcher64_numpy,
     fletcher64_torch,
+    segment_checksums,
+    segment_checksums_torch,
 )
 from rlix_plugins.training.host_memory import HostMemory, available_host_memory
 
@@ -233,6 +235,20 @@ def test_fletcher_numpy_and_torch_agree_and_detect_changes() -> None:
     swapped = np.concatenate([blocks[1], blocks[0], blocks[2], blocks[3]])
     assert fletcher64_numpy(swapped) != fletcher64_numpy(data)
     assert fletcher64_numpy(data[:-8]) != fletcher64_numpy(data)
+
+
+def test_segment_checksums_summed_by_torch_equal_the_host_ones() -> None:
+    """The path a GPU-staged bucket takes (block sums by torch ops, on any device) gives the
+    same bucket and segment checksums as numpy; here on CPU tensors, on a GPU in
+    tests/integration/test_training_sync.py."""
+    rng = np.random.default_rng(1)
+    seg = 32 << 10
+    for n in (0, 1, 8, seg - 1, seg, seg + 9, 5 * seg + 3):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        host = segment_checksums(data, seg, ChecksumKind.FLETCHER64)
+        assert segment_checksums_torch(torch.from_numpy(data.copy()), seg) == host, n
+    with pytest.raises(ValueError, match="multiple of 32768"):
+        segment_checksums_torch(torch.zeros(8, dtype=torch.uint8), 1000)
 
 
 def test_freed_versions_files_are_recycled_with_a_new_file_header() -> None:

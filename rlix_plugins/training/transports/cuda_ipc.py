@@ -83,6 +83,13 @@ class CudaIpcReceiver(ReceiverTransport):
         assert self._mapped is not None
         return self._mapped[: int(header["nbytes"])]
 
+    def release(self) -> None:
+        import torch
+
+        # The ack that follows lets the sender overwrite its staging buffer; copies out of it
+        # queued on this process's streams (the loader's) must have run by then.
+        torch.cuda.synchronize()
+
     def close(self) -> None:
         self._mapped = None
         self._key = None
