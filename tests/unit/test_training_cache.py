@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -249,6 +250,61 @@ def test_segment_checksums_summed_by_torch_equal_the_host_ones() -> None:
         assert segment_checksums_torch(torch.from_numpy(data.copy()), seg) == host, n
     with pytest.raises(ValueError, match="multiple of 32768"):
         segment_checksums_torch(torch.zeros(8, dtype=torch.uint8), 1000)
+
+
+def test_staged_build_packs_and_checksums_like_a_direct_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The staging path (pack into one stage, checksum it with torch, copy to the bucket) gives
+    the direct build's layout, checksums and bytes; the stage is a CPU tensor here (on a GPU:
+    tests/integration/test_training_sync.py), reused across buckets."""
+    weights = {f"w{i}": torch.randn(100 + 37 * i).to(torch.bfloat16) for i in range(12)}
+    cfg = CacheConfig(bucket_bytes=1024, storage=StorageKind.PAGEABLE, ram_reserve_bytes=0)
+    direct = BucketCache("direct", cfg)
+    direct.build(1, weights.items())
+    staged = BucketCache("staged", cfg)
+    stages: list[torch.Tensor] = []
+
+    def cpu_stage(first: torch.Tensor) -> torch.Tensor:
+        stages.append(torch.full((cfg.bucket_bytes,), 0xAB, dtype=torch.uint8))  # stale bytes
+        return stages[-1]
+
+    monkeypatch.setattr(staged, "_gpu_stage", cpu_stage)
+    staged.build(1, weights.items())
+    assert len(stages) == 1  # one stage for the whole version
+    with direct.pinned(1) as a, staged.pinned(1) as b:
+        assert len(a.buckets) > 2
+        assert [x.layout for x in a.buckets] == [x.layout for x in b.buckets]
+        assert all(torch.equal(x.data, y.data) for x, y in zip(a.buckets, b.buckets, strict=True))
+    assert dict(staged.named_tensors(1)).keys() == weights.keys()
+    for name, t in staged.named_tensors(1):
+        assert torch.equal(t, weights[name])
+    direct.close()
+    staged.close()
+
+
+def test_gpu_stage_falls_back_to_the_host_when_the_gpu_is_full(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = BucketCache("p", CacheConfig(bucket_bytes=4096, ram_reserve_bytes=0))
+    on_gpu = types.SimpleNamespace(is_cuda=True, device="cuda:0")  # FAKE: a CUDA tensor's face
+
+    def full(*_: object, **__: object) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "empty", full)
+    with caplog.at_level("WARNING"):
+        assert cache._gpu_stage(on_gpu) is None  # type: ignore[arg-type]
+    assert "no GPU memory for a 4096-byte staging bucket" in caplog.text
+    monkeypatch.undo()
+    off = BucketCache("q", CacheConfig(bucket_bytes=4096, ram_reserve_bytes=0, stage_on_gpu=False))
+    assert off._gpu_stage(on_gpu) is None  # type: ignore[arg-type]
+    crc = BucketCache(
+        "r", CacheConfig(bucket_bytes=4096, ram_reserve_bytes=0, checksum=ChecksumKind.CRC32)
+    )
+    assert crc._gpu_stage(on_gpu) is None  # type: ignore[arg-type]  # no device crc32
+    for c in (cache, off, crc):
+        c.close()
 
 
 def test_freed_versions_files_are_recycled_with_a_new_file_header() -> None:
