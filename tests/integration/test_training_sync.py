@@ -10,6 +10,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -424,6 +425,37 @@ def test_cache_built_from_gpu_weights_serves_host_receivers(stage_on_gpu: bool) 
         assert all(torch.equal(target.tensors[k], v) for k, v in w.items())
     finally:
         receiver.close()
+        cache.close()
+        ref.close()
+
+
+@pytest.mark.gpu
+def test_cache_build_falls_back_to_host_checksums_when_the_gpu_is_full(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No room for the staging bucket (right after a train step): the build still succeeds,
+    checksummed on the host, with the same layout as a host-built cache."""
+    w = _weights(10)
+    on_gpu = [(k, v.cuda()) for k, v in w.items()]
+    big = 64 << 20
+    cfg = CacheConfig(bucket_bytes=big, ram_reserve_bytes=0)
+    torch.cuda.empty_cache()
+    hog: list[torch.Tensor] = []
+    free, _ = torch.cuda.mem_get_info()
+    while free > big // 2:  # leave less than one staging bucket free
+        hog.append(torch.empty(max(free - big // 4, 1 << 20), dtype=torch.uint8, device="cuda"))
+        free, _ = torch.cuda.mem_get_info()
+    cache = BucketCache("ft_gpu_full", cfg)
+    ref = BucketCache("ft_gpu_full_ref", replace(cfg, storage=StorageKind.PAGEABLE))
+    try:
+        with caplog.at_level("WARNING"):
+            cache.build(1, on_gpu)
+        assert "no GPU memory for a" in caplog.text
+        ref.build(1, w.items())
+        with cache.pinned(1) as built, ref.pinned(1) as expected:
+            assert [b.layout for b in built.buckets] == [b.layout for b in expected.buckets]
+    finally:
+        hog.clear()
         cache.close()
         ref.close()
 
