@@ -16,8 +16,9 @@ subclass) through ``ray.remote`` (Ray freezes decorated classes).
 from __future__ import annotations
 
 import logging
+import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from rlix_plugins.errors import CoordinatorUnavailableError, ProtocolError
@@ -78,6 +79,30 @@ def aggregate_reports(pipeline_id: str, streams: dict[StreamKey, ProgressReport]
     )
 
 
+def _rank_list(name: str, value: Iterable[int] | None) -> list[int]:
+    """``value`` as a list of DP ranks (ints >= 0); ProtocolError naming the bad entry.
+
+    ``int()`` would accept ``"1"``, ``True`` and ``2.7`` (as 2) and raise untyped errors for
+    the rest."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ProtocolError(f"{name} must be a list of DP ranks (ints >= 0), got {value!r}")
+    given = list(value)
+    out: list[int] = []
+    for r in given:
+        try:
+            rank = operator.index(r)  # ints and numpy ints; not floats, strings or bools
+        except TypeError:
+            rank = -1
+        if isinstance(r, bool) or rank < 0:
+            raise ProtocolError(
+                f"{name} must hold DP ranks (ints >= 0); got {r!r} in {given!r}"
+            )
+        out.append(rank)
+    return out
+
+
 class PipelineCoordinator:
     """Undecorated implementation of ``rlix:coordinator:{pipeline_id}``."""
 
@@ -113,8 +138,12 @@ class PipelineCoordinator:
         self, dp_ranks_to_remove: Sequence[int], dp_ranks_to_add: Sequence[int]
     ) -> ActionResponse:
         """Shrink or expand generation DP ranks (exactly one list non-empty)."""
-        remove = [int(r) for r in dp_ranks_to_remove or []]
-        add = [int(r) for r in dp_ranks_to_add or []]
+        try:
+            remove = _rank_list("dp_ranks_to_remove", dp_ranks_to_remove)
+            add = _rank_list("dp_ranks_to_add", dp_ranks_to_add)
+        except ProtocolError as exc:
+            # an answer, not an exception: the scheduler reads ActionResponse.message
+            return ActionResponse(False, str(exc))
         if bool(remove) == bool(add):
             return ActionResponse(
                 False,

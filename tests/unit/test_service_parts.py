@@ -184,3 +184,19 @@ def test_pipeline_coordinator_resize_with_fake_shards() -> None:
     assert shards.calls == [("expand", [0, 1]), ("shrink", [1])]
     built = PipelineCoordinator("ft_b", lambda pid: FakeShards())
     assert isinstance(built.shards, FakeShards)
+
+
+@pytest.mark.parametrize(
+    ("remove", "add", "named"),
+    [([], ["1"], "'1'"), ([], [1.5], "1.5"), ([True], [], "True"), ([-1], [], "-1"),
+     ("01", [], "'01'"), ([], [None], "None")],
+)
+def test_resize_infer_answers_bad_ranks_without_touching_shards(
+    remove: object, add: object, named: str
+) -> None:
+    shards = FakeShards()
+    coord = PipelineCoordinator("ft_c", shards)
+    reply = coord.resize_infer(remove, add)  # type: ignore[arg-type]
+    assert not reply.success
+    assert "DP ranks (ints >= 0)" in reply.message and named in reply.message
+    assert shards.calls == [] and coord.active_ranks() == []
