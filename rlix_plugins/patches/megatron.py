@@ -201,13 +201,20 @@ class RLixMegatronWorkerMixin:
     def _rlix_drop_lazy_groups(self) -> int:
         import torch.distributed as dist
 
+        from rlix_plugins.training.nccl_lifecycle import live_process_groups
+
         dropped = 0
+        live = set(live_process_groups())
         for name in self.rlix_lazy_groups:
-            group = self.__dict__.pop(name, None)
-            if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
-                continue  # never built, or this rank is in none of them: nothing to free
-            dist.destroy_process_group(group)
-            dropped += 1
+            group = self.__dict__.get(name)
+            if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER \
+                    and group in live:
+                # a failed destroy raises with the attribute kept: a retry finds the group
+                dist.destroy_process_group(group)
+                dropped += 1
+            # dropped on every rank (NON_GROUP_MEMBER and already-destroyed handles too): NeMo
+            # RL rebuilds it with new_group, a collective every rank must then join
+            self.__dict__.pop(name, None)
         if dropped:
             logger.info("destroyed %d lazily built NeMo RL group(s) %s", dropped,
                         self.rlix_lazy_groups)

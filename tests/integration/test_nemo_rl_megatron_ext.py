@@ -81,7 +81,12 @@ def _rank(rank: int, world_size: int) -> dict[str, Any]:
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t, group=held[0])
     out["tp_sum"] = t.item()
-    w.rlix_destroy_parallel_state()
+    # a cached group that is already gone (destroyed elsewhere): dropped, the destroy goes on
+    stale = dist.new_group(ranks=[0, 1])
+    w._replica_group_cache = stale
+    dist.destroy_process_group(stale)
+    out["stale_destroyed"] = w.rlix_destroy_parallel_state().destroyed
+    out["stale_dropped"] = "_replica_group_cache" not in vars(w)
     del torch
     return out
 
@@ -102,3 +107,4 @@ def test_cache_on_owner_rank_and_nccl_destroy_reinit_in_the_worker() -> None:
         assert r["rebound"] == 2 and r["again"] is None
         assert r["held_live"] == [True, True] and r["held_current"] == [True, True]
         assert r["tp_sum"] == 3.0
+        assert r["stale_destroyed"] > 10 and r["stale_dropped"] is True
