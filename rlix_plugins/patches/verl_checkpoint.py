@@ -167,6 +167,12 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
                 if version is None and self._offers:
                     version = max(self._offers)
                 if version is not None and version in self._offers:
+                    # versions only advance: an older offer will never be taken (its sender
+                    # reports this receiver gone when its wait ends)
+                    for old in [v for v in self._offers if v < version]:
+                        logger.info("dropping the offer of weight version %d: v%d taken",
+                                    old, version)
+                        del self._offers[old]
                     return self._offers.pop(version)
                 left = deadline - time.monotonic()
                 if left <= 0:

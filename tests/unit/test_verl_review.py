@@ -218,6 +218,27 @@ def test_receive_weights_stops_its_thread_when_the_loader_fails(
     assert engine.loaded_versions == []
 
 
+def test_taking_an_offer_drops_the_older_ones(verl_env: VerlEnv) -> None:
+    """Offers of versions older than the one taken are never taken: they are not kept."""
+    from rlix_plugins.errors import WeightSyncError
+    from rlix_plugins.patches.verl_checkpoint import RLixCacheCheckpointEngine
+    from rlix_plugins.training.checksum import ChecksumKind
+    from rlix_plugins.training.wire import SyncOffer, TransportKind
+
+    engine = RLixCacheCheckpointEngine(bucket_size=1 << 20, offer_wait_s=0.1)
+    for v in (1, 2, 3):
+        engine.rlix_accept_offer(SyncOffer(
+            pipeline_id="p", sync_id=f"s{v}", shard_id="r0", version=v,
+            transport=TransportKind.ZMQ, control_address="", num_buckets=0, total_bytes=0,
+            max_bucket_bytes=16, checksum=ChecksumKind.FLETCHER64, timeout_s=1.0, details={},
+        ).to_dict())
+    assert engine._take_offer(2).sync_id == "s2"
+    assert sorted(engine._offers) == [3]
+    assert engine._take_offer(None).version == 3
+    with pytest.raises(WeightSyncError, match="no offer for weight version 1"):
+        engine._take_offer(1)
+
+
 # ---------------------------------------------------------------- checkpoint: refresh abort
 def test_refresh_resumes_replicas_when_an_abort_fails(verl_env: VerlEnv) -> None:
     """An in-place refresh whose abort fails on one replica must still resume the replicas it
