@@ -87,18 +87,29 @@ def activate(settings: Settings | None = None) -> bool:
         _hooked = True
         _enabled = True
         items = list(PATCHES.items())
+    # A host that fails to patch (drift) raises, but only after every other host is hooked
+    # or patched: hooks register once per process, so one left out here would never be.
+    errors: list[Exception] = []
     if first:
         # Fires at once for a host imported already, else when it is imported.
         for module_name, factory in items:
-            wrapt.register_post_import_hook(_make_hook(module_name, factory), module_name)
+            try:
+                wrapt.register_post_import_hook(_make_hook(module_name, factory), module_name)
+            except Exception as exc:
+                errors.append(exc)
         logger.info("rlix-plugins active: hooks for %s", sorted(PATCHES))
     elif reenabled:
         # After deactivate(): the hooks of hosts imported meanwhile have fired (while disabled)
         # and never fire again, so those hosts are patched here.
         for module_name, factory in items:
             if module_name in sys.modules:
-                _on_import(module_name, factory)
+                try:
+                    _on_import(module_name, factory)
+                except Exception as exc:
+                    errors.append(exc)
         logger.info("rlix-plugins re-activated: hooks for %s", sorted(PATCHES))
+    if errors:
+        raise errors[0]
     return True
 
 
@@ -118,12 +129,27 @@ def applied_patches() -> dict[str, HostPatch]:
 def deactivate() -> None:
     """Disable the hooks and revert every applied patch (in reverse order). Idempotent.
 
-    The hooks stay registered but do nothing until :func:`activate` runs again.
+    The hooks stay registered but do nothing until :func:`activate` runs again. A patch whose
+    revert raises does not stop the others from being reverted; it stays in
+    :func:`applied_patches` (so it is never applied twice, and a later call retries it) and
+    the first such error is raised once every patch was tried.
     """
     global _enabled
     with _lock:
         _enabled = False
         patches = list(_active.items())
         _active.clear()
-    for _, patch in reversed(patches):
-        patch.revert()
+    errors: list[Exception] = []
+    failed: list[tuple[str, HostPatch]] = []
+    for module_name, patch in reversed(patches):
+        try:
+            patch.revert()
+        except Exception as exc:
+            logger.error("reverting the %s patch failed: %s", module_name, exc)
+            errors.append(exc)
+            failed.append((module_name, patch))
+    if failed:
+        with _lock:
+            for module_name, patch in reversed(failed):
+                _active.setdefault(module_name, patch)
+        raise errors[0]

@@ -78,7 +78,9 @@ def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not a number; expected seconds > 0") from None
+        raise SettingsError(
+            f"{name}={raw!r} is not a number; expected finite seconds >= {MIN_SECONDS:g}"
+        ) from None
     if not value >= MIN_SECONDS or value == float("inf"):
         raise SettingsError(
             f"{name}={raw!r} is out of range; expected finite seconds >= {MIN_SECONDS:g}"

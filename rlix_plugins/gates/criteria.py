@@ -161,12 +161,20 @@ def measure_idle(busy: Sequence[Interval], num_gpus: int, start: float, end: flo
 
 
 def idle_below_exclusive(shared: IdleShare, exclusive: IdleShare) -> CriterionResult:
-    """Time-sharing leaves less GPU time idle than exclusive allocation of the same work."""
+    """Time-sharing leaves less GPU time idle than exclusive allocation of the same work.
+
+    A run without busy evidence (no busy interval, no busy sample: 100% idle) fails the
+    criterion instead of serving as a baseline that anything beats.
+    """
     measured = (f"shared idle {shared.idle_share:.1%} over {shared.window_s:.1f}s vs exclusive "
                 f"idle {exclusive.idle_share:.1%} over {exclusive.window_s:.1f}s")
+    empty = [run for run, share in (("shared", shared), ("exclusive", exclusive))
+             if share.window_s > 0 and share.busy_share <= 0]
+    if empty:
+        measured += f"; no busy evidence in the {' and the '.join(empty)} run"
     return CriterionResult("idle_share", "GPU idle share below the exclusive-allocation run",
                            measured, shared.window_s > 0 and exclusive.window_s > 0
-                           and shared.idle_share < exclusive.idle_share)
+                           and not empty and shared.idle_share < exclusive.idle_share)
 
 
 def time_sharing(coordinator: Sequence[Interval], gate: int) -> CriterionResult:

@@ -15,7 +15,7 @@ Weights, per record (a sync event of one pipeline):
 
 Requests, per pipeline: the last record of every router copy, summed: no request lost, none
 duplicated, none still in flight at the copy's last record, completed == submitted - cancelled
-(a request its caller cancelled is reported, not counted as lost), and > 0 requests.
+(a request its caller cancelled is reported, not counted as lost), and > 0 requests completed.
 
 No records at all = FAILED "not observed".
 """
@@ -154,7 +154,7 @@ class RequestTotals:
 
     @property
     def ok(self) -> bool:
-        return (self.submitted > 0 and self.lost == 0 and self.duplicated == 0
+        return (self.completed > 0 and self.lost == 0 and self.duplicated == 0
                 and self.in_flight == 0 and self.completed == self.submitted - self.cancelled)
 
     def describe(self) -> str:
@@ -231,6 +231,9 @@ def ownership_from_records(directory: Path, *, expected_pipelines: int | None = 
     untrained = sorted(p for p in pipelines if (p, "train") not in stages)
     if untrained:
         gaps.append(f"no train records of {untrained}")
+    ungenerated = sorted(p for p in pipelines if (p, "generation") not in stages)
+    if ungenerated:
+        gaps.append(f"no generation records of {ungenerated}")
     measured = result.measured + ("; " + "; ".join(gaps) if gaps else "")
     return CriterionResult(name, OWNERSHIP_REQUIREMENT, measured, result.passed and not gaps)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlix_plugins.adapters.observability import BusyObserved, ObservationWriter
+from rlix_plugins.adapters.observability import BusyObserved, ObservationError, ObservationWriter
 from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
 from rlix_plugins.protocol.names import ACTOR_TRAIN, SCHEDULER_ACTOR, cluster_id
 from rlix_plugins.protocol.types import (
@@ -163,8 +163,14 @@ class CoordinatorHooks:
             gpus, since = self._training
             self._training = None
             # Written before the release: once released, the GPUs may be woken for others.
-            self.observer.write(BusyObserved(self.pipeline_id, "train", gpus, since,
-                                             time.time()))
+            # Wall-clock times (records of several processes are compared); a clock stepped
+            # back since the grant is clamped, and a record that cannot be built never stops
+            # the release (it is evidence only: a missing one fails the gate as unobserved).
+            try:
+                self.observer.write(BusyObserved(self.pipeline_id, "train", gpus, since,
+                                                 max(time.time(), since)))
+            except ObservationError:
+                logger.warning("step %d: train busy record not written", step, exc_info=True)
         self._call(
             "notify_release_gpus",
             cluster_id=self.train_cluster_id,

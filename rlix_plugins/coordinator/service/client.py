@@ -178,16 +178,6 @@ def stop_coordinator(
             cleared = clear_state
         except Exception:
             logger.warning("scheduler did not stop cleanly; killing it", exc_info=True)
-    if clear_state and not cleared:
-        # No scheduler could clear it (e.g. one that cannot start because its saved state is
-        # corrupt): forget the default (Ray KV) state here. A ServiceConfig.state_file is the
-        # operator's file to remove.
-        from rlix_plugins.coordinator.service.persistence import KvStateStore
-
-        try:
-            KvStateStore(namespace).clear()
-        except Exception:
-            logger.warning("could not clear the saved state of %s", namespace, exc_info=True)
     roll = _get(ROLL_RESOURCE_MANAGER_ACTOR, namespace)
     if roll is not None:
         try:
@@ -205,4 +195,15 @@ def stop_coordinator(
     for name in stopped:
         while _get(name, namespace) is not None and time.monotonic() < deadline:
             time.sleep(0.05)
+    if clear_state and not cleared:
+        # No scheduler cleared it (one that cannot start because its saved state is corrupt,
+        # or one that did not stop in time): forget the default (Ray KV) state here, only now
+        # that it is killed, since a scheduler still running would save it again. A
+        # ServiceConfig.state_file is the operator's file to remove.
+        from rlix_plugins.coordinator.service.persistence import KvStateStore
+
+        try:
+            KvStateStore(namespace).clear()
+        except Exception:
+            logger.warning("could not clear the saved state of %s", namespace, exc_info=True)
     return stopped

@@ -12,6 +12,7 @@ from typing import Any
 
 import ray
 
+from rlix_plugins.errors import UnknownPipelineError
 from rlix_plugins.protocol.names import SCHEDULER_ACTOR, new_pipeline_id
 
 logger = logging.getLogger(__name__)
@@ -81,17 +82,24 @@ class OrchestratorService:
         """End every pipeline's scheduling (unlike RLix, Ray itself keeps running).
 
         ``force`` also kills the pipelines' actors. The control-plane actors stay up; stop
-        them with ``rlix-plugins coordinator stop``. Returns how many pipelines were ended.
+        them with ``rlix-plugins coordinator stop``. Returns how many pipelines were ended
+        (one that went away meanwhile, e.g. declared dead, is skipped, not an error).
         """
         sched = self._sched()
         status = await sched.get_status.remote()
+        ended = 0
         for p in status.pipelines:
-            if force:
-                await sched.kill_pipeline.remote(p.pipeline_id)
-            else:
-                await sched.unregister_pipeline.remote(p.pipeline_id)
-        logger.warning("shutdown (%s): ended %d pipeline(s)", reason, len(status.pipelines))
-        return len(status.pipelines)
+            try:
+                if force:
+                    await sched.kill_pipeline.remote(p.pipeline_id)
+                else:
+                    await sched.unregister_pipeline.remote(p.pipeline_id)
+            except UnknownPipelineError:
+                logger.info("shutdown: pipeline %s was already gone", p.pipeline_id)
+                continue
+            ended += 1
+        logger.warning("shutdown (%s): ended %d pipeline(s)", reason, ended)
+        return ended
 
     async def ping(self) -> bool:
         return True

@@ -81,6 +81,15 @@ class KvStateStore:
         internal_kv._internal_kv_del(self._key, namespace=_KV_NAMESPACE)
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class FileStateStore:
     """A JSON file, replaced atomically (write to a temp file, fsync, rename)."""
 
@@ -89,13 +98,20 @@ class FileStateStore:
 
     def load(self) -> dict[str, Any] | None:
         try:
-            text = self.path.read_text()
+            # Bytes: a file that is not valid UTF-8 is corrupt state (CorruptStateError from
+            # _parse), not a UnicodeDecodeError from reading it.
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return None
-        return _parse(text, f"file {self.path}")
+        return _parse(raw, f"file {self.path}")
 
     def save(self, record: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        parent = self.path.parent
+        created = [d for d in (parent, *parent.parents) if not d.exists()]
+        parent.mkdir(parents=True, exist_ok=True)
+        # A directory made here must survive a host crash too: its entry lives in its parent.
+        for d in reversed(created):
+            _fsync_dir(d.parent)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         with tmp.open("w") as f:
             json.dump(record, f)
@@ -103,11 +119,7 @@ class FileStateStore:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
         # The rename itself must survive a host crash, or an older state comes back.
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(parent)
 
     def clear(self) -> None:
         with contextlib.suppress(FileNotFoundError):

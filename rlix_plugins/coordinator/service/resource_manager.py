@@ -35,6 +35,15 @@ def topology_from_nodes(
 ) -> Topology:
     """Topology of the GPU nodes; every node must have the same GPU count (or at least
     ``required_gpus_per_node``, of which that many are used)."""
+    if required_gpus_per_node is not None and (
+        isinstance(required_gpus_per_node, bool)
+        or not isinstance(required_gpus_per_node, int)
+        or required_gpus_per_node < 1
+    ):
+        raise ProtocolError(
+            f"required_gpus_per_node must be an int >= 1 or None (every GPU of a node), got "
+            f"{required_gpus_per_node!r}"
+        )
     found = gpu_nodes(nodes)
     if not found:
         raise RlixPluginsError("the Ray cluster has no node with GPUs; nothing to schedule")
@@ -63,12 +72,16 @@ class ResourceManagerService:
 
     def __init__(self, topology: Topology | None = None) -> None:
         self._topology = topology
+        #: concurrent first calls: the first freezes the topology, the others check against it
+        self._init_lock = asyncio.Lock()
 
     async def init_topology(self, *, required_gpus_per_node: int | None = None) -> int:
         """Freeze the topology (first call wins); returns GPUs per node."""
-        if self._topology is None:
-            self._topology = await asyncio.to_thread(topology_from_ray, required_gpus_per_node)
-        elif (
+        async with self._init_lock:
+            if self._topology is None:
+                self._topology = await asyncio.to_thread(topology_from_ray, required_gpus_per_node)
+                return self._topology.gpus_per_node
+        if (
             required_gpus_per_node is not None
             and required_gpus_per_node != self._topology.gpus_per_node
         ):
@@ -109,14 +122,24 @@ class RollResourceManagerService:
         async with self._lock:
             if self._pgs is None:
                 topology = await self._get_topology()
-                from ray.util.placement_group import placement_group
+                from ray.util.placement_group import placement_group, remove_placement_group
 
                 gpn = topology.gpus_per_node
-                pgs = [
-                    placement_group([{"GPU": float(gpn)}], name=f"rlix_pg_node{i}")
-                    for i in range(topology.num_nodes)
-                ]
-                await asyncio.gather(*(pg.ready() for pg in pgs))
+                pgs: list[Any] = []
+                try:
+                    for i in range(topology.num_nodes):
+                        pgs.append(placement_group([{"GPU": float(gpn)}], name=f"rlix_pg_node{i}"))
+                    await asyncio.gather(*(pg.ready() for pg in pgs))
+                except BaseException:
+                    # Given up (cancelled) or failed while pending: a pending group still
+                    # reserves its GPUs once they free, and the next call would create a
+                    # second set that could then never be placed.
+                    for pg in pgs:
+                        try:
+                            remove_placement_group(pg)
+                        except Exception:
+                            logger.warning("could not remove placement group", exc_info=True)
+                    raise
                 self._pgs = pgs
                 logger.info("created %d placement group(s) of %d GPUs", len(pgs), gpn)
             return self._pgs

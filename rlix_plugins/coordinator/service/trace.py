@@ -7,16 +7,29 @@ scheduler writes the file to ``settings.trace_dir`` (throttled) and when it stop
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import logging
 import os
+import threading
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 #: Trace events kept in memory (the oldest are dropped first); a slice is ~150 bytes.
 MAX_EVENTS = 200_000
+
+#: Serialises timeline writes in this process: the scheduler writes from a thread (periodic)
+#: and on its event loop (``flush_trace``, ``stop``) at once.
+_WRITE_LOCK = threading.Lock()
+#: Per file: ``(trace id, snapshot number)`` of the newest snapshot written there.
+_WRITTEN: dict[str, tuple[str, int]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +50,9 @@ class OwnershipTrace:
         self.label = label
         self._open: list[tuple[Holder, float] | None] = [None] * num_gpus
         self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        #: tells this trace's snapshots apart from another's in the same file
+        self._id = uuid.uuid4().hex
+        self._snapshots = itertools.count(1)
 
     def _us(self, t: float) -> float:
         return round((t - self.t0) * 1e6, 1)
@@ -122,7 +138,12 @@ class OwnershipTrace:
         return {
             "traceEvents": meta + list(self._events) + open_slices,
             "displayTimeUnit": "ms",
-            "otherData": {"t0_unix_s": self.t0},
+            # The snapshot number orders this trace's snapshots (see write_json).
+            "otherData": {
+                "t0_unix_s": self.t0,
+                "trace_id": self._id,
+                "snapshot": next(self._snapshots),
+            },
         }
 
     def write(self, path: Path, now: float) -> None:
@@ -131,8 +152,33 @@ class OwnershipTrace:
 
     @staticmethod
     def write_json(path: Path, data: dict[str, Any]) -> None:
-        """Write a trace atomically (a reader never sees half a file)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        """Write a trace atomically (a reader never sees half a file).
+
+        Writes in one process are serialised, and a snapshot of a trace older than the one
+        already in ``path`` is skipped: a periodic write finishing in its thread after the
+        final one (at stop) must not bring back an older timeline.
+        """
+        other = data.get("otherData") or {}
+        trace_id, snapshot = other.get("trace_id"), other.get("snapshot")
+        key = os.path.abspath(path)
+        with _WRITE_LOCK:
+            last = _WRITTEN.get(key)
+            if (
+                isinstance(snapshot, int)
+                and last is not None
+                and last[0] == trace_id
+                and last[1] > snapshot
+            ):
+                logger.debug("trace snapshot %d older than the one in %s; skipped", snapshot, path)
+                return
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            try:
+                tmp.write_text(json.dumps(data))
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
+            if isinstance(trace_id, str) and isinstance(snapshot, int):
+                _WRITTEN[key] = (trace_id, snapshot)
