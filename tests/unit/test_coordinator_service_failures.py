@@ -14,6 +14,7 @@ from rlix_plugins.coordinator.core import PolicyConfig
 from rlix_plugins.protocol import Priority, ProgressReport
 from tests.fixtures.scheduler_service import (
     FakePipelineCoordinator,
+    FakeRemote,
     ServiceBuilder,
     register_pipeline,
 )
@@ -229,6 +230,37 @@ def test_completed_shrinks_are_saved_before_the_commit(
         store.save = spy  # type: ignore[method-assign]
         await service.request_gpus(cluster_id=f"{B}_actor_train", priority=Priority.ACTOR_TRAINING)
         assert {"confirmed_shrinks": [[f"{A}_actor_infer", 0]], "expands": []} in saved
+        await service.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_one_probe_failing_oddly_does_not_stop_the_others_being_judged(
+    scheduler_service: ServiceBuilder, fake_coordinators: dict[str, FakePipelineCoordinator]
+) -> None:
+    """A's probe raises an error the probe does not classify; B's actor is dead (Ray says
+    so): B is still declared dead and its GPUs freed, A stays (no verdict on it)."""
+    import ray
+
+    async def odd() -> bool:
+        raise ray.exceptions.RaySystemError("GCS hiccup")
+
+    async def dead() -> bool:
+        raise ray.exceptions.RayActorError()
+
+    async def go() -> None:
+        service = scheduler_service()
+        await register_pipeline(service, A, infer=[0, 1])
+        await register_pipeline(service, B, infer=[2, 3])
+        await asyncio.sleep(0.2)  # both probed alive (seen) at least once
+        fake_coordinators[A].__ray_ready__ = FakeRemote(odd)
+        fake_coordinators[B].__ray_ready__ = FakeRemote(dead)
+        for _ in range(100):
+            if B not in {p.pipeline_id for p in (await service.get_status()).pipelines}:
+                break
+            await asyncio.sleep(0.05)
+        ids = {p.pipeline_id for p in (await service.get_status()).pipelines}
+        assert B not in ids and A in ids
         await service.stop()
 
     asyncio.run(asyncio.wait_for(go(), 60))

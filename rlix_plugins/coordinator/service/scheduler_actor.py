@@ -1084,8 +1084,14 @@ class SchedulerService:
             if pid in self._state.pipelines and now - beat > self.cfg.lease_s:
                 self._fence(pid, f"lease expired (no heartbeat for {now - beat:.1f}s)")
         pids = [p for p in self._state.pipelines]
-        verdicts = await asyncio.gather(*(self._probe(p) for p in pids))
+        # One probe failing in a way probe() does not classify (a Ray system error, say) is
+        # no verdict on that pipeline; it must not cost every other pipeline its check.
+        verdicts = await asyncio.gather(*(self._probe(p) for p in pids), return_exceptions=True)
         for pid, verdict in zip(pids, verdicts, strict=True):
+            if isinstance(verdict, BaseException):
+                logger.warning("liveness probe of %s failed (%r): no verdict this round",
+                               pid, verdict)
+                continue
             if pid not in self._state.pipelines:
                 continue
             fenced = self._fencing.get(pid)
