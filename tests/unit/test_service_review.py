@@ -290,3 +290,20 @@ def test_a_state_directory_made_by_the_first_save_is_made_durable(
     for directory in (tmp_path, tmp_path / "a", tmp_path / "a" / "b"):
         assert directory.stat().st_ino in synced, directory
     assert store.load() == {"x": 1}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tick_s", 0.0), ("liveness_interval_s", -1.0), ("probe_timeout_s", float("nan")),
+     ("request_timeout_s", "60"), ("lease_s", True), ("resize_timeout_s", float("inf"))],
+)
+def test_service_config_rejects_periods_and_timeouts_that_cannot_work(
+    field: str, value: object
+) -> None:
+    from rlix_plugins.coordinator.service.config import ServiceConfig
+    from rlix_plugins.errors import SettingsError
+
+    with pytest.raises(SettingsError, match=rf"ServiceConfig\.{field} must be finite seconds"):
+        ServiceConfig(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(SettingsError, match="namespace must be a non-empty string"):
+        ServiceConfig(namespace="")

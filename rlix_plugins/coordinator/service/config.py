@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from rlix_plugins.coordinator.core.model import PolicyConfig, Topology
+from rlix_plugins.errors import SettingsError
 from rlix_plugins.settings import Settings, load_settings
+
+#: the shortest period or timeout accepted (tests tick at 0.05 s)
+_MIN_SECONDS = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +39,23 @@ class ServiceConfig:
     #: for its wake (RLIX_BACKGROUND_EXPANDS). False: a cycle waits for its expands, as RLix's
     #: scheduler does.
     background_expands: bool = False
+
+    def __post_init__(self) -> None:
+        # Checked here, in the caller's process: a zero tick or interval makes the actor's
+        # loops spin, a bad timeout fails every request later and far from its cause.
+        for name in ("request_timeout_s", "resize_timeout_s", "lease_s", "tick_s",
+                     "liveness_interval_s", "probe_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < _MIN_SECONDS:
+                raise SettingsError(
+                    f"ServiceConfig.{name} must be finite seconds >= {_MIN_SECONDS}, "
+                    f"got {value!r}"
+                )
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise SettingsError(
+                f"ServiceConfig.namespace must be a non-empty string, got {self.namespace!r}"
+            )
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, **overrides: object) -> ServiceConfig:
