@@ -128,6 +128,15 @@ def bundles_per_node(gpus: Sequence[int], gpus_per_node: int) -> dict[int, int]:
     return dict(sorted(counts.items()))
 
 
+def _refuse_repeats(infer_gpus: Sequence[int], train_gpus: Sequence[int]) -> None:
+    """A GPU named twice in one role would put two of its ranks on one GPU."""
+    for name, gpus in (("inference", infer_gpus), ("training", train_gpus)):
+        if len(set(gpus)) != len(gpus):
+            raise PlacementError(
+                f"{name} GPUs {list(gpus)} name a GPU twice; each rank needs a GPU of its own"
+            )
+
+
 def plan_placement(
     infer_gpus: Sequence[int],
     train_gpus: Sequence[int],
@@ -144,6 +153,7 @@ def plan_placement(
         raise PlacementError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
     if sorted(b.bundle_index for b in bundle_gpus) != list(range(len(bundle_gpus))):
         raise PlacementError("bundle probe must name every bundle 0..n-1 exactly once")
+    _refuse_repeats(infer_gpus, train_gpus)
     extra = sorted(set(train_gpus) - set(infer_gpus))
     if extra:
         raise PlacementError(
@@ -170,8 +180,6 @@ def plan_placement(
             )
         where[g] = b.bundle_index
     wanted = sorted(set(infer_gpus))
-    if len(wanted) != len(infer_gpus):
-        raise PlacementError(f"inference GPUs {list(infer_gpus)} name a GPU twice")
     if sorted(where) != wanted:
         placed = ", ".join(f"bundle {b} -> GPU {g}" for g, b in sorted(where.items(),
                                                                          key=lambda x: x[1]))
@@ -220,9 +228,8 @@ def plan_pinned(
             f"training GPUs {extra} are not inference GPUs; partial overlap needs training "
             "GPUs to be a subset of the inference GPUs"
         )
+    _refuse_repeats(infer_gpus, train_gpus)
     for name, gpus in (("inference", infer_gpus), ("training", train_gpus)):
-        if len(set(gpus)) != len(gpus):
-            raise PlacementError(f"{name} GPUs {list(gpus)} name a GPU twice")
         outside = sorted(g for g in gpus if not 0 <= g < total)
         if outside:
             raise PlacementError(
@@ -374,6 +381,39 @@ def check_worker_gpus(
                              + "; ".join(problems))
 
 
+def _checked_rlix_section(generation_cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``policy.generation.rlix`` after checking the types of its layout keys.
+
+    :class:`NemoRlLayout` converts with ``int(...)``, which would read ``"01"`` as GPUs 0 and
+    1, ``0.7`` as GPU 0 and ``True`` as GPU 1, and fails untyped on a bare number.
+    """
+    raw = (generation_cfg or {}).get("rlix") or {}
+    if not isinstance(raw, Mapping):
+        raise PlacementError(
+            f"policy.generation.rlix must be a mapping (keys infer_gpus, train_gpus, "
+            f"train_gpu_count), got {type(raw).__name__} {raw!r}"
+        )
+    section = dict(raw)
+    for key in ("infer_gpus", "train_gpus"):
+        if key not in section:
+            continue
+        gpus = section[key]
+        if isinstance(gpus, (str, bytes, Mapping)) or not isinstance(gpus, Sequence) or any(
+            isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus
+        ):
+            raise PlacementError(
+                f"policy.generation.rlix.{key}={gpus!r} is not valid; valid: a list of global "
+                "GPU ids, integers >= 0 (e.g. [0, 1])"
+            )
+    count = section.get("train_gpu_count", 1)
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise PlacementError(
+            f"policy.generation.rlix.train_gpu_count={count!r} is not valid; valid: an "
+            "integer >= 1 (at most the number of inference GPUs)"
+        )
+    return section
+
+
 def layout_gpus(generation_cfg: Mapping[str, Any] | None, default_world: int,
                 model_parallel: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(inference GPUs, training GPUs) from ``policy.generation.rlix``, as
@@ -381,7 +421,7 @@ def layout_gpus(generation_cfg: Mapping[str, Any] | None, default_world: int,
     ``range(default_world)``, training on the first ``train_gpu_count`` (1) of them)."""
     from rlix_plugins.adapters.nemo_rl import NemoRlLayout
 
-    explicit = "infer_gpus" in dict((generation_cfg or {}).get("rlix") or {})
+    explicit = "infer_gpus" in _checked_rlix_section(generation_cfg)
     if not explicit and default_world % model_parallel:
         raise PlacementError(
             f"inference world size {default_world} is not a multiple of tp*pp={model_parallel}"

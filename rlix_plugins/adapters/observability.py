@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
@@ -54,6 +55,39 @@ SYNC_EVENTS = ("expand", "refresh", "initial")
 
 class ObservationError(RlixPluginsError, ValueError):
     """An observation record or setting is malformed (names the file/line or variable)."""
+
+
+def _int(value: Any, field: str, minimum: int | None = None) -> int:
+    """``value`` if it is a JSON integer (not a bool, float or string) >= ``minimum``.
+
+    ``int(...)`` would read ``0.9`` lost requests as 0, ``true`` as 1 and ``"12"`` as 12, and
+    fail untyped (OverflowError) on ``Infinity``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ObservationError(f"{field}={value!r} is not valid; expected an integer")
+    if minimum is not None and value < minimum:
+        raise ObservationError(f"{field}={value!r} is not valid; expected an integer >= "
+                               f"{minimum}")
+    return value
+
+
+def _opt_int(value: Any, field: str, minimum: int | None = None) -> int | None:
+    return None if value is None else _int(value, field, minimum)
+
+
+def _ints(value: Any, field: str) -> tuple[int, ...]:
+    """A JSON list of integers >= 0 (a string is not read as a list of digits)."""
+    if not isinstance(value, list):
+        raise ObservationError(f"{field}={value!r} is not valid; expected a list of integers")
+    return tuple(_int(v, f"{field}[{i}]", 0) for i, v in enumerate(value))
+
+
+def _seconds(value: Any, field: str) -> float:
+    """A finite JSON number (wall-clock seconds)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        raise ObservationError(f"{field}={value!r} is not valid; expected a finite number")
+    return float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +134,22 @@ class ShardVersionsObserved:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ShardVersionsObserved:
+        raw_versions = d["shard_versions"]
+        if not isinstance(raw_versions, dict):
+            raise ObservationError(f"shard_versions={raw_versions!r} is not valid; expected "
+                                   "an object of rank -> version")
+        versions: dict[int, int | None] = {}
+        for key, v in raw_versions.items():
+            if not (isinstance(key, str) and key.isdigit() and str(int(key)) == key):
+                raise ObservationError(f"shard_versions: rank {key!r} is not valid; expected "
+                                       "a decimal rank such as \"0\"")
+            versions[int(key)] = _opt_int(v, f"shard_versions[{key}]")
         return cls(
             pipeline_id=str(d["pipeline_id"]), event=str(d["event"]),
-            trainer_version=int(d["trainer_version"]),
-            synced=tuple(int(r) for r in d["synced"]),
-            shard_versions={int(r): None if v is None else int(v)
-                            for r, v in dict(d["shard_versions"]).items()},
-            step=None if d.get("step") is None else int(d["step"]), time=float(d["time"]),
+            trainer_version=_int(d["trainer_version"], "trainer_version"),
+            synced=_ints(d["synced"], "synced"),
+            shard_versions=versions,
+            step=_opt_int(d.get("step"), "step"), time=_seconds(d["time"], "time"),
         )
 
 
@@ -135,11 +178,18 @@ class RouterCountersObserved:
     migrated: int = 0
     time: float = field(default_factory=time.time)
 
+    #: the counts, each >= 0 (a negative one would cancel another copy's loss in a sum)
+    COUNTS: ClassVar[tuple[str, ...]] = ("submitted", "completed", "redispatched", "lost",
+                                         "duplicated", "cancelled", "in_flight", "migrated")
+
     def __post_init__(self) -> None:
-        if self.migrated < 0:
-            raise ObservationError(
-                f"router copy {self.copy_id} of {self.pipeline_id}: migrated={self.migrated} < 0"
-            )
+        for name in self.COUNTS:
+            value = getattr(self, name)
+            if value < 0:
+                raise ObservationError(
+                    f"router copy {self.copy_id} of {self.pipeline_id}: {name}={value} < 0; "
+                    "every count must be >= 0"
+                )
         if self.submitted != self.completed + self.lost + self.cancelled + self.in_flight:
             raise ObservationError(
                 f"router copy {self.copy_id} of {self.pipeline_id}: submitted={self.submitted} "
@@ -163,14 +213,10 @@ class RouterCountersObserved:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RouterCountersObserved:
-        return cls(
-            pipeline_id=str(d["pipeline_id"]), copy_id=str(d["copy_id"]),
-            submitted=int(d["submitted"]), completed=int(d["completed"]),
-            redispatched=int(d["redispatched"]), lost=int(d["lost"]),
-            duplicated=int(d["duplicated"]), cancelled=int(d["cancelled"]),
-            in_flight=int(d["in_flight"]), migrated=int(d.get("migrated", 0)),
-            time=float(d["time"]),
-        )
+        counts = {name: _int(d.get(name, 0) if name == "migrated" else d[name], name, 0)
+                  for name in cls.COUNTS}
+        return cls(pipeline_id=str(d["pipeline_id"]), copy_id=str(d["copy_id"]),
+                   time=_seconds(d["time"], "time"), **counts)
 
 
 #: stages a busy record names (a generation shard, or the training cluster)
@@ -225,8 +271,8 @@ class BusyObserved:
     def from_json(cls, d: Mapping[str, Any]) -> BusyObserved:
         return cls(
             pipeline_id=str(d["pipeline_id"]), stage=str(d["stage"]),
-            gpus=tuple(int(g) for g in d["gpus"]), start=float(d["start"]),
-            end=float(d["end"]), shard=None if d.get("shard") is None else int(d["shard"]),
+            gpus=_ints(d["gpus"], "gpus"), start=_seconds(d["start"], "start"),
+            end=_seconds(d["end"], "end"), shard=_opt_int(d.get("shard"), "shard", 0),
         )
 
 
@@ -338,10 +384,10 @@ def observe_dir_from_env(env: Mapping[str, str] | None = None) -> Path | None:
 def _check_pipeline_id(pipeline_id: str) -> str:
     # The id becomes a file name: no separators, no hidden or parent names.
     if not pipeline_id or "/" in pipeline_id or os.sep in pipeline_id \
-            or pipeline_id.startswith("."):
+            or "\0" in pipeline_id or pipeline_id.startswith("."):
         raise ObservationError(
             f"pipeline id {pipeline_id!r} cannot name a record file; expected a non-empty id "
-            "without path separators or a leading '.' (e.g. 'ft_0123456789ab')"
+            "without path separators, NUL bytes or a leading '.' (e.g. 'ft_0123456789ab')"
         )
     return pipeline_id
 
@@ -537,7 +583,12 @@ def read_observations(directory: Path) -> Observations:
     busy: list[BusyObserved] = []
     files = sorted(directory.glob("*.jsonl")) if directory.is_dir() else []
     for path in files:
-        for i, line in enumerate(path.read_text().splitlines(), start=1):
+        for i, raw in enumerate(path.read_bytes().splitlines(), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ObservationError(f"{path}:{i}: not UTF-8 text ({exc.reason} at byte "
+                                       f"{exc.start})") from None
             if not line.strip():
                 continue
             rec = parse_line(line, f"{path}:{i}")

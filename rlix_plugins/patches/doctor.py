@@ -115,7 +115,16 @@ def check_static(point: PlugPoint) -> tuple[Outcome, str]:
     path = find_source(module)
     if path is None:
         return Outcome.UNAVAILABLE, f"module {module} not found on sys.path"
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, ValueError) as exc:  # ValueError: not UTF-8, or a NUL byte
+        # e.g. syntax newer than this Python: the point cannot be checked here, which is not
+        # drift; --strict fails on it.
+        return Outcome.UNAVAILABLE, (
+            f"{path} cannot be parsed by Python {sys.version_info.major}."
+            f"{sys.version_info.minor} ({type(exc).__name__}: {exc}); check with the host's "
+            "Python"
+        )
     node: ast.AST | None = tree
     for part in qualname.split(".") if qualname else ():
         body = getattr(node, "body", None)

@@ -46,7 +46,7 @@ from typing import Any
 
 import wrapt
 
-from rlix_plugins.errors import HostDriftError
+from rlix_plugins.errors import HostDriftError, UnknownHostError
 from rlix_plugins.patches.base import (
     HostPatch,
     PlugKind,
@@ -347,11 +347,29 @@ class NemoRlPatch(HostPatch):
         return hook
 
     def apply_part(self, module_name: str, module: Any | None = None) -> bool:
-        """Apply one part now (idempotent); False when the patch is not enabled."""
+        """Apply one part now (idempotent); False when the patch is not enabled.
+
+        A part that fails halfway is rolled back (the host is left as it was) and the error
+        re-raised.
+
+        Raises:
+            UnknownHostError: ``module_name`` is not a module with a part (valid ones listed).
+            HostDriftError: a plug point of the part drifted (nothing is changed).
+        """
+        parts = {p.module: p for p in _PARTS}
+        if module_name not in parts:
+            raise UnknownHostError(
+                f"NeMo RL has no patch part for module {module_name!r}; valid parts: "
+                f"{', '.join(sorted(parts))}"
+            )
         with self._parts_lock:
             if not self._enabled or module_name in self._parts_done:
                 return False
-            module = module if module is not None else importlib.import_module(module_name)
+            if module is None:
+                # The import fires this patch's post-import hook, which applies the part.
+                module = importlib.import_module(module_name)
+                if module_name in self._parts_done or not self._enabled:
+                    return False
             drift = [s for s in map(check_plug_point, PART_POINTS[module_name]) if not s.ok]
             if drift:
                 lines = "; ".join(f"{s.point.name} ({s.point.target}): {s.detail}" for s in drift)
@@ -359,8 +377,14 @@ class NemoRlPatch(HostPatch):
                     f"NemoRlPatch cannot apply to {module_name} (supported: {self.supported}): "
                     f"{lines}"
                 )
-            part = next(p for p in _PARTS if p.module == module_name)
-            part.apply(self, module)
+            part = parts[module_name]
+            mark = len(self._undo)
+            try:
+                part.apply(self, module)
+            except BaseException:
+                while len(self._undo) > mark:  # undo this part's own steps, newest first
+                    self._undo.pop()()
+                raise
             self._parts_done.add(module_name)
             logger.info("rlix: NeMo RL part %s applied", module_name)
             return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,13 +45,22 @@ class ClockQueue:
         self.processed = 0
 
     def at(self, time: float, action: Callable[[], None]) -> Timer:
-        """Run ``action`` at virtual ``time`` (clamped to now: the past cannot be scheduled)."""
+        """Run ``action`` at virtual ``time`` (clamped to now: the past cannot be scheduled).
+
+        A NaN time is refused (ValueError): it has no place in the heap's order.
+        """
+        if math.isnan(time):
+            raise ValueError("a virtual time must be a number, got NaN")
         self._seq += 1
         entry = _Entry(max(time, self.now), self._seq, action)
         heapq.heappush(self._heap, entry)
         return Timer(entry)
 
     def after(self, delay: float, action: Callable[[], None]) -> Timer:
+        """Run ``action`` ``delay`` seconds from now (a negative delay means now; NaN is
+        refused)."""
+        if math.isnan(delay):
+            raise ValueError("a delay must be a number of seconds, got NaN")
         return self.at(self.now + max(0.0, delay), action)
 
     def __len__(self) -> int:

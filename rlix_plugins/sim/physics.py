@@ -64,13 +64,20 @@ class GpuLedger:
         self.tenures += 1
 
     def end(self, gpus: tuple[int, ...], who: str, end: float) -> None:
-        """``who`` leaves ``gpus`` at ``end`` (may be in the future: a sleep in progress)."""
+        """``who`` leaves ``gpus`` at ``end`` (may be in the future: a sleep in progress); not
+        before the compute credited to it (credits lie inside their tenure, so everything
+        credited after this tenure began is ``who``'s)."""
         for g in gpus:
             cur = self.current[g]
             if cur is None or cur.who != who or cur.end is not None:
                 raise PhysicsViolation(f"GPU {g}: {who} leaves but the tenant is {cur}")
             if end + _EPS < cur.start:
                 raise PhysicsViolation(f"GPU {g}: {who} leaves at {end} before it came")
+            if end + _EPS < self.credited_until[g]:
+                raise PhysicsViolation(
+                    f"GPU {g}: {who} leaves at {end:.3f} but is credited until "
+                    f"{self.credited_until[g]:.3f}"
+                )
             self.current[g] = Tenure(who, cur.start, end)
             self.free_at[g] = end
             self.tenured[g] += end - cur.start
@@ -84,17 +91,33 @@ class GpuLedger:
     ) -> None:
         """Credit useful compute to ``gpus``; the tenant must be ``who`` (no GPU serves two).
 
-        With ``until``, the credit covers ``[at, until)``, which must not overlap an interval
-        credited before on the same GPU (100% per GPU at every instant, not only cumulatively).
+        The credit must lie inside ``who``'s tenure (from its start to its end, once closed).
+        With ``until``, the credit covers ``[at, until)``, holds at most ``until - at``
+        seconds, and must not overlap an interval credited before on the same GPU (100% per
+        GPU at every instant, not only cumulatively).
         """
         if seconds < -_EPS:
             raise PhysicsViolation(f"{who}: negative useful time {seconds}")
         if until is not None and until + _EPS < at:
             raise PhysicsViolation(f"{who}: credit interval [{at}, {until}) ends before it starts")
+        if until is not None and seconds > until - at + _EPS:
+            raise PhysicsViolation(
+                f"{who}: {seconds:.3f} useful s in [{at:.3f}, {until:.3f}) (> 100% of the GPU)"
+            )
         for g in gpus:
             cur = self.current[g]
             if cur is None or cur.who != who or (cur.end is not None and cur.end < at - _EPS):
                 raise PhysicsViolation(f"GPU {g}: {who} computes at {at:.3f}; tenant is {cur}")
+            if at + _EPS < cur.start:
+                raise PhysicsViolation(
+                    f"GPU {g}: {who} computes from {at:.3f}, before its tenure began "
+                    f"({cur.start:.3f})"
+                )
+            if until is not None and cur.end is not None and until > cur.end + _EPS:
+                raise PhysicsViolation(
+                    f"GPU {g}: {who} computes until {until:.3f}, after its tenure ended "
+                    f"({cur.end:.3f})"
+                )
             if until is not None and seconds > _EPS:
                 if at + _EPS < self.credited_until[g]:
                     raise PhysicsViolation(

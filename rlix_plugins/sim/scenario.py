@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlix_plugins.errors import RlixPluginsError
 from rlix_plugins.sim.placement import ExclusivePlacer
 from rlix_plugins.sim.workloads import (
     PIPELINE_KINDS,
@@ -38,7 +39,7 @@ from rlix_plugins.sim.workloads import (
 )
 
 
-class ScenarioError(ValueError):
+class ScenarioError(RlixPluginsError, ValueError):
     """A scenario file is malformed; the message names the field."""
 
 
@@ -62,10 +63,24 @@ def _record(cls: type, d: object, where: str) -> Any:
     unknown = sorted(set(d) - set(fields))
     if unknown:
         raise ScenarioError(f"{where}: unknown fields {unknown}; expected {sorted(fields)}")
+    flags = sorted(k for k, v in d.items() if isinstance(v, bool))
+    if flags:  # true/false would read as 1.0/0.0
+        raise ScenarioError(f"{where}: {flags[0]!r} must be a number, got {d[flags[0]]!r}")
     try:
         return cls(**{k: float(v) if isinstance(v, int) else v for k, v in d.items()})
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{where}: {exc}") from None
+
+
+def _number(
+    p: Mapping[str, Any], key: str, where: str, default: float, *, positive: bool = False
+) -> float:
+    """A finite float field, ``>= 0`` (or ``> 0`` with ``positive``)."""
+    value: float = _get(p, key, float, where, default)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ScenarioError(f"{where}: {key} must be a finite number {bound}, got {value!r}")
+    return value
 
 
 def _gpu_ids(p: Mapping[str, Any], key: str, where: str, num_gpus: int) -> tuple[int, ...]:
@@ -113,6 +128,11 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
         path = Path(source)
         text = path.read_text()
         data = _load_toml(text) if path.suffix == ".toml" else json.loads(text)
+    if not isinstance(data, Mapping):
+        raise ScenarioError(
+            f"scenario: expected a table/object at the top (name, gpus_per_node, nodes, "
+            f"pipelines), got {type(data).__name__}"
+        )
     name = _get(data, "name", str, "scenario", "scenario")
     gpn = _get(data, "gpus_per_node", int, "scenario")
     nodes = _get(data, "nodes", int, "scenario")
@@ -123,6 +143,7 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
         raise ScenarioError("scenario: needs at least one pipeline")
     jobs: list[JobSpec] = []
     placements: list[Placement] = []
+    names: dict[str, int] = {}
     for i, p in enumerate(pipes):
         where = f"pipelines[{i}]"
         if not isinstance(p, Mapping):
@@ -142,10 +163,17 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
         kind = _get(p, "kind", str, where, "roll")
         if kind not in PIPELINE_KINDS:
             raise ScenarioError(f"{where}: kind {kind!r} is not one of {PIPELINE_KINDS}")
+        job_name = _get(p, "name", str, where, f"ft_{i + 1:012x}")
+        if job_name in names:
+            raise ScenarioError(
+                f"{where}: name {job_name!r} is used by pipelines {names[job_name]} and {i}; "
+                "each pipeline needs its own name"
+            )
+        names[job_name] = i
         try:
             job = JobSpec(
-                name=_get(p, "name", str, where, f"ft_{i + 1:012x}"),
-                arrival_s=_get(p, "arrival_s", float, where, 0.0),
+                name=job_name,
+                arrival_s=_number(p, "arrival_s", where, 0.0),
                 steps=_get(p, "steps", int, where),
                 batch=batch,
                 train_gpus=-(-len(train) // tp) * tp,
@@ -158,10 +186,10 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
                 phases=_record(PhaseTimes, _get(p, "phases", dict, where), where),
                 costs=_record(SwitchCosts, _get(p, "costs", dict, where, {}), where),
                 max_age=_get(p, "max_age", int, where, 0),
-                weight=_get(p, "weight", float, where, 1.0),
+                weight=_number(p, "weight", where, 1.0, positive=True),
                 source=f"scenario {name}",
                 kind=kind,
-                redispatch_prefill_s=_get(p, "redispatch_prefill_s", float, where, 1.0),
+                redispatch_prefill_s=_number(p, "redispatch_prefill_s", where, 1.0),
             )
         except ScenarioError:
             raise

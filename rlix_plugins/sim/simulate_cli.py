@@ -54,6 +54,12 @@ def build_workload(
         if value is not None and value < 1:
             raise ValueError(f"{option} must be >= 1 (leave it out for the default), got {value}")
     if name.startswith("plexrl-"):
+        for option, value in (("--jobs", jobs), ("--nodes", nodes)):
+            if value is not None:
+                raise ValueError(
+                    f"{option} does not apply to {name} (PlexRL's setup: two jobs on its own "
+                    "pools); size its shared cluster with --shared-gpus"
+                )
         row = next(r for r in PLEXRL_TABLE2 if r.model == name.removeprefix("plexrl-"))
         run_steps = 8 if steps is None else steps
         # Calibrated on a run long enough for a steady cycle, whatever the run's own length.
@@ -130,7 +136,31 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"unknown deployments {bad}; expected a subset of {tuple(DEPLOYMENTS)}")
         return 2
+    if args.seed < 0:
+        print(f"error: --seed must be >= 0, got {args.seed}")
+        return 2
+    if args.out.exists() and not args.out.is_dir():
+        print(f"error: --out {args.out} exists and is not a directory; name a directory")
+        return 2
     if args.scenario is not None:
+        # The scenario file sets the jobs, steps and cluster: these options would be ignored.
+        given = [
+            option
+            for option, value in (
+                ("--jobs", args.jobs),
+                ("--steps", args.steps),
+                ("--nodes", args.nodes),
+                ("--shared-gpus", args.shared_gpus),
+                ("--job-sizes", args.job_sizes),
+            )
+            if value is not None
+        ]
+        if given:
+            print(
+                f"error: {', '.join(given)} apply to --workload only; a --scenario file sets "
+                "its own pipelines, steps and cluster (edit the file instead)"
+            )
+            return 2
         try:
             workload = load_scenario(args.scenario)
         except (OSError, ValueError) as exc:  # ScenarioError and JSON/TOML syntax errors
