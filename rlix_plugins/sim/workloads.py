@@ -163,8 +163,16 @@ class JobSpec:
     def __post_init__(self) -> None:
         if self.kind not in PIPELINE_KINDS:
             raise ValueError(f"job {self.name}: kind must be one of {PIPELINE_KINDS}")
-        if self.redispatch_prefill_s < 0:
-            raise ValueError(f"job {self.name}: redispatch_prefill_s must be >= 0")
+        # "not x >= 0" also refuses NaN, which every "< 0" test lets through (a NaN arrival
+        # breaks the event heap's order and hangs the run)
+        if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
+            raise ValueError(f"job {self.name}: arrival_s must be finite seconds >= 0, "
+                             f"got {self.arrival_s}")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"job {self.name}: weight must be finite and > 0, got {self.weight}")
+        if not (math.isfinite(self.redispatch_prefill_s) and self.redispatch_prefill_s >= 0):
+            raise ValueError(f"job {self.name}: redispatch_prefill_s must be finite seconds "
+                             f">= 0, got {self.redispatch_prefill_s}")
         if self.steps < 1 or self.batch < 1 or self.train_gpus < 1 or self.infer_gpus < 1:
             raise ValueError(f"job {self.name}: steps, batch, train_gpus, infer_gpus must be >= 1")
         if not self.turn_s > 0:  # inf (single-turn) allowed; 0, negative or NaN are not

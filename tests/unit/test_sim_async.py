@@ -183,3 +183,18 @@ def test_a_job_alone_is_never_slower_under_ours_than_under_rlix_policy(profile: 
         ours = run_policy(alone, "ours", seed=5).makespan
         rlix = run_policy(alone, "rlix_async_migr", seed=5).makespan
         assert ours <= rlix, (job.name, ours, rlix)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("arrival_s", math.nan, "arrival_s must be finite"), ("arrival_s", -1.0, "arrival_s"),
+     ("weight", math.nan, "weight must be finite"), ("weight", 0.0, "weight"),
+     ("redispatch_prefill_s", math.inf, "redispatch_prefill_s must be finite")],
+)
+def test_job_spec_refuses_non_finite_or_negative_times_and_weights(
+    field: str, value: float, message: str
+) -> None:
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match=message):
+        replace(_job(0, kind="async"), **{field: value})
