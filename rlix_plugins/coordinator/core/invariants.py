@@ -4,31 +4,35 @@ State invariants
   S1  every owned GPU names a registered cluster whose mapping contains that GPU
   S2  ownership is consistent both ways: a whole-cluster holding owns exactly its mapping, an
       active generation rank owns exactly ``mapping[d*tp:(d+1)*tp]``, nothing else is owned
-  S3  idle GPUs + allocated GPUs = all GPUs (no GPU lost, none counted twice)
+  S3  idle GPUs + allocated GPUs = all GPUs (no GPU lost, none counted twice): the ownership
+      table has exactly one entry per GPU of the topology
   S4  a cluster is never both a whole-cluster holding and has active generation ranks
   S5  at most one pending request per cluster, and never for a cluster that already has it
+      (a whole-cluster holding, or active ranks for a GENERATION request)
   S6  a warming rank (committed, its expand still running) is an active rank
 
 Plan invariants
   P1  a shrink names an active rank; an expand names an inactive rank of a generation cluster;
-      no rank is both shrunk and expanded, nor moved twice, in one plan
+      either names exactly that rank's GPUs; no rank is both shrunk and expanded, nor moved
+      twice, in one plan
   P2  every GPU a grant or expand takes is idle once the plan's shrinks are applied
       (no GPU is ever handed to two owners)
   P3  no GPU is taken twice within one plan
   P4  a grant covers the cluster's whole registered mapping and answers a pending request
   P5  every shrink is a planned release or frees GPUs that this same plan gives to someone else
       (never preempt for a request that still cannot be satisfied)
-  P6  a completed release leaves its cluster with no active rank
+  P6  a completed release leaves its cluster with no active rank (counting the plan's expands)
   P7  nothing of a fenced pipeline moves: no grant to it, no expand or shrink of its ranks
       (its shards cannot be told to sleep; what it holds stays until it is unregistered)
 """
 
 from __future__ import annotations
 
-from rlix_plugins.coordinator.core.model import GpuOwner
+from rlix_plugins.coordinator.core.model import ClusterSpec, GpuOwner
 from rlix_plugins.coordinator.core.plan import Plan, ShrinkReason
 from rlix_plugins.coordinator.core.state import SchedulerState
 from rlix_plugins.errors import RlixPluginsError
+from rlix_plugins.protocol.types import Priority
 
 
 class InvariantViolation(RlixPluginsError, AssertionError):
@@ -39,17 +43,26 @@ class InvariantViolation(RlixPluginsError, AssertionError):
         self.code = code
 
 
+def _registered(state: SchedulerState, cid: str, what: str) -> ClusterSpec:
+    spec = state.clusters.get(cid)
+    if spec is None:
+        raise InvariantViolation("S1", f"{what} of {cid!r}, which is not a registered cluster")
+    return spec
+
+
 def _expected_owners(state: SchedulerState) -> dict[int, tuple[str, int | None]]:
     expected: dict[int, tuple[str, int | None]] = {}
     for cid in state.holdings:
-        for g in state.clusters[cid].gpus:
+        for g in _registered(state, cid, "whole-cluster holding").gpus:
             if g in expected:
                 raise InvariantViolation("S2", f"GPU {g} expected for {expected[g]} and {cid}")
             expected[g] = (cid, None)
     for cid, ranks in state.active_ranks.items():
         if ranks and cid in state.holdings:
             raise InvariantViolation("S4", f"{cid} is held whole and has active ranks")
-        spec = state.clusters[cid]
+        if not ranks:
+            continue
+        spec = _registered(state, cid, "active ranks")
         for r in ranks:
             if not 0 <= r < spec.dp_size:
                 raise InvariantViolation(
@@ -66,6 +79,11 @@ def _expected_owners(state: SchedulerState) -> dict[int, tuple[str, int | None]]
 
 def check_state(state: SchedulerState) -> None:
     """Raise :class:`InvariantViolation` if the state breaks S1-S6."""
+    if len(state.owner) != state.topology.num_gpus:
+        raise InvariantViolation(
+            "S3",
+            f"ownership table has {len(state.owner)} entries for {state.topology.num_gpus} GPUs",
+        )
     expected = _expected_owners(state)
     owned = 0
     for g, o in enumerate(state.owner):
@@ -81,14 +99,20 @@ def check_state(state: SchedulerState) -> None:
             raise InvariantViolation(
                 "S2", f"GPU {g} owned by {(o.cluster_id, o.dp_rank)}, expected {expected.get(g)}"
             )
-    idle = state.topology.num_gpus - owned
-    if idle + len(expected) != state.topology.num_gpus or owned != len(expected):
-        raise InvariantViolation("S3", f"idle {idle} + allocated {owned} != {len(state.owner)}")
+    if owned != len(expected):
+        idle = state.topology.num_gpus - owned
+        raise InvariantViolation(
+            "S3", f"idle {idle} + allocated {len(expected)} != {state.topology.num_gpus}"
+        )
     for cid, req in state.pending.items():
         if req.cluster_id != cid or cid not in state.clusters:
             raise InvariantViolation("S5", f"pending request {req} filed under {cid}")
         if cid in state.holdings:
             raise InvariantViolation("S5", f"{cid} has a pending request and holds its GPUs")
+        if req.priority is Priority.GENERATION and state.active_ranks.get(cid):
+            raise InvariantViolation(
+                "S5", f"{cid} has a pending GENERATION request and active ranks (answered)"
+            )
     for cid, rank in state.warming:
         if rank not in state.active_ranks.get(cid, {}):
             raise InvariantViolation("S6", f"warming rank ({cid}, {rank}) is not active")
@@ -103,9 +127,12 @@ def check_plan(state: SchedulerState, plan: Plan) -> None:
         key = (m.cluster_id, m.dp_rank)
         if key in moved or m.dp_rank not in state.active_ranks.get(m.cluster_id, {}):
             raise InvariantViolation("P1", f"shrink of {key}: not active or moved twice")
+        gpus = state.clusters[m.cluster_id].rank_gpus(m.dp_rank)
+        if m.gpus != gpus:
+            raise InvariantViolation("P1", f"shrink of {key} names GPUs {m.gpus}, not {gpus}")
         moved.add(key)
         active_after[m.cluster_id].discard(m.dp_rank)
-        for g in state.clusters[m.cluster_id].rank_gpus(m.dp_rank):
+        for g in gpus:
             owner[g] = None
     taken: dict[int, str] = {}
 
@@ -134,6 +161,7 @@ def check_plan(state: SchedulerState, plan: Plan) -> None:
         if m.gpus != spec.rank_gpus(m.dp_rank):
             raise InvariantViolation("P1", f"expand of {key} names GPUs {m.gpus}")
         moved.add(key)
+        active_after.setdefault(m.cluster_id, set()).add(m.dp_rank)
         take(m.gpus, m.cluster_id)
     for m in plan.shrinks:
         if m.reason is ShrinkReason.PLANNED_RELEASE:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlix_plugins.errors import SettingsError
 from rlix_plugins.protocol.names import GENERATION_CLUSTER
 from rlix_plugins.protocol.types import Priority
 
@@ -129,13 +130,14 @@ class PolicyConfig:
     backfill: bool = True
 
     def __post_init__(self) -> None:
-        if (
-            self.aging_s <= 0
-            or self.min_hold_s < 0
-            or not 0 <= self.rebalance_threshold <= 1
-            or self.reserve_after_s < 0
+        # Written as "not (valid)" so NaN, which fails every comparison, is refused too.
+        if not (
+            self.aging_s > 0
+            and self.min_hold_s >= 0
+            and 0 <= self.rebalance_threshold <= 1
+            and self.reserve_after_s >= 0
         ):
-            raise ValueError(
+            raise SettingsError(
                 "PolicyConfig needs aging_s > 0, min_hold_s >= 0, 0 <= rebalance_threshold <= 1, "
                 f"reserve_after_s >= 0; got {self!r}"
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from rlix_plugins.coordinator.core.model import ClusterSpec, PipelineSpec, Topology
@@ -14,6 +15,14 @@ from rlix_plugins.protocol.names import (
 )
 
 _SMALL_TP = (1, 2, 4, 8)
+
+
+def _as_float(value: int | float) -> float:
+    """``float(value)``; NaN for an int too large for a float (refused like NaN)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.nan
 
 
 def _valid_tp(tp: int, gpus_per_node: int) -> bool:
@@ -111,8 +120,14 @@ def validate_registration(
         raise RegistrationError(f"pipeline {pid!r}: no tp config for clusters {missing_tp}")
     if not names:
         raise RegistrationError(f"pipeline {pid!r}: registers no GPU cluster")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-        raise RegistrationError(f"pipeline {pid!r}: weight must be a number > 0, got {weight!r}")
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, (int, float))
+        or not 0 < _as_float(weight) < math.inf
+    ):
+        raise RegistrationError(
+            f"pipeline {pid!r}: weight must be a finite number > 0, got {weight!r}"
+        )
     clusters = tuple(
         validate_cluster(
             topology, pid, name, cluster_tp_configs[name], cluster_device_mappings[name]

@@ -25,7 +25,7 @@ from rlix_plugins.coordinator.core.plan import Plan, RankMove, ShrinkReason
 from rlix_plugins.coordinator.core.registration import validate_registration
 from rlix_plugins.coordinator.core.state import SchedulerState
 from rlix_plugins.errors import CorruptStateError, ProtocolError
-from rlix_plugins.protocol.types import Priority, ProgressReport
+from rlix_plugins.protocol.types import Priority, coerce_progress_report
 
 SNAPSHOT_VERSION = 1
 
@@ -145,16 +145,24 @@ def _restore(data: Mapping[str, Any], topology: Topology | None) -> SchedulerSta
             state.active_ranks[cid][int(rank)] = float(activated_at)
             for g in spec.rank_gpus(int(rank)):
                 state.owner[g] = GpuOwner(cid, int(rank), Priority.GENERATION)
+    # Demand is read back with the wire checks: a malformed report would otherwise break
+    # every planning cycle, and demand of a pipeline that is not registered would be
+    # inherited by one registering later under that id.
     for pid, streams in data["progress"].items():
+        state.pipeline(pid)
         for r in streams:
-            report = ProgressReport(
-                pipeline_id=r["pipeline_id"],
-                step_target_trajectories=int(r["step_target_trajectories"]),
-                fifo_timestamp=r["fifo_timestamp"],
-                metrics=r["metrics"],
-            )
+            try:
+                report = coerce_progress_report(r)
+            except ProtocolError as exc:
+                raise ValueError(f"progress of {pid!r}: {exc}") from None
+            if report.pipeline_id != pid:
+                raise ValueError(f"progress of {report.pipeline_id!r} filed under {pid!r}")
             state.progress.setdefault(pid, {})[report.stream_key] = report
-    state.estimates.update({k: int(v) for k, v in data["estimates"].items()})
+    for pid, estimate in data["estimates"].items():
+        state.pipeline(pid)
+        if isinstance(estimate, bool) or not isinstance(estimate, int) or estimate < 0:
+            raise ValueError(f"estimate of {pid!r} must be an int >= 0, got {estimate!r}")
+        state.estimates[pid] = estimate
     # Background expands in flight at the crash (absent from older snapshots): still warming;
     # the restarted service sends them again (``resize_infer`` is idempotent per rank).
     state.warming = {

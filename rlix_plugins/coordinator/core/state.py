@@ -9,6 +9,7 @@ and committed one at a time, so the events that may interleave between a plan an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -142,7 +143,9 @@ class SchedulerState:
         total: int | None = None
         for report in (self.progress.get(pipeline_id) or {}).values():
             raw = (report.metrics or {}).get(OUTSTANDING_METRIC)
-            if isinstance(raw, bool) or not isinstance(raw, int | float) or raw < 0:
+            if isinstance(raw, bool) or not isinstance(raw, int | float):
+                continue
+            if not 0 <= raw < math.inf:  # negative, NaN or infinite
                 continue
             total = (total or 0) + int(raw)
         return total
@@ -155,11 +158,18 @@ class SchedulerState:
 
     # ------------------------------------------------------------------ registry
     def register(self, spec: PipelineSpec) -> None:
+        """Add a validated pipeline (:func:`.registration.validate_registration`); refuse,
+        with :class:`RegistrationError` and nothing changed, a duplicate or GPU ids outside
+        the topology."""
         if spec.pipeline_id in self.pipelines:
             raise RegistrationError(f"pipeline {spec.pipeline_id!r} is already registered")
+        n = self.topology.num_gpus
         for c in spec.clusters:
-            if any(g >= self.topology.num_gpus for g in c.gpus):
-                raise RegistrationError(f"cluster {c.cluster_id!r} maps GPUs outside the topology")
+            bad = [g for g in c.gpus if not 0 <= g < n]
+            if bad:
+                raise RegistrationError(
+                    f"cluster {c.cluster_id!r} maps GPUs {bad} outside 0..{n - 1}"
+                )
         self.pipelines[spec.pipeline_id] = spec
         for c in spec.clusters:
             self.clusters[c.cluster_id] = c
@@ -315,9 +325,10 @@ class SchedulerState:
         """The pipeline released a cluster (its ranks are already asleep): free its GPUs.
 
         With ``now``, a whole-cluster holding's duration is kept as the cluster's expected
-        next holding (:attr:`last_hold_s`, what the planner backfills against).
+        next holding (:attr:`last_hold_s`, what the planner backfills against). A fenced
+        pipeline's GPUs stay owned until it is unregistered (:class:`RequestStateError`).
         """
-        self.cluster(cluster_id)
+        self._check_not_fenced(self.cluster(cluster_id), "release")
         freed = self.held_gpus(cluster_id)
         for g in freed:
             self.owner[g] = None
