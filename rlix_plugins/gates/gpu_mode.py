@@ -151,6 +151,26 @@ def _is_str_list(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
 
 
+#: the override that sets a NeMo RL job's step count (the gate's ``steps`` per job)
+STEPS_KEY = "grpo.max_num_steps"
+
+
+def _override_problems(at: str, key: str, overrides: Mapping[str, Any]) -> list[str]:
+    """Values that cannot become a ``key=value`` Hydra override of a NeMo RL job."""
+    problems: list[str] = []
+    for k, v in overrides.items():
+        if isinstance(v, dict):
+            problems.append(f"{at}: '{key}' value of {k!r} is a mapping; write each nested "
+                            f"setting as its own dotted key ({k}.<name>: value); valid values "
+                            "are scalars and lists")
+    steps = overrides.get(STEPS_KEY)
+    if STEPS_KEY in overrides and (isinstance(steps, bool) or not isinstance(steps, int)
+                                   or steps < 1):
+        problems.append(f"{at}: '{key}' value of {STEPS_KEY!r} must be an integer >= 1 (the "
+                        f"job's step count), got {steps!r}")
+    return problems
+
+
 def config_problems(path: Path, gate: int) -> list[str]:
     """What is wrong with a gate config's structure (empty = usable), checked before anything
     is started: ``nemo_rl`` (a list of ``{name, base_config?, overrides?,
@@ -173,6 +193,8 @@ def config_problems(path: Path, gate: int) -> list[str]:
         if not isinstance(raw.get("overrides"), dict):
             problems.append(f"{where} needs 'nemo_rl' (a list of jobs) or a top-level "
                             "'overrides' mapping (one NeMo RL job)")
+        else:
+            problems.extend(_override_problems(where, "overrides", raw["overrides"]))
     elif not isinstance(entries, list) or not entries:
         problems.append(f"{where}: 'nemo_rl' must be a non-empty list of jobs")
     else:
@@ -196,6 +218,8 @@ def config_problems(path: Path, gate: int) -> list[str]:
             for key in ("overrides", "exclusive_overrides"):
                 if key in e and not isinstance(e[key], dict):
                     problems.append(f"{at}: '{key}' must be a mapping of NeMo RL overrides")
+                elif key in e:
+                    problems.extend(_override_problems(at, key, e[key]))
             if "base_config" in e and not isinstance(e["base_config"], str):
                 problems.append(f"{at}: 'base_config' must be a path string")
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -224,6 +248,12 @@ def config_problems(path: Path, gate: int) -> list[str]:
                     and c.get("mode", "shared") in ("shared", "exclusive") for c in configs):
                 problems.append(f"{where}: roll.configs must be a list of {{src, dest, mode}} "
                                 "with mode 'shared' or 'exclusive'")
+            else:
+                missing = [c["src"] for c in configs if not (GATES_DIR / c["src"]).is_file()]
+                if missing:
+                    problems.append(f"{where}: roll.configs templates {missing} not found in "
+                                    f"{GATES_DIR} (src is relative to it); there: "
+                                    f"{sorted(f.name for f in GATES_DIR.glob('*.yaml'))}")
     return problems
 
 
@@ -245,10 +275,16 @@ class JobSpec:
 
 
 def _overrides(d: dict[str, Any]) -> list[str]:
+    """``key=value`` Hydra overrides: lists as JSON, booleans ``true``/``false``, YAML's null
+    as ``null`` (``str(None)`` would be the string "None"), anything else as ``str``."""
     out = []
     for k, v in d.items():
-        val = json.dumps(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) \
-            else str(v)
+        if isinstance(v, list) or v is None:
+            val = json.dumps(v)
+        elif isinstance(v, bool):
+            val = str(v).lower()
+        else:
+            val = str(v)
         out.append(f"{k}={val}")
     return out
 
@@ -338,10 +374,17 @@ class UtilSampler:
             if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
                 self.samples.append((time.time(), int(parts[0]), int(parts[1])))
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Terminate ``nvidia-smi``; killed if it has not exited ``timeout_s`` later (a wedged
+        driver can make it ignore SIGTERM)."""
         if self._proc is not None:
             self._proc.terminate()
-            self._proc.wait(timeout=10)
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("nvidia-smi ignored SIGTERM for %.0fs: killed", timeout_s)
+                self._proc.kill()
+                self._proc.wait()
 
     def idle(self, start: float, end: float, num_gpus: int) -> IdleShare:
         s = [x for x in self.samples if start <= x[0] <= end and x[1] < num_gpus]
@@ -434,6 +477,10 @@ def _namespace_free(ray: Any, namespace: str) -> bool:
 def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
     """Run a gate on a GPU box (see module docstring). Raises PrerequisiteError here."""
     problems = check_prerequisites(opts)
+    if shutil.which("nvidia-smi") is None:
+        # NVML may count the GPUs without it, but the utilisation sampler runs it.
+        problems.append("nvidia-smi not found on PATH (the idle-share criterion samples GPU "
+                        "utilisation with it)")
     if problems:
         raise PrerequisiteError("\n".join(f"  - {p}" for p in problems))
     import ray
@@ -453,12 +500,12 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
         raise PrerequisiteError(f"  - a control plane already runs in namespace {ns!r}; stop "
                                 "it (rlix-plugins coordinator stop) so the gate's own serves "
                                 "RLix's launcher")
-    plane = connect(namespace=ns, config=ServiceConfig(namespace=ns, trace_dir=str(out)))
-    sampler = UtilSampler()
     observe = out / OBSERVE_SUBDIR
     if observe.exists():
         shutil.rmtree(observe)  # records of an earlier run would be judged as this one's
     env = shared_job_env(os.environ, out, ns, ray.get_runtime_context().gcs_address)
+    sampler = UtilSampler()
+    plane = connect(namespace=ns, config=ServiceConfig(namespace=ns, trace_dir=str(out)))
     coordinator_up = True
     try:
         sampler.start()
@@ -480,9 +527,11 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
         t3 = time.time()
     finally:
         # A job that raised or hung must not leave the sampler or the coordinator behind.
-        sampler.stop()
-        if coordinator_up:
-            stop_coordinator(ns)
+        try:
+            sampler.stop()
+        finally:
+            if coordinator_up:
+                stop_coordinator(ns)
     criteria: list[CriterionResult] = [
         # What the coordinator decided (its trace holds one owner per GPU at a time, so this
         # only catches a trace that contradicts itself); engine-side evidence of who computed

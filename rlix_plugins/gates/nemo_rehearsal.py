@@ -276,10 +276,19 @@ class RehearsalRuntime:
             self._engines_raw.append(self._loop.run(start(bind), timeout=600))
 
     def _build_version(self, version: int) -> None:
+        """Cache ``version`` from the trainer's weights and make it the one synced.
+
+        Built and fingerprinted outside the sync lock; activated under it, with its expected
+        checksums already recorded: an expand or refresh (another thread) reads the active
+        version and pins it in one critical section, so it never syncs a version whose
+        checksums are unknown or that activation is freeing.
+        """
         self.cache.build(version, self.trainer.hf_weights())
-        self.cache.activate(version)
-        self.expected[version] = self.trainer.plain_checksums()
-        self.version = version
+        expected = self.trainer.plain_checksums()
+        with self._sync_lock:
+            self.expected[version] = expected
+            self.cache.activate(version)
+            self.version = version
 
     # ------------------------------------------------------------------ sync + checks
     def _sync(self, ranks: Sequence[int], kind: str) -> int:
@@ -437,6 +446,7 @@ class RehearsalRuntime:
         from rlix_plugins.training.progress import ProgressTracker, hooks_sink, outstanding_sink
 
         run = PipelineRun(self.pipeline_id, self.spec.label, mode, steps)
+        pending: concurrent.futures.Future[Any] | None = None
         self.busy.clear()
         self.sync_checks.clear()
         self.expands = 0
@@ -487,6 +497,7 @@ class RehearsalRuntime:
         except Exception as exc:
             logger.exception("%s: run failed", self.spec.label)
             run.error = f"{type(exc).__name__}: {exc}"
+            self._cancel_batch(pending)
         run.end = time.time()
         run.busy = list(self.busy)
         run.sync_checks = list(self.sync_checks)
@@ -514,6 +525,14 @@ class RehearsalRuntime:
             router_completed=rs.completed,
         )
         return run
+
+    def _cancel_batch(self, pending: concurrent.futures.Future[Any] | None) -> None:
+        """A failed run must not leave its next batch generating into the next run (its
+        requests would land in that run's router counters and records): cancel it (the
+        cancellation reaches its requests on the engine loop, where the router aborts them)."""
+        if pending is not None and not pending.done():
+            pending.cancel()
+            logger.warning("%s: cancelled the batch still generating", self.spec.label)
 
     def _enter_mode(self, mode: str) -> None:
         """Shared: every shard asleep, the coordinator wakes them (as the adapter's init).
@@ -548,16 +567,26 @@ class RehearsalRuntime:
                 if ids:
                     await e.abort(ids)
 
-        try:
-            self._loop.run(abort_all(), timeout=30)
-        finally:
-            for e in self._engines_raw:
-                e.shutdown()
-            for r in self.receivers:
-                del r
-            self.cache.close()
-            self.trainer.close()
-            self._loop.close()
+        errors: list[BaseException] = []
+
+        def attempt(what: str, fn: Any) -> None:
+            # Each resource is released even when an earlier one failed (an engine left
+            # running keeps its EngineCore process); the first failure is raised at the end.
+            try:
+                fn()
+            except Exception as exc:
+                logger.exception("%s: shutdown: %s failed", self.spec.label, what)
+                errors.append(exc)
+
+        attempt("aborting in-flight requests", lambda: self._loop.run(abort_all(), timeout=30))
+        for r, e in enumerate(self._engines_raw):
+            attempt(f"engine {r} shutdown", e.shutdown)
+        self.receivers = []
+        attempt("weight cache close", self.cache.close)
+        attempt("trainer close", self.trainer.close)
+        attempt("engine loop close", self._loop.close)
+        if errors:
+            raise errors[0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,12 +49,14 @@ from rlix_plugins.gates.criteria import (
 )
 from rlix_plugins.gates.nemo_rehearsal import PipelineRun, PipelineSpec
 from rlix_plugins.gates.observed import observed_criteria, ownership_from_records
-from rlix_plugins.gates.roll_sequence import RollRun, RollSpec
+from rlix_plugins.gates.roll_sequence import RollRun, RollSequencePipeline, RollSpec
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
 
 logger = logging.getLogger(__name__)
 
 NUM_GPUS = 2
+#: seconds a phase waits for its pipelines' step loops (each pipeline, and the ROLL thread)
+PHASE_TIMEOUT_S = 1800.0
 #: subdirectory of the output with the observation records (``shared/``, ``exclusive/``)
 OBSERVE_SUBDIR = "observe"
 
@@ -145,6 +147,8 @@ class _Rehearsal:
         )
         self.plane = connect(namespace=self.namespace, config=self.service)
         self.actors: list[tuple[str, Any]] = []
+        #: every ROLL-sequence pipeline started (stopped by close() whatever happened)
+        self.rolls: list[RollSequencePipeline] = []
         self.rlix_types: Any = None
 
     # ------------------------------------------------------------------ pipelines
@@ -206,14 +210,22 @@ class _Rehearsal:
         if self.cfg.gate == 3:
             roll = RollSequencePipeline(self.plane, _roll_spec(self.cfg, False),
                                         self.roll_types())
+            self.rolls.append(roll)
             roll.setup()
             roll_thread = threading.Thread(
                 target=lambda: roll_runs.append(roll.run(self.cfg.steps, "shared")),
-                name="roll-sequence")
+                name="roll-sequence", daemon=True)
             roll_thread.start()
-        phase.nemo = list(ray.get(refs, timeout=1800))
+        phase.nemo = list(ray.get(refs, timeout=PHASE_TIMEOUT_S))
         if roll_thread is not None and roll is not None:
-            roll_thread.join(timeout=1800)
+            roll_thread.join(timeout=PHASE_TIMEOUT_S)
+            if not roll_runs:
+                # Still running (or died without a record): a failed run, never a missing one
+                # (``steps`` would judge the NeMo RL pipelines alone).
+                roll_runs.append(RollRun(
+                    roll.pipeline_id, roll.spec.label, "shared", self.cfg.steps,
+                    start=phase.start, end=time.time(),
+                    error=f"the ROLL run did not finish within {PHASE_TIMEOUT_S:.0f}s"))
             phase.roll = [roll.collect(r) for r in roll_runs]
         phase.end = time.time()
         trace = ray.get(self.plane.scheduler.get_trace.remote())
@@ -232,11 +244,12 @@ class _Rehearsal:
         phase = PhaseResult("exclusive", start=time.time())
         for _, actor in self.actors:
             phase.nemo.append(self.ray.get(actor.run_steps.remote(self.cfg.steps, "exclusive"),
-                                           timeout=1800))
+                                           timeout=PHASE_TIMEOUT_S))
         if self.cfg.gate == 3:
             # Alone on the coordinator with disjoint stage GPUs: nothing to share.
             roll = RollSequencePipeline(self.plane, _roll_spec(self.cfg, True),
                                         self.roll_types())
+            self.rolls.append(roll)
             phase.roll = [roll.collect(roll.run(self.cfg.steps, "exclusive"))]
         phase.end = time.time()
         return phase
@@ -251,6 +264,11 @@ class _Rehearsal:
                 logger.exception("pipeline shutdown failed")
             with contextlib.suppress(Exception):
                 self.ray.kill(actor, no_restart=True)
+        for roll in self.rolls:  # a failed phase never collected its ROLL pipeline
+            try:
+                roll.close()
+            except Exception:
+                logger.exception("ROLL pipeline %s: stopping it failed", roll.pipeline_id)
         with contextlib.suppress(Exception):
             self.ray.get(self.plane.scheduler.flush_trace.remote(), timeout=30)
         stop_coordinator(self.namespace)

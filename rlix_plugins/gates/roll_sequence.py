@@ -280,8 +280,6 @@ class RollSequencePipeline:
 
     def collect(self, run: RollRun) -> RollRun:
         """Fetch the shards' busy log, unregister, and stop the coordinator actor."""
-        import ray
-
         if self.coordinator is not None:
             # A rank counts as busy while active AND its pipeline is generating (an active rank
             # of a pipeline that is training or waiting does no simulated work).
@@ -290,8 +288,18 @@ class RollSequencePipeline:
                    for iv in held for s, e in self._gen_windows
                    if min(iv.end, e) > max(iv.start, s)]
             run.busy = list(self._train_busy) + gen
-            try:
-                self._get(self.plane.orchestrator.unregister_pipeline.remote(self.pipeline_id))
-            finally:
-                ray.kill(self.coordinator, no_restart=True)
+            self.close()
         return run
+
+    def close(self) -> None:
+        """Unregister the pipeline and kill its coordinator actor (idempotent; also after a
+        failed or unfinished run, whose actor must not outlive the gate)."""
+        import ray
+
+        actor, self.coordinator = self.coordinator, None
+        if actor is None:
+            return
+        try:
+            self._get(self.plane.orchestrator.unregister_pipeline.remote(self.pipeline_id))
+        finally:
+            ray.kill(actor, no_restart=True)
