@@ -35,6 +35,7 @@ from rlix_plugins.sim.workloads import (
     long_tail_agentic,
 )
 from tests.core_builders import cycle, new_state, progress, register
+from tests.support.sim_scenario import one_node_scenario
 
 FAST = SwitchCosts(1.0, 1.0, 2.0, 1.0, 1.0, 2.0)
 
@@ -361,22 +362,6 @@ def test_scenario_loader_runs_a_gate2_like_config(tmp_path: Path) -> None:
         load_scenario({**data, "pipelines": [bad]})
 
 
-def _scenario(**pipeline: Any) -> dict[str, Any]:
-    """A one-node scenario whose first pipeline takes ``pipeline``'s fields."""
-    base: dict[str, Any] = {
-        "train": [0],
-        "infer": [0, 1],
-        "steps": 2,
-        "batch": 4,
-        "lengths": {"kind": "uniform", "a": 1.0, "b": 3.0, "cap_s": 3.0},
-        "phases": {
-            "old_log_probs_s": 0.5,
-            "ref_log_probs_s": 0.5,
-            "update_actor_s": 2.0,
-            "sync_weight_s": 0.3,
-        },
-    }
-    return {"gpus_per_node": 4, "nodes": 1, "pipelines": [base | pipeline]}
 
 
 @pytest.mark.parametrize(
@@ -384,22 +369,22 @@ def _scenario(**pipeline: Any) -> dict[str, Any]:
     [
         ({"gpus_per_node": 0}, "gpus_per_node and nodes must be >= 1"),
         ({"nodes": 0}, "gpus_per_node and nodes must be >= 1"),
-        (_scenario(infer_tp=0)["pipelines"][0], "infer_tp must be >= 1"),
-        (_scenario(infer=[0, 1, 2], infer_tp=2)["pipelines"][0], "divide the 3 infer GPUs"),
-        (_scenario(train=[1.7])["pipelines"][0], "integer GPU ids"),
-        (_scenario(train=[])["pipelines"][0], "non-empty list"),
-        (_scenario(infer=[0, 9])["pipelines"][0], r"distinct GPU ids in 0\.\.3"),
-        (_scenario(infer=[1, 1])["pipelines"][0], "distinct GPU ids"),
-        (_scenario(turn_s=0)["pipelines"][0], "turn_s must be > 0"),
-        (_scenario(turn_s=-30)["pipelines"][0], "turn_s must be > 0"),
+        (one_node_scenario(infer_tp=0)["pipelines"][0], "infer_tp must be >= 1"),
+        (one_node_scenario(infer=[0, 1, 2], infer_tp=2)["pipelines"][0], "divide the 3 infer GPUs"),
+        (one_node_scenario(train=[1.7])["pipelines"][0], "integer GPU ids"),
+        (one_node_scenario(train=[])["pipelines"][0], "non-empty list"),
+        (one_node_scenario(infer=[0, 9])["pipelines"][0], r"distinct GPU ids in 0\.\.3"),
+        (one_node_scenario(infer=[1, 1])["pipelines"][0], "distinct GPU ids"),
+        (one_node_scenario(turn_s=0)["pipelines"][0], "turn_s must be > 0"),
+        (one_node_scenario(turn_s=-30)["pipelines"][0], "turn_s must be > 0"),
         (
-            _scenario(lengths={"kind": "lognormal", "a": 2.0, "b": -1.0, "cap_s": 8.0})[
+            one_node_scenario(lengths={"kind": "lognormal", "a": 2.0, "b": -1.0, "cap_s": 8.0})[
                 "pipelines"
             ][0],
             "needs b > 0",
         ),
         (
-            _scenario(
+            one_node_scenario(
                 phases={
                     "old_log_probs_s": -1.0,
                     "ref_log_probs_s": 0.5,
@@ -414,7 +399,7 @@ def _scenario(**pipeline: Any) -> dict[str, Any]:
 def test_scenario_refuses_bad_values_before_any_run(
     scenario: dict[str, Any], message: str
 ) -> None:
-    data = _scenario()
+    data = one_node_scenario()
     if "pipelines" in scenario or "train" in scenario:
         data["pipelines"] = [scenario]
     else:
@@ -426,9 +411,9 @@ def test_scenario_refuses_bad_values_before_any_run(
 def test_scenario_exclusive_cluster_holds_every_job_at_once() -> None:
     # tp 1 with 3 GPUs, then tp 2 with 4: the tp-2 block starts on GPU 4, not 3, so a
     # cluster of 3 + 4 = 7 GPUs made the second job queue behind the first.
-    data = _scenario(train=[0], infer=[0, 1, 2])
+    data = one_node_scenario(train=[0], infer=[0, 1, 2])
     data["pipelines"].append(
-        _scenario(name="ft_000000000002", train=[0, 1], infer=[0, 1, 2, 3], infer_tp=2)[
+        one_node_scenario(name="ft_000000000002", train=[0, 1], infer=[0, 1, 2, 3], infer_tp=2)[
             "pipelines"
         ][0]
     )

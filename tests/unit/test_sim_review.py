@@ -16,6 +16,7 @@ from rlix_plugins.sim import simulate_cli as command
 from rlix_plugins.sim.clock_queue import ClockQueue
 from rlix_plugins.sim.physics import GpuLedger, PhysicsViolation
 from rlix_plugins.sim.scenario import ScenarioError, load_scenario
+from tests.support.sim_scenario import one_node_scenario
 
 # ----------------------------------------------------------------------------- physics
 
@@ -84,21 +85,6 @@ def test_clock_refuses_nan_times(schedule: str) -> None:
 # ----------------------------------------------------------------------------- scenario
 
 
-def _scenario(**pipeline: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "train": [0],
-        "infer": [0, 1],
-        "steps": 2,
-        "batch": 4,
-        "lengths": {"kind": "uniform", "a": 1.0, "b": 3.0, "cap_s": 3.0},
-        "phases": {
-            "old_log_probs_s": 0.5,
-            "ref_log_probs_s": 0.5,
-            "update_actor_s": 2.0,
-            "sync_weight_s": 0.3,
-        },
-    }
-    return {"gpus_per_node": 4, "nodes": 1, "pipelines": [base | pipeline]}
 
 
 @pytest.mark.parametrize(
@@ -134,11 +120,11 @@ def _scenario(**pipeline: Any) -> dict[str, Any]:
 )
 def test_scenario_refuses_bad_job_fields(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ScenarioError, match=message):
-        load_scenario(_scenario(**fields))
+        load_scenario(one_node_scenario(**fields))
 
 
 def test_scenario_refuses_duplicate_pipeline_names() -> None:
-    data = _scenario(name="ft_000000000001")
+    data = one_node_scenario(name="ft_000000000001")
     data["pipelines"].append(dict(data["pipelines"][0]))
     with pytest.raises(ScenarioError, match="'ft_000000000001' is used by pipelines 0 and 1"):
         load_scenario(data)
@@ -178,12 +164,12 @@ def _parser() -> argparse.ArgumentParser:
         ["--job-sizes", "S"],
     ],
 )
-def test_simulate_refuses_workload_options_with_a_scenario(
+def test_simulate_refuses_workload_options_with_aone_node_scenario(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str]
 ) -> None:
     """They were ignored: the scenario ran as written and the command said nothing."""
     path = tmp_path / "s.json"
-    path.write_text(json.dumps(_scenario()))
+    path.write_text(json.dumps(one_node_scenario()))
     argv = ["--scenario", str(path), *extra, "--out", str(tmp_path / "o"), "--no-plots"]
     assert command.run(_parser().parse_args(argv)) == 2
     out = capsys.readouterr().out
@@ -217,7 +203,7 @@ def test_simulate_refuses_an_out_path_that_is_a_file_before_running(
     out = tmp_path / "results"
     out.write_text("")
     path = tmp_path / "s.json"
-    path.write_text(json.dumps(_scenario()))
+    path.write_text(json.dumps(one_node_scenario()))
     argv = ["--scenario", str(path), "--out", str(out), "--no-plots"]
     assert command.run(_parser().parse_args(argv)) == 2
     assert "--out" in capsys.readouterr().out
