@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from rlix_plugins.coordinator.core import (
     ClusterSpec,
-    DemandSharePlanner,
     GpuOwner,
     Grant,
     InvariantViolation,
@@ -163,18 +162,6 @@ def test_registration_refuses_a_weight_that_is_not_a_finite_number(weight: objec
     cycle); an int too big for a float raised a bare OverflowError."""
     with pytest.raises(RegistrationError, match="weight must be a finite number > 0"):
         validate_registration(Topology(1, 2), **_register_args(weight))  # type: ignore[arg-type]
-
-
-def test_an_infinite_weight_would_break_planning() -> None:
-    """Why the weight check matters: with an infinite weight the planner crashes."""
-    state = new_state(1, 4)
-    spec = validate_registration(Topology(1, 4), **_register_args(1.0))  # type: ignore[arg-type]
-    state.register(PipelineSpec(spec.pipeline_id, spec.ray_namespace, spec.clusters, math.inf))
-    register(state, "ft_b", infer=[2, 3])
-    state.submit_request(INFER, GEN, now=0.0, step_target_estimate=5)
-    state.submit_request("ft_b_actor_infer", GEN, now=0.0, step_target_estimate=5)
-    with pytest.raises(ValueError):
-        DemandSharePlanner().plan(state, 0.0)
 
 
 @pytest.mark.parametrize("gpus", [(-1,), (0, 2)])
