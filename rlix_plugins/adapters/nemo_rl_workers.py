@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,7 @@ from rlix_plugins.adapters.nemo_rl_partial import (
     attach_partial,
     sampled_logprobs,
 )
-from rlix_plugins.errors import ShardPreemptedError, WeightSyncError
+from rlix_plugins.errors import SettingsError, ShardPreemptedError, WeightSyncError
 from rlix_plugins.generation.engine import ABORTED
 from rlix_plugins.generation.vllm_engine import DEFAULT_SLEEP_LEVEL, VllmAsyncShard
 
@@ -69,12 +69,16 @@ STOCK_ASYNC_WORKER_FQN = (
 
 def rlix_extension_fqn(stock: str | None) -> str:
     """The engine's worker extension under RLix: NeMo RL's ``stock`` one with the receiver
-    mixed in (:mod:`rlix_plugins.adapters.nemo_rl_vllm_ext`). Raises ValueError for an
-    extension we have no combined class for (the selective sync would be missing)."""
+    mixed in (:mod:`rlix_plugins.adapters.nemo_rl_vllm_ext`).
+
+    Raises:
+        SettingsError: an extension we have no combined class for (the selective sync would
+            be missing); the supported ones are named.
+    """
     try:
         return _RLIX_EXTENSIONS[stock or ""]
     except KeyError:
-        raise ValueError(
+        raise SettingsError(
             f"vLLM worker_extension_cls={stock!r} has no RLix counterpart; supported: "
             f"{sorted(k for k in _RLIX_EXTENSIONS if k)}"
         ) from None
@@ -93,11 +97,21 @@ RLIX_VLLM_EXTENSION_FQN = _RLIX_EXTENSIONS[_NEMO_EXT + "VllmInternalWorkerExtens
 
 
 def configured_sleep_level(cfg: Any) -> int:
-    """``cfg["rlix"]["sleep_level"]`` of a NeMo RL generation config (default 2), validated."""
-    raw = (cfg.get("rlix") or {}).get("sleep_level", DEFAULT_SLEEP_LEVEL) if cfg else None
+    """``cfg["rlix"]["sleep_level"]`` of a NeMo RL generation config (default 2), validated.
+
+    Raises:
+        SettingsError: ``rlix`` is not a mapping, or the level is not 0, 1 or 2.
+    """
+    section = (cfg.get("rlix") or {}) if cfg else {}
+    if not isinstance(section, Mapping):
+        raise SettingsError(
+            f"policy.generation.rlix={section!r} is not valid; expected a mapping such as "
+            "{'sleep_level': 2}"
+        )
+    raw = section.get("sleep_level", DEFAULT_SLEEP_LEVEL)
     level = DEFAULT_SLEEP_LEVEL if raw is None else raw
     if isinstance(level, bool) or level not in (0, 1, 2):
-        raise ValueError(
+        raise SettingsError(
             f"policy.generation.rlix.sleep_level={raw!r} is not valid; expected 0, 1 or 2"
         )
     return int(level)
@@ -174,6 +188,9 @@ class GatedEngine:
         self._shard = shard
         # router attempt id -> vLLM request id, while the stream runs
         self._attempts: dict[str, str] = {}
+        # vLLM request ids of streams past the gate that have not ended (some may still be
+        # in vLLM's input processing, not yet registered in the engine)
+        self._open: set[str] = set()
 
     @property
     def rlix_engine(self) -> Any:
@@ -203,6 +220,14 @@ class GatedEngine:
         self, request_id: str, attempt: str | None, stream: AsyncIterator[Any],
         acc: _Accumulator,
     ) -> AsyncIterator[Any]:
+        if not self._shard.accepting:
+            # The gate closed between generate() and the stream's start: still rejected.
+            raise ShardPreemptedError(
+                f"request {request_id}: shard is preempted (dispatch gate closed)"
+            )
+        # Counted from here, the same step as the gate check (no await in between), so
+        # the shard never looks idle while vLLM is still processing the request's inputs.
+        self._open.add(request_id)
         if attempt is not None:
             self._attempts[attempt] = request_id
         try:
@@ -228,8 +253,26 @@ class GatedEngine:
                 ), acc.partial()) from exc
             raise
         finally:
+            self._open.discard(request_id)
             if attempt is not None and self._attempts.get(attempt) == request_id:
                 del self._attempts[attempt]
+
+    @property
+    def open_streams(self) -> int:
+        """Streams that passed the gate and have not ended."""
+        return len(self._open)
+
+    def unregistered_streams(self) -> int | None:
+        """Open streams vLLM has not registered yet (still in its input processing, so not
+        in its unfinished count), or None when the engine's request map is unavailable."""
+        processor = getattr(self._engine, "output_processor", None)
+        external = getattr(processor, "external_req_ids", None)
+        if external is None:
+            return None
+        try:
+            return len(self._open - set(external))
+        except Exception:
+            return None
 
     async def abort_attempts(self, attempt_ids: Sequence[str]) -> tuple[str, ...]:
         """Abort the running streams of those router attempt ids that are registered in the
@@ -314,22 +357,32 @@ class RLixVllmWorkerMixin:
         return self.llm.attempt_progress(list(attempt_ids))
 
     async def rlix_num_running(self) -> int:
-        """Unfinished requests in the engine (0 = idle)."""
-        return await self._rlix().num_running()
+        """Unfinished requests: the engine's count plus requests past the dispatch gate that
+        vLLM has not registered yet (0 = idle). Without the engine's request map, the larger
+        of the engine's count and the open streams."""
+        running = await self._rlix().num_running()
+        llm = self.llm
+        if not isinstance(llm, GatedEngine):
+            return running
+        pending = llm.unregistered_streams()
+        if pending is None:
+            return max(running, llm.open_streams)
+        return running + pending
 
     async def rlix_is_idle(self) -> bool:
-        """True when the engine has no unfinished request."""
-        return await self._rlix().num_running() == 0
+        """True when the engine has no unfinished request (none still being submitted)."""
+        return await self.rlix_num_running() == 0
 
     async def rlix_sleep(self, level: int | None = None) -> None:
         """Sleep at ``level`` (default: the configured level), aborting any straggler."""
         shard = self._rlix()
+        self._rlix_before_sleep(shard.sleep_level if level is None else level)
         await shard.sleep(level)
-        await self._rlix_after_sleep(shard.sleep_level if level is None else level)
 
-    async def _rlix_after_sleep(self, level: int) -> None:
+    def _rlix_before_sleep(self, level: int) -> None:
         if level == 2:
             # Level 2 discards the weights: no version is held until the next complete sync.
+            # Marked before sleeping: a sleep that fails part-way may have discarded them.
             # Kept here, not in the engine: an engine without the receiver can still sleep.
             self._rlix_weights_discarded = True
 
@@ -419,11 +472,11 @@ class RLixVllmAsyncGenerationWorkerImpl(
     async def sleep_async(self) -> None:
         """NeMo RL's sleep, at the configured level instead of the hard-coded level 1."""
         shard = self._rlix()
+        self._rlix_before_sleep(shard.sleep_level)
         await shard.engine.reset_prefix_cache()
         if hasattr(shard.engine, "reset_mm_cache"):
             await shard.engine.reset_mm_cache()
         await shard.engine.sleep(level=shard.sleep_level)
-        await self._rlix_after_sleep(shard.sleep_level)
 
 
 # Decorated here, on our own subclass: Ray copies methods at decoration time.

@@ -139,9 +139,10 @@ def register() -> None:
             logger.debug("rlix_plugins vLLM plugin: RLIX_CONTROL_PLANE is not 'rlix'; inactive")
             return
         settings = load_settings()
-        _sleep_level = settings.vllm_sleep_level
         patch = VllmPatch()
         patch.apply()  # warns itself when the vLLM version is not the supported one
+        # Only once applied: a failed register leaves this process's state as it was.
+        _sleep_level = settings.vllm_sleep_level
         _patch = patch
         logger.info("rlix_plugins vLLM plugin active in pid %d (sleep level %d)",
                     os.getpid(), _sleep_level)
