@@ -322,34 +322,39 @@ class SchedulerService:
             return None
         return Path(self.cfg.trace_dir) / f"rlix_gpu_timeline_{self.cfg.namespace}.json"
 
-    def _write_trace_in_background(self, now: float) -> None:
-        """Periodic write: serialise and write in a thread so the event loop never waits on
-        a large file (the event list is copied here, on the loop, so it is consistent)."""
+    def _trace_snapshot(self, now: float) -> tuple[Path, dict[str, Any]] | None:
+        """The file and the timeline to write into it, taken here, on the loop (consistent)."""
         path = self._trace_path()
         if path is None:
-            return
+            return None
         self._last_trace_write = now
-        data = self._trace.to_json(now)
+        return path, self._trace.to_json(now)
 
-        def write() -> None:
-            try:
-                OwnershipTrace.write_json(path, data)
-            except OSError:
-                logger.exception("writing the GPU timeline to %s failed", path)
+    @staticmethod
+    def _write_trace_file(path: Path, data: dict[str, Any]) -> None:
+        try:
+            OwnershipTrace.write_json(path, data)
+        except OSError:
+            logger.exception("writing the GPU timeline to %s failed", path)
 
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(write))
+    def _write_trace_in_background(self, now: float) -> None:
+        """Periodic write: serialised and written in a thread, so the event loop never waits
+        on a large file."""
+        snap = self._trace_snapshot(now)
+        if snap is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self._write_trace_file, *snap)
+        )
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
 
-    def _write_trace(self, now: float) -> None:
-        path = self._trace_path()
-        if path is None:
-            return
-        self._last_trace_write = now
-        try:
-            self._trace.write(path, now)
-        except OSError:
-            logger.exception("writing the GPU timeline to %s failed", path)
+    async def _write_trace(self, now: float) -> None:
+        """A requested or final write, awaited; also in a thread (a periodic write may hold
+        the file's lock, and serialising a long timeline takes a while)."""
+        snap = self._trace_snapshot(now)
+        if snap is not None:
+            await asyncio.to_thread(self._write_trace_file, *snap)
 
     # ================================================================== registry
     async def register_pipeline(
@@ -706,7 +711,7 @@ class SchedulerService:
 
     async def flush_trace(self) -> str | None:
         """Write the timeline file now; returns its path (None without a trace dir)."""
-        self._write_trace(self._now())
+        await self._write_trace(self._now())
         path = self._trace_path()
         return str(path) if path else None
 
@@ -735,7 +740,7 @@ class SchedulerService:
             t.cancel()
         # Wait for them to end, so none of them touches the state or the store afterwards.
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._write_trace(self._now())
+        await self._write_trace(self._now())
         if clear_state:
             self._store.clear()
 

@@ -146,10 +146,6 @@ class OwnershipTrace:
             },
         }
 
-    def write(self, path: Path, now: float) -> None:
-        """Write the trace so far to ``path``."""
-        self.write_json(path, self.to_json(now))
-
     @staticmethod
     def write_json(path: Path, data: dict[str, Any]) -> None:
         """Write a trace atomically (a reader never sees half a file).
