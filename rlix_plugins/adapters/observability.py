@@ -213,8 +213,9 @@ class RouterCountersObserved:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RouterCountersObserved:
-        counts = {name: _int(d.get(name, 0) if name == "migrated" else d[name], name, 0)
-                  for name in cls.COUNTS}
+        # "migrated" is absent from records written before request migration existed
+        raw = {"migrated": 0, **d}
+        counts = {name: _int(raw[name], name, 0) for name in cls.COUNTS}
         return cls(pipeline_id=str(d["pipeline_id"]), copy_id=str(d["copy_id"]),
                    time=_seconds(d["time"], "time"), **counts)
 

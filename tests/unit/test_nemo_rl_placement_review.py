@@ -109,6 +109,13 @@ def fake_nemo_rl(tmp_path: Path) -> Iterator[Path]:
             del sys.modules[name]
 
 
+def _replace_registry_part(monkeypatch: pytest.MonkeyPatch, apply: Any) -> None:
+    """Make the registry module's patch part run ``apply`` (patch, module) instead."""
+    parts = tuple(nemo_rl_patch._Part(p.module, apply) if p.module == REGISTRY else p
+                  for p in nemo_rl_patch._PARTS)
+    monkeypatch.setattr(nemo_rl_patch, "_PARTS", parts)
+
+
 def test_apply_part_that_imports_its_module_applies_it_once(
     fake_nemo_rl: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -119,9 +126,7 @@ def test_apply_part_that_imports_its_module_applies_it_once(
         calls.append(module.__name__)
         real(patch, module)
 
-    parts = tuple(nemo_rl_patch._Part(p.module, counting) if p.module == REGISTRY else p
-                  for p in nemo_rl_patch._PARTS)
-    monkeypatch.setattr(nemo_rl_patch, "_PARTS", parts)
+    _replace_registry_part(monkeypatch, counting)
     patch = NemoRlPatch()
     patch.apply()
     try:
@@ -144,9 +149,7 @@ def test_a_part_that_fails_halfway_leaves_the_host_unchanged(
         patch.set_item(module.ACTOR_ENVIRONMENT_REGISTRY, "rlix.Half", "vllm-venv")
         raise RuntimeError("second step of the part failed")
 
-    parts = tuple(nemo_rl_patch._Part(p.module, half) if p.module == REGISTRY else p
-                  for p in nemo_rl_patch._PARTS)
-    monkeypatch.setattr(nemo_rl_patch, "_PARTS", parts)
+    _replace_registry_part(monkeypatch, half)
     patch = NemoRlPatch()
     patch.apply()
     try:
