@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
@@ -43,6 +42,7 @@ from rlix_plugins.errors import RlixPluginsError
 from rlix_plugins.generation.router import RouterCounters
 from rlix_plugins.protocol.names import ACTOR_INFER
 from rlix_plugins.settings import ENV_PIPELINE_ID
+from rlix_plugins.values import is_finite, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _int(value: Any, field: str, minimum: int | None = None) -> int:
     ``int(...)`` would read ``0.9`` lost requests as 0, ``true`` as 1 and ``"12"`` as 12, and
     fail untyped (OverflowError) on ``Infinity``.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ObservationError(f"{field}={value!r} is not valid; expected an integer")
     if minimum is not None and value < minimum:
         raise ObservationError(f"{field}={value!r} is not valid; expected an integer >= "
@@ -84,8 +84,7 @@ def _ints(value: Any, field: str) -> tuple[int, ...]:
 
 def _seconds(value: Any, field: str) -> float:
     """A finite JSON number (wall-clock seconds)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value):
+    if not is_finite(value):
         raise ObservationError(f"{field}={value!r} is not valid; expected a finite number")
     return float(value)
 
@@ -251,8 +250,7 @@ class BusyObserved:
                 f"busy record of {self.pipeline_id}: stage {self.stage!r} is not one of "
                 f"{BUSY_STAGES}"
             )
-        if not self.gpus or any(isinstance(g, bool) or not isinstance(g, int) or g < 0
-                                for g in self.gpus):
+        if not self.gpus or any(not is_int(g) or g < 0 for g in self.gpus):
             raise ObservationError(
                 f"busy record of {self.pipeline_id}: gpus must be a non-empty list of GPU ids, "
                 f"got {self.gpus!r}"

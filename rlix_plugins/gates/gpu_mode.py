@@ -49,6 +49,7 @@ from rlix_plugins.gates.criteria import (
 )
 from rlix_plugins.gates.observed import observed_criteria, ownership_from_records
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
+from rlix_plugins.values import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +165,7 @@ def _override_problems(at: str, key: str, overrides: Mapping[str, Any]) -> list[
                             f"setting as its own dotted key ({k}.<name>: value); valid values "
                             "are scalars and lists")
     steps = overrides.get(STEPS_KEY)
-    if STEPS_KEY in overrides and (isinstance(steps, bool) or not isinstance(steps, int)
-                                   or steps < 1):
+    if STEPS_KEY in overrides and (not is_int(steps) or steps < 1):
         problems.append(f"{at}: '{key}' value of {STEPS_KEY!r} must be an integer >= 1 (the "
                         f"job's step count), got {steps!r}")
     return problems
@@ -239,7 +239,7 @@ def config_problems(path: Path, gate: int) -> list[str]:
                 problems.append(f"{where}: roll.exclusive_command must be a non-empty list of "
                                 "strings")
             steps = roll.get("steps", 0)
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            if not is_int(steps) or steps < 0:
                 problems.append(f"{where}: roll.steps must be an integer >= 0, got {steps!r}")
             configs = roll.get("configs", [])
             if not isinstance(configs, list) or not all(

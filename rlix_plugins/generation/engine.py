@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rlix_plugins.errors import ProtocolError
+from rlix_plugins.values import is_int
 
 #: ``finish_reason`` of a stream that ended because its request was aborted (vLLM's value).
 ABORTED = "abort"
@@ -52,8 +53,7 @@ class GenerationRequest:
         # (tuple + tuple); a list here used to fail that and lose the request.
         object.__setattr__(self, "prompt_token_ids",
                            _token_ids(self.request_id, self.prompt_token_ids))
-        if (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
-                or self.max_tokens < 1):
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ProtocolError(
                 f"GenerationRequest.max_tokens of {self.request_id} must be an int >= 1, got "
                 f"{self.max_tokens!r}"

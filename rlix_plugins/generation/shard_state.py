@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rlix_plugins.errors import LastActiveShardError, ShardStateError
+from rlix_plugins.values import is_int
 
 
 class ShardStatus(str, enum.Enum):
@@ -115,7 +116,7 @@ class ShardSnapshot:
 
 
 def _check_rank(snapshot: ShardSnapshot, dp_rank: int) -> None:
-    if not isinstance(dp_rank, int) or isinstance(dp_rank, bool):
+    if not is_int(dp_rank):
         raise ShardStateError(f"dp rank must be an int, got {dp_rank!r}")
     if not 0 <= dp_rank < snapshot.num_shards:
         raise ShardStateError(

@@ -37,6 +37,7 @@ from rlix_plugins.sim.workloads import (
     SwitchCosts,
     Workload,
 )
+from rlix_plugins.values import is_int
 
 
 class ScenarioError(RlixPluginsError, ValueError):
@@ -49,7 +50,7 @@ def _get(d: Mapping[str, Any], key: str, kind: type, where: str, default: Any = 
             raise ScenarioError(f"{where}: missing field {key!r}")
         return default
     value = d[key]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float and is_int(value):
         value = float(value)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ScenarioError(f"{where}: {key!r} must be {kind.__name__}, got {value!r}")
@@ -86,7 +87,7 @@ def _number(
 def _gpu_ids(p: Mapping[str, Any], key: str, where: str, num_gpus: int) -> tuple[int, ...]:
     """A non-empty list of distinct integer GPU ids in ``0..num_gpus-1``."""
     raw = _get(p, key, list, where)
-    if not raw or any(isinstance(g, bool) or not isinstance(g, int) for g in raw):
+    if not raw or not all(is_int(g) for g in raw):
         raise ScenarioError(
             f"{where}: {key!r} must be a non-empty list of integer GPU ids, got {raw!r}"
         )

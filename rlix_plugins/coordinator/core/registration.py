@@ -13,6 +13,7 @@ from rlix_plugins.protocol.names import (
     cluster_id,
     validate_pipeline_id,
 )
+from rlix_plugins.values import is_int
 
 _SMALL_TP = (1, 2, 4, 8)
 
@@ -34,14 +35,14 @@ def validate_cluster(
 ) -> ClusterSpec:
     """Check one cluster's TP size and device mapping; raise :class:`RegistrationError`."""
     where = f"pipeline {pipeline_id!r} cluster {name!r}"
-    if isinstance(tp, bool) or not isinstance(tp, int) or not _valid_tp(tp, topology.gpus_per_node):
+    if not is_int(tp) or not _valid_tp(tp, topology.gpus_per_node):
         raise RegistrationError(
             f"{where}: tp={tp!r} is not valid; expected one of {_SMALL_TP} or a multiple of "
             f"gpus_per_node={topology.gpus_per_node}"
         )
     if not isinstance(mapping, (list, tuple)) or not mapping:
         raise RegistrationError(f"{where}: device mapping must be a non-empty list of GPU ids")
-    if any(isinstance(g, bool) or not isinstance(g, int) for g in mapping):
+    if not all(is_int(g) for g in mapping):
         raise RegistrationError(f"{where}: device mapping must hold ints, got {mapping!r}")
     gpus = tuple(int(g) for g in mapping)
     bad = [g for g in gpus if not 0 <= g < topology.num_gpus]

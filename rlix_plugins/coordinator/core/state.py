@@ -30,6 +30,7 @@ from rlix_plugins.errors import (
 )
 from rlix_plugins.protocol.names import parse_cluster_id, validate_pipeline_id
 from rlix_plugins.protocol.types import OUTSTANDING_METRIC, Priority, ProgressReport
+from rlix_plugins.values import is_int, is_number
 
 StreamKey = tuple[str, str | None]
 
@@ -143,7 +144,7 @@ class SchedulerState:
         total: int | None = None
         for report in (self.progress.get(pipeline_id) or {}).values():
             raw = (report.metrics or {}).get(OUTSTANDING_METRIC)
-            if isinstance(raw, bool) or not isinstance(raw, int | float):
+            if not is_number(raw):
                 continue
             if not 0 <= raw < math.inf:  # negative, NaN or infinite
                 continue
@@ -261,16 +262,12 @@ class SchedulerState:
                 "valid for actor_infer"
             )
         if step_target_estimate is not None and (
-            isinstance(step_target_estimate, bool)
-            or not isinstance(step_target_estimate, int)
-            or step_target_estimate < 0
+            not is_int(step_target_estimate) or step_target_estimate < 0
         ):
             raise RequestStateError(
                 f"step_target_estimate must be an int >= 0 or None, got {step_target_estimate!r}"
             )
-        if global_step is not None and (
-            isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0
-        ):
+        if global_step is not None and (not is_int(global_step) or global_step < 0):
             raise RequestStateError(f"global_step must be an int >= 0 or None, got {global_step!r}")
         if lora_name is not None and not isinstance(lora_name, str):
             raise RequestStateError(f"lora_name must be a str or None, got {lora_name!r}")

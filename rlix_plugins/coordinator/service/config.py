@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from rlix_plugins.coordinator.core.model import PolicyConfig, Topology
 from rlix_plugins.errors import SettingsError
 from rlix_plugins.settings import Settings, load_settings
+from rlix_plugins.values import is_finite
 
 #: the shortest period or timeout accepted (tests tick at 0.05 s)
 _MIN_SECONDS = 0.01
@@ -46,8 +46,7 @@ class ServiceConfig:
         for name in ("request_timeout_s", "resize_timeout_s", "lease_s", "tick_s",
                      "liveness_interval_s", "probe_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value < _MIN_SECONDS:
+            if not is_finite(value) or value < _MIN_SECONDS:
                 raise SettingsError(
                     f"ServiceConfig.{name} must be finite seconds >= {_MIN_SECONDS}, "
                     f"got {value!r}"

@@ -19,6 +19,7 @@ import ray
 
 from rlix_plugins.coordinator.core.model import Topology
 from rlix_plugins.errors import ProtocolError, RlixPluginsError
+from rlix_plugins.values import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,7 @@ def topology_from_nodes(
     """Topology of the GPU nodes; every node must have the same GPU count (or at least
     ``required_gpus_per_node``, of which that many are used)."""
     if required_gpus_per_node is not None and (
-        isinstance(required_gpus_per_node, bool)
-        or not isinstance(required_gpus_per_node, int)
-        or required_gpus_per_node < 1
+        not is_int(required_gpus_per_node) or required_gpus_per_node < 1
     ):
         raise ProtocolError(
             f"required_gpus_per_node must be an int >= 1 or None (every GPU of a node), got "
@@ -161,11 +160,7 @@ class RollResourceManagerService:
     async def nodes_placement_group(self, node_rank: int) -> Any:
         """The shared placement group of node ``node_rank`` (0 <= node_rank < num_nodes)."""
         topology = await self._get_topology()
-        if (
-            isinstance(node_rank, bool)
-            or not isinstance(node_rank, int)
-            or not 0 <= node_rank < topology.num_nodes
-        ):
+        if not is_int(node_rank) or not 0 <= node_rank < topology.num_nodes:
             raise ProtocolError(
                 f"node_rank must be an int in [0, {topology.num_nodes}) (the cluster has "
                 f"{topology.num_nodes} GPU node(s)), got {node_rank!r}"
@@ -229,7 +224,7 @@ class RollResourceManagerService:
 def _check_allocation(topology: Topology, world_size: object, device_mapping: object) -> None:
     """Refuse an ``allocate_placement_group`` call that cannot be laid out, before any Ray
     call (ROLL's own resource manager only asserts)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ProtocolError(f"world_size must be an int >= 1, got {world_size!r}")
     if device_mapping is None:
         return
@@ -240,7 +235,7 @@ def _check_allocation(topology: Topology, world_size: object, device_mapping: ob
     bad = [
         g
         for g in device_mapping
-        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < topology.num_gpus
+        if not is_int(g) or not 0 <= g < topology.num_gpus
     ]
     if bad:
         raise ProtocolError(

@@ -29,7 +29,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
@@ -78,6 +77,7 @@ from rlix_plugins.protocol.names import (
     validate_pipeline_id,
 )
 from rlix_plugins.protocol.types import Priority, coerce_priority, coerce_progress_report
+from rlix_plugins.values import is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -1123,12 +1123,7 @@ def _release_timeout(timeout_s: object, default: float) -> float:
     """``await_release_gpus``'s ``timeout_s`` checked before anything is planned."""
     if timeout_s is None:
         return default
-    if (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, (int, float))
-        or not math.isfinite(timeout_s)
-        or timeout_s <= 0
-    ):
+    if not is_finite(timeout_s) or timeout_s <= 0:
         raise ProtocolError(
             f"timeout_s must be a finite number of seconds > 0, or None for the configured "
             f"request timeout ({default:g}s); got {timeout_s!r}"
