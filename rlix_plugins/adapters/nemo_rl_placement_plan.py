@@ -22,6 +22,7 @@ from typing import Any
 
 from rlix_plugins.errors import RegistrationError
 from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN
+from rlix_plugins.values import is_int
 
 #: ``RayVirtualCluster`` names ``grpo.setup`` gives its non-colocated clusters -> our roles.
 GRPO_CLUSTER_ROLES: Mapping[str, str] = {
@@ -399,14 +400,14 @@ def _checked_rlix_section(generation_cfg: Mapping[str, Any] | None) -> dict[str,
             continue
         gpus = section[key]
         if isinstance(gpus, (str, bytes, Mapping)) or not isinstance(gpus, Sequence) or any(
-            isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus
+            not is_int(g) or g < 0 for g in gpus
         ):
             raise PlacementError(
                 f"policy.generation.rlix.{key}={gpus!r} is not valid; valid: a list of global "
                 "GPU ids, integers >= 0 (e.g. [0, 1])"
             )
     count = section.get("train_gpu_count", 1)
-    if isinstance(count, bool) or not isinstance(count, int):
+    if not is_int(count):
         raise PlacementError(
             f"policy.generation.rlix.train_gpu_count={count!r} is not valid; valid: an "
             "integer >= 1 (at most the number of inference GPUs)"
