@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 
 from rlix_plugins.coordinator.core import (
@@ -111,6 +111,21 @@ class RunResult:
     migration_prefill_s: float = 0.0
 
 
+@dataclass(slots=True)
+class _CycleCounters:
+    """The running counters behind :class:`CycleStats` (same fields, mutable)."""
+
+    cycles: int = 0
+    preempt_shrinks: int = 0
+    rebalance_shrinks: int = 0
+    planned_shrinks: int = 0
+    idle_preemptions: int = 0
+    expands: int = 0
+    grants: int = 0
+    plan_wall_s_total: float = 0.0
+    plan_wall_s_max: float = 0.0
+
+
 class _Series:
     """Useful GPU-seconds per time bin (utilisation over time)."""
 
@@ -170,10 +185,7 @@ class SimCluster:
         self._resizing_until = 0.0
         self._dirty = False
         self._tick_timer: object | None = None
-        self._stats = {"cycles": 0, "preempt": 0, "rebalance": 0, "planned": 0, "idle": 0}
-        self._stats2 = {"expands": 0, "grants": 0}
-        self._plan_wall = 0.0
-        self._plan_wall_max = 0.0
+        self._stats = _CycleCounters()
         self._finished = 0
         self.useful_gpu_s = 0.0
 
@@ -341,23 +353,24 @@ class SimCluster:
         wall = time.perf_counter()
         plan = self.planner.plan(self.state, now)
         wall = time.perf_counter() - wall
-        self._plan_wall += wall
-        self._plan_wall_max = max(self._plan_wall_max, wall)
-        self._stats["cycles"] += 1
+        stats = self._stats
+        stats.plan_wall_s_total += wall
+        stats.plan_wall_s_max = max(stats.plan_wall_s_max, wall)
+        stats.cycles += 1
         idle = self._check(plan)
         background = self.config.blocking_cycles and self.config.background_expands
         result = self.state.commit(plan, now=now, expands_pending=background)
         check_state(self.state)
-        self._stats["idle"] += idle
+        stats.idle_preemptions += idle
         for m in plan.shrinks:
-            key = {
-                ShrinkReason.PREEMPT: "preempt",
-                ShrinkReason.REBALANCE: "rebalance",
-                ShrinkReason.PLANNED_RELEASE: "planned",
-            }[m.reason or ShrinkReason.PREEMPT]
-            self._stats[key] += 1
-        self._stats2["expands"] += len(result.expanded)
-        self._stats2["grants"] += len(result.granted)
+            if m.reason is ShrinkReason.REBALANCE:
+                stats.rebalance_shrinks += 1
+            elif m.reason is ShrinkReason.PLANNED_RELEASE:
+                stats.planned_shrinks += 1
+            else:
+                stats.preempt_shrinks += 1
+        stats.expands += len(result.expanded)
+        stats.grants += len(result.granted)
         # Apply: shrinks (abort + sleep) first, then grants and expands.
         touched: set[str] = set()
         release_ready: dict[str, float] = {}
@@ -480,17 +493,7 @@ class SimCluster:
             util_bins=tuple(self.series.bins),
             util_bin_s=self.series.bin_s,
             useful_gpu_s=self.useful_gpu_s,
-            cycles=CycleStats(
-                cycles=self._stats["cycles"],
-                preempt_shrinks=self._stats["preempt"],
-                rebalance_shrinks=self._stats["rebalance"],
-                planned_shrinks=self._stats["planned"],
-                idle_preemptions=self._stats["idle"],
-                expands=self._stats2["expands"],
-                grants=self._stats2["grants"],
-                plan_wall_s_total=self._plan_wall,
-                plan_wall_s_max=self._plan_wall_max,
-            ),
+            cycles=CycleStats(**asdict(self._stats)),
             trajectories=self.counter.consumed,
             aborted=self.counter.aborted,
             events=self.clock.processed,
