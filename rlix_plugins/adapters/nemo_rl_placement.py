@@ -232,6 +232,8 @@ class _ClusterPair:
         self.lock = threading.Lock()
         self.placement: Placement | None = None
         self.layout: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        #: roles whose view let go of the current placement; cleared when a bind applies it
+        #: to every view and when the last release shuts it down (a new round starts afresh)
         self.released: set[str] = set()
         self.allocated_ports: set[int] = set()
 
@@ -302,6 +304,9 @@ class RLixPlacementCluster(RayVirtualCluster):  # type: ignore[misc]
                 )
             for view in pair.views.values():
                 view._rlix_apply(pair.placement)
+            # Every view holds the placement again (a released one included): each must
+            # release it before it is shut down.
+            pair.released.clear()
             return pair.placement.plan
 
     def _rlix_apply(self, placement: Placement) -> None:
@@ -345,12 +350,24 @@ class RLixPlacementCluster(RayVirtualCluster):  # type: ignore[misc]
                 return True
             return bool(super().shutdown())
         with pair.lock:
-            pair.released.add(str(self.rlix_role))
-            last = pair.released >= set(pair.views)
-            self._node_placement_groups = None
-            if last and pair.placement is not None:
+            role = str(self.rlix_role)
+            if pair.placement is None or role in pair.released:
+                # Idempotent: this view already let go (or the round is over); counting it
+                # again could shut the placement down under the other view.
+                self._node_placement_groups = None
+                return True
+            if pair.released | {role} >= set(pair.views):
+                # Shut down first: if that raises, nothing is marked and a retry tries again.
                 pair.placement.shutdown()
+                # The round is over: a later bind of this pair starts a new one from scratch.
                 pair.placement = None
+                pair.layout = None
+                pair.released.clear()
+                logger.info("rlix: shared placement released by %s, shut down",
+                            sorted(pair.views))
+            else:
+                pair.released.add(role)
+            self._node_placement_groups = None
         return True
 
     def __getstate__(self) -> dict[str, Any]:

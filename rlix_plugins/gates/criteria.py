@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rlix_plugins.gates.timeline import Interval, busy_share, double_ownership, pipeline_of
@@ -77,10 +77,53 @@ class WeightCheck:
     expected_version: int
     engine_version: int | None
     checksums_match: bool
+    #: which parameters differ (:meth:`ChecksumDiff.describe`); empty when they match
+    mismatch: str = ""
 
     @property
     def ok(self) -> bool:
         return self.engine_version == self.expected_version and self.checksums_match
+
+
+@dataclass(frozen=True, slots=True)
+class ChecksumDiff:
+    """Trainer's parameter checksums vs an engine's, by exact name."""
+
+    #: in the trainer's, absent from the engine's
+    missing: tuple[str, ...]
+    #: in the engine's, not in the trainer's
+    extra: tuple[str, ...]
+    #: in both, with different checksums
+    different: tuple[str, ...]
+    #: parameters present on both sides
+    compared: int
+
+    @property
+    def ok(self) -> bool:
+        # Nothing compared proves nothing: an empty answer is no match.
+        return self.compared > 0 and not (self.missing or self.extra or self.different)
+
+    def describe(self, limit: int = 5) -> str:
+        """``missing [...]; extra [...]; different [...]`` (at most ``limit`` names each)."""
+        parts = []
+        for what, names in (("missing", self.missing), ("extra", self.extra),
+                            ("different", self.different)):
+            if names:
+                more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+                parts.append(f"{what} {list(names[:limit])}{more}")
+        if not parts and self.compared == 0:
+            parts.append("no parameter compared")
+        return "; ".join(parts)
+
+
+def compare_checksums(expected: Mapping[str, str], actual: Mapping[str, str]) -> ChecksumDiff:
+    """Compare the exact name sets and every value (a name on one side only never passes)."""
+    return ChecksumDiff(
+        missing=tuple(sorted(set(expected) - set(actual))),
+        extra=tuple(sorted(set(actual) - set(expected))),
+        different=tuple(sorted(n for n in expected if n in actual and actual[n] != expected[n])),
+        compared=len(set(expected) & set(actual)),
+    )
 
 
 def no_double_ownership(
@@ -116,7 +159,9 @@ def weights_current(checks: Sequence[WeightCheck]) -> CriterionResult:
         b = bad[0]
         measured = (f"{len(bad)}/{len(checks)} checks failed; first: {b.label} step {b.step} "
                     f"shard {b.dp_rank} ({b.kind}) engine v{b.engine_version} vs trainer "
-                    f"v{b.expected_version}, checksums {'ok' if b.checksums_match else 'differ'}")
+                    f"v{b.expected_version}, checksums "
+                    f"{'ok' if b.checksums_match else 'differ'}"
+                    + (f" ({b.mismatch})" if b.mismatch else ""))
     else:
         measured = f"{len(checks)} shard checks after syncs ({', '.join(kinds)}), all current"
     return CriterionResult(

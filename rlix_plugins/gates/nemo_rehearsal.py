@@ -54,6 +54,7 @@ from rlix_plugins.adapters.observability import (
     collective_rpc_version_probe,
 )
 from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
+from rlix_plugins.gates.criteria import compare_checksums
 from rlix_plugins.gates.timeline import Interval, RunRecord
 from rlix_plugins.generation.engine import GenerationRequest, GenerationResult
 from rlix_plugins.generation.loop_thread import LoopThread
@@ -120,6 +121,8 @@ class SyncCheck:
     engine_version: int | None
     checksums_match: bool
     params_compared: int
+    #: which parameters differ (missing / extra / different names); empty when they match
+    mismatch: str = ""
 
     @property
     def ok(self) -> bool:
@@ -320,9 +323,11 @@ class RehearsalRuntime:
 
         for r in ranks:
             v, sums = self._loop.run(read(r))
-            compared = [n for n in expected if n in sums]
-            ok = bool(compared) and all(sums[n] == expected[n] for n in compared)
-            self.sync_checks.append(SyncCheck(self._step, r, kind, version, v, ok, len(compared)))
+            # Exact name sets, not the names both sides have: a parameter the engine lacks
+            # (or one it has extra) must fail the check, not drop out of it.
+            diff = compare_checksums(expected, sums)
+            self.sync_checks.append(SyncCheck(self._step, r, kind, version, v, diff.ok,
+                                              diff.compared, diff.describe()))
 
     # ------------------------------------------------------------------ observation records
     def _on_counters(self, counters: RouterCounters) -> None:

@@ -340,7 +340,7 @@ def evaluate(gate: int, steps: int, shared: PhaseResult,
             for mode, r in every]
     criteria.append(steps_completed(runs))
     checks = [WeightCheck(f"{p.mode}/{r.label}", c.step, c.dp_rank, c.kind, c.expected_version,
-                          c.engine_version, c.checksums_match)
+                          c.engine_version, c.checksums_match, c.mismatch)
               for p in phases for r in p.nemo for c in r.sync_checks]
     criteria.append(weights_current(checks))
     counts = [RequestCount(f"{p.mode}/{r.label}", a.submitted, a.completed, a.duplicates,

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from rlix_plugins.errors import RequestStateError
+
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,9 @@ class LoopThread:
         self.loop = asyncio.new_event_loop()
         self._close_lock = threading.Lock()
         self._closed = False
+        #: futures of coroutines handed to the loop and not done yet (close() cancels any the
+        #: stopped loop left behind, so nobody waits on them forever)
+        self._inflight: set[concurrent.futures.Future[Any]] = set()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
         self._thread.start()
 
@@ -37,10 +42,29 @@ class LoopThread:
     def closed(self) -> bool:
         return self._closed
 
-    def _check_open(self, coro: Coroutine[Any, Any, Any]) -> None:
-        if self._closed:
-            coro.close()  # never scheduled: close it so Python does not warn "never awaited"
-            raise RuntimeError(f"LoopThread {self._thread.name} is closed; create a new one")
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Hand ``coro`` to the loop, or refuse with :class:`RequestStateError` once closed.
+
+        Checked and submitted under the close lock, which :meth:`close` takes to mark the
+        loop closed: a coroutine either reaches the loop before close() cancels its tasks (and
+        is cancelled with them) or is refused here. It is never queued on a loop that already
+        stopped, where its future would never complete (and a run() waiting on it hang).
+        """
+        with self._close_lock:
+            if self._closed or not self._thread.is_alive():
+                coro.close()  # never scheduled: close it so Python does not warn "never awaited"
+                state = "is closed" if self._closed else "has stopped (its thread ended)"
+                raise RequestStateError(
+                    f"LoopThread {self._thread.name} {state}; create a new one"
+                )
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._inflight.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._close_lock:
+            self._inflight.discard(future)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds, or
@@ -50,6 +74,8 @@ class LoopThread:
         (at its next await): a caller told the call failed must not see it go ahead later.
 
         Raises:
+            RequestStateError: the loop is closed, or was closed while the call waited (the
+                coroutine was cancelled).
             RuntimeError: called on the loop's own thread (a sync callback running on the
                 loop): blocking there would stop the loop that has to run ``coro``, so the
                 call could only time out or hang; ``await`` the coroutine instead.
@@ -61,18 +87,24 @@ class LoopThread:
                 "deadlock (the loop cannot run the coroutine while run() blocks it); await "
                 "the coroutine instead"
             )
-        self._check_open(coro)
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = self._submit(coro)
         try:
             return future.result(timeout if timeout is not None else self.default_timeout)
+        except concurrent.futures.CancelledError:
+            if self._closed:
+                raise RequestStateError(
+                    f"LoopThread {self._thread.name} was closed while the call waited; the "
+                    "coroutine was cancelled"
+                ) from None
+            raise
         except BaseException:
             future.cancel()  # no-op when the coroutine itself raised (already done)
             raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop without waiting."""
-        self._check_open(coro)
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Schedule ``coro`` on the loop without waiting (:class:`RequestStateError` once
+        closed; close() cancels the future if the coroutine has not finished by then)."""
+        return self._submit(coro)
 
     def close(self) -> None:
         """Cancel every task still on the loop, stop it, join its thread and close the loop
@@ -93,6 +125,13 @@ class LoopThread:
                                exc_info=True)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=_CLOSE_WAIT_S)
+        # A task that ignored its cancellation (or a loop that stopped under it) leaves its
+        # future pending: cancel it so its run() raises instead of waiting forever. Before
+        # loop.close(): cancelling schedules a callback on the loop, which must not be closed.
+        with self._close_lock:
+            stranded = [f for f in self._inflight if not f.done()]
+        for future in stranded:
+            future.cancel()
         if self._thread.is_alive():
             # Closing a running loop raises; leave it to the daemon thread's end.
             logger.warning("loop thread %s did not stop within %.0fs; its loop stays open",

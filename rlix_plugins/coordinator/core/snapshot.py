@@ -199,17 +199,42 @@ def settle_inflight(
     ``possible_expands`` were sent (or about to be) without a known answer: their ranks are
     counted as active so their GPUs are never handed to someone else while the shard may run;
     if the shard did not actually wake, a later shrink of that rank is a no-op for it.
-    Unknown clusters (pipelines dropped meanwhile) are ignored.
+    Unknown clusters (pipelines dropped meanwhile) are ignored. A record that is not a
+    ``(cluster_id: str, dp_rank: int)`` pair raises :class:`CorruptStateError` naming it, with
+    the state unchanged.
     """
+    # Every record is checked before anything is applied: a bad one must not leave half a
+    # plan committed, nor surface as a bare TypeError/ValueError from the arithmetic below.
+    shrink_records = _inflight_records("confirmed_shrinks", confirmed_shrinks)
+    expand_records = _inflight_records("possible_expands", possible_expands)
     shrinks = tuple(
         RankMove(cid, r, state.clusters[cid].rank_gpus(r), ShrinkReason.PLANNED_RELEASE)
-        for cid, r in confirmed_shrinks
+        for cid, r in shrink_records
         if cid in state.clusters
     )
     expands = tuple(
         RankMove(cid, r, state.clusters[cid].rank_gpus(r))
-        for cid, r in possible_expands
+        for cid, r in expand_records
         if cid in state.clusters and 0 <= r < state.clusters[cid].dp_size
     )
     state.commit(Plan(state.revision, shrinks=shrinks, expands=expands), now=now)
     check_state(state)
+
+
+def _inflight_records(what: str, records: Iterable[object]) -> list[tuple[str, int]]:
+    """``records`` as ``(cluster_id, dp_rank)`` pairs (JSON gives lists), or
+    :class:`CorruptStateError` naming the first one that is not such a pair."""
+    out: list[tuple[str, int]] = []
+    for record in records:
+        pair: tuple[object, ...] = (
+            tuple(record) if isinstance(record, (tuple, list)) else (record,)
+        )
+        cid, rank = pair if len(pair) == 2 else (None, None)
+        # bool is an int subclass: True would be read as rank 1
+        if not isinstance(cid, str) or not isinstance(rank, int) or isinstance(rank, bool):
+            raise CorruptStateError(
+                f"in-flight record {record!r} in {what} is malformed; each record must be a "
+                "(cluster_id: str, dp_rank: int) pair"
+            )
+        out.append((cid, rank))
+    return out

@@ -40,6 +40,9 @@ class ClusterStatus:
     held_at: str | None
     #: a waiting ``request_gpus``: its priority name
     pending: str | None
+    #: active ranks whose background expand (wake + weight sync) has not finished: their GPUs
+    #: are owned but they do not serve yet (``SchedulerState.warming``)
+    warming_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,9 @@ class PipelineStatus:
     demand: int | None
     progress_streams: int
     clusters: tuple[ClusterStatus, ...]
+    #: failed and being killed: what it holds is frozen until it is unregistered
+    #: (``SchedulerState.fenced``)
+    fenced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,8 @@ class CoordinatorStatus:
     wait_queue: tuple[WaitingRequest, ...]
     planned_releases: tuple[str, ...]
     dead_pipelines: tuple[DeadPipeline, ...] = ()
+    #: pipelines fenced (failed, not yet unregistered), sorted
+    fenced_pipelines: tuple[str, ...] = ()
 
     @property
     def idle_gpus(self) -> tuple[int, ...]:
@@ -144,6 +152,9 @@ def build_status(
                     active_ranks=tuple(sorted(state.active_ranks.get(c.cluster_id, {}))),
                     held_at=held.name if held is not None else None,
                     pending=pending.priority.name if pending is not None else None,
+                    warming_ranks=tuple(
+                        sorted(r for cid, r in state.warming if cid == c.cluster_id)
+                    ),
                 )
             )
         pipelines.append(
@@ -154,6 +165,7 @@ def build_status(
                 demand=state.demand(pid),
                 progress_streams=len(state.progress.get(pid, {})),
                 clusters=tuple(clusters),
+                fenced=pid in state.fenced,
             )
         )
     queue = sorted(state.pending.values(), key=lambda r: (int(r.priority), r.seq))
@@ -176,6 +188,7 @@ def build_status(
         wait_queue=wait_queue,
         planned_releases=tuple(sorted(state.planned_releases)),
         dead_pipelines=tuple(dead),
+        fenced_pipelines=tuple(sorted(state.fenced)),
     )
 
 
@@ -193,9 +206,10 @@ def format_status(status: CoordinatorStatus, *, extra: Mapping[str, str] | None 
         lines.append("  (none registered)")
     for p in status.pipelines:
         demand = "unknown" if p.demand is None else str(p.demand)
+        fenced = "  FENCED" if p.fenced else ""
         lines.append(
-            f"  {p.pipeline_id}  ns={p.ray_namespace}  weight={p.weight:g}  demand={demand}  "
-            f"streams={p.progress_streams}"
+            f"  {p.pipeline_id}{fenced}  ns={p.ray_namespace}  weight={p.weight:g}  "
+            f"demand={demand}  streams={p.progress_streams}"
         )
         for c in p.clusters:
             state = []
@@ -203,6 +217,8 @@ def format_status(status: CoordinatorStatus, *, extra: Mapping[str, str] | None 
                 state.append(f"held@{c.held_at}")
             if c.active_ranks:
                 state.append(f"active ranks {list(c.active_ranks)}")
+            if c.warming_ranks:
+                state.append(f"warming ranks {list(c.warming_ranks)}")
             if c.pending:
                 state.append(f"waiting@{c.pending}")
             lines.append(
@@ -226,6 +242,11 @@ def format_status(status: CoordinatorStatus, *, extra: Mapping[str, str] | None 
         lines.append(f"  {w.cluster_id:<40} {w.priority:<15} waited {w.waited_s:.1f}s{step}{est}")
     if status.planned_releases:
         lines.append(f"  planned releases: {list(status.planned_releases)}")
+    if status.fenced_pipelines:
+        lines.append("")
+        lines.append("FENCED PIPELINES (failed; holdings frozen until unregistered)")
+        for pid in status.fenced_pipelines:
+            lines.append(f"  {pid}")
     if status.dead_pipelines:
         lines.append("")
         lines.append("DEAD PIPELINES")
