@@ -92,23 +92,14 @@ def test_a_grant_is_answered_only_once_it_is_saved(scheduler_service: ServiceBui
     async def go() -> None:
         service = scheduler_service(request_timeout_s=20.0)
         await register_pipeline(service, B, train=[0, 1])
-        store = service._store
-        save = store.save
-        failing = True
-
-        def flaky_save(record: object) -> None:
-            if failing:
-                raise OSError("disk full (test)")
-            save(record)  # type: ignore[arg-type]
-
-        store.save = flaky_save  # type: ignore[method-assign]
+        flag = _failing_saves(service)
         train = asyncio.create_task(
             service.request_gpus(cluster_id=f"{B}_actor_train", priority=Priority.ACTOR_TRAINING)
         )
         await asyncio.sleep(0.5)
         # Granted in memory, but a restart would not know it: the caller must not either.
         assert not train.done()
-        failing = False
+        flag["failing"] = False
         assert await asyncio.wait_for(train, 5) == [0, 1]
         await service.stop(clear_state=False)
 
@@ -200,6 +191,70 @@ def test_a_corrupt_saved_state_is_a_typed_error_naming_the_cure(
         with pytest.raises(CorruptStateError, match=needle) as err:
             scheduler_service()
         assert "rlix-plugins coordinator stop" in str(err.value)
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def _empty_snapshot() -> dict[str, object]:
+    from rlix_plugins.coordinator.core import SchedulerState, Topology
+    from rlix_plugins.coordinator.core.snapshot import snapshot
+
+    return snapshot(SchedulerState(Topology(1, 4)))  # the fixture's topology
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"inflight": [["c", 0]]}, "in-flight record is list, not an object"),
+        ({"inflight": {"expands": 3}}, "'expands' is int, not a list"),
+        ({"inflight": {"expands": [["ft_x_actor_infer", "0"]]}}, r"\['ft_x_actor_infer', '0'\]"),
+        ({"dead": [{"pipeline_id": "ft_a"}]}, "dead pipeline .* is malformed"),
+        ({"dead": {"ft_a": "gone"}}, "'dead' is dict, not a list"),
+        ({"seen": ["ft_a", 7]}, "'seen' holds non-string 7"),
+        ({"leased": "ft_a"}, "'leased' is str, not a list"),
+        ({"fencing": ["ft_a"]}, "'fencing' must map pipeline ids to reasons"),
+    ],
+)
+def test_a_damaged_service_field_is_a_typed_error_naming_it(
+    scheduler_service: ServiceBuilder, tmp_path: Path, fields: dict[str, object], needle: str
+) -> None:
+    """The record beside the core's snapshot is read strictly too: a damaged field used to
+    surface as a KeyError, TypeError or ValueError from deep in recovery."""
+    import json
+
+    from rlix_plugins.errors import CorruptStateError
+
+    (tmp_path / "scheduler_state.json").write_text(
+        json.dumps({"state": _empty_snapshot(), **fields})
+    )
+
+    async def go() -> None:
+        with pytest.raises(CorruptStateError, match=needle) as err:
+            scheduler_service()
+        assert "rlix-plugins coordinator stop" in str(err.value)
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_an_intact_saved_record_still_restores(
+    scheduler_service: ServiceBuilder, tmp_path: Path
+) -> None:
+    import json
+
+    (tmp_path / "scheduler_state.json").write_text(json.dumps({
+        "state": _empty_snapshot(),
+        "inflight": {"confirmed_shrinks": [], "expands": []},
+        "dead": [{"pipeline_id": "ft_gone", "reason": "actor died", "at": 12.5}],
+        "seen": [], "leased": [], "fencing": {},
+    }))
+
+    async def go() -> None:
+        service = scheduler_service()
+        status = await service.get_status()
+        assert [(d.pipeline_id, d.reason, d.at) for d in status.dead_pipelines] == [
+            ("ft_gone", "actor died", 12.5)
+        ]
+        await service.stop()
 
     asyncio.run(asyncio.wait_for(go(), 30))
 

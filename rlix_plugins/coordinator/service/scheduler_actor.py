@@ -60,6 +60,7 @@ from rlix_plugins.coordinator.service.liveness import (
 )
 from rlix_plugins.coordinator.service.persistence import FileStateStore, KvStateStore, StateStore
 from rlix_plugins.coordinator.service.resource_manager import topology_from_ray
+from rlix_plugins.coordinator.service.saved_record import InflightIntent, SavedRecord
 from rlix_plugins.coordinator.service.trace import Holder, OwnershipTrace
 from rlix_plugins.errors import (
     CoordinatorUnavailableError,
@@ -115,7 +116,7 @@ class SchedulerService:
         #: whether the last save succeeded (answers to releases and registrations wait for one)
         self._saved = True
         self._dead: OrderedDict[str, DeadPipeline] = OrderedDict()
-        self._inflight: dict[str, Any] | None = None
+        self._inflight: InflightIntent | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
         #: background expands: the last expand task of each cluster (they run in order)
         self._expand_tails: dict[str, asyncio.Task[None]] = {}
@@ -159,32 +160,27 @@ class SchedulerService:
             topo = self.cfg.topology or topology_from_ray()
             logger.info("scheduler %s: fresh state, topology %s", self.cfg.namespace, topo)
             return SchedulerState(topo)
-        if not isinstance(record.get("state"), dict):
-            raise CorruptStateError(
-                f"scheduler {self.cfg.namespace}: the saved record has no 'state' object; "
-                "start afresh with `rlix-plugins coordinator stop` (clears it)"
-            )
         try:
-            state = restore(record["state"], self.cfg.topology)
+            saved = SavedRecord.read(record)
+            state = restore(saved.state, self.cfg.topology)
+            if saved.inflight is not None:
+                settle_inflight(
+                    state,
+                    confirmed_shrinks=saved.inflight.confirmed_shrinks,
+                    possible_expands=saved.inflight.expands,
+                    now=now,
+                )
         except CorruptStateError as exc:
             raise CorruptStateError(
                 f"scheduler {self.cfg.namespace}: {exc}; start afresh with "
                 "`rlix-plugins coordinator stop` (clears the saved state)"
             ) from None
-        inflight = record.get("inflight")
-        if inflight:
-            settle_inflight(
-                state,
-                confirmed_shrinks=[(c, r) for c, r in inflight.get("confirmed_shrinks", [])],
-                possible_expands=[(c, r) for c, r in inflight.get("expands", [])],
-                now=now,
-            )
-        for d in record.get("dead", []):
-            self._dead[d["pipeline_id"]] = DeadPipeline(d["pipeline_id"], d["reason"], d["at"])
-        self._seen = set(record.get("seen", [])) & set(state.pipelines)
+        for d in saved.dead:
+            self._dead[d.pipeline_id] = d
+        self._seen = set(saved.seen) & set(state.pipelines)
         # A lease restarts at recovery: the pipeline had no scheduler to beat against meanwhile.
-        self._beats = {p: now for p in record.get("leased", []) if p in state.pipelines}
-        self._fencing = {p: r for p, r in record.get("fencing", {}).items() if p in state.pipelines}
+        self._beats = {p: now for p in saved.leased if p in state.pipelines}
+        self._fencing = {p: r for p, r in saved.fencing.items() if p in state.pipelines}
         for pid in self._fencing:
             state.fence(pid)
         logger.warning(
@@ -206,7 +202,7 @@ class SchedulerService:
         self._check_running()
         record = {
             "state": snapshot(self._state),
-            "inflight": self._inflight,
+            "inflight": self._inflight.to_json() if self._inflight is not None else None,
             "dead": [dataclasses.asdict(d) for d in self._dead.values()],
             "seen": sorted(self._seen),
             "leased": sorted(self._beats),
@@ -774,7 +770,7 @@ class SchedulerService:
             except InvariantViolation:
                 logger.exception("planner produced an invalid plan; not applied")
                 return False
-            self._inflight = {"confirmed_shrinks": [], "expands": []}
+            self._inflight = InflightIntent()
             if plan.shrinks:
                 self._persist()
         failed_shrinks = await self._resize_all(plan.shrinks_by_cluster(), remove=True)
@@ -805,14 +801,14 @@ class SchedulerService:
     ) -> None:
         """Save the shrinks that are done and the expands about to be sent (under ``_lock``):
         what a restart settles (:func:`settle_inflight`) if the cycle dies before its commit."""
-        self._inflight = {
-            "confirmed_shrinks": [
-                [m.cluster_id, m.dp_rank]
+        self._inflight = InflightIntent(
+            confirmed_shrinks=tuple(
+                (m.cluster_id, m.dp_rank)
                 for m in plan.shrinks
                 if m.cluster_id not in failed_shrinks
-            ],
-            "expands": [[m.cluster_id, m.dp_rank] for m in expands],
-        }
+            ),
+            expands=tuple((m.cluster_id, m.dp_rank) for m in expands),
+        )
         self._persist()
 
     async def _expand_then_commit(
