@@ -116,10 +116,13 @@ class PipelineCoordinator:
     ) -> None:
         self.pipeline_id = validate_pipeline_id(pipeline_id)
         # A factory is accepted so the controller is built inside the actor process (the
-        # router and its engine handles do not need to pickle).
+        # router and its engine handles do not need to pickle). A class is a factory too: it
+        # has ``shrink``/``expand`` attributes, so the Protocol check alone would take it for
+        # a controller.
         self.shards: ShardController = (
             shard_controller
             if isinstance(shard_controller, ShardController)
+            and not isinstance(shard_controller, type)
             else shard_controller(pipeline_id)
         )
         self.control_namespace = control_namespace

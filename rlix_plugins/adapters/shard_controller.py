@@ -14,6 +14,7 @@ is set; the validation gates judge those records. Nothing is probed when it is u
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,9 +113,19 @@ class LifecycleShardController:
         """De-duplicated ``dp_ranks`` and the current statuses; :class:`ShardStateError` naming
         the bad ranks and the valid range before anything is changed."""
         statuses = self._statuses()
-        ranks = list(dict.fromkeys(dp_ranks))
-        bad = [r for r in ranks
-               if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < len(statuses)]
+        # Checked before de-duplicating (an unhashable entry raised TypeError there); numpy
+        # ints are ranks too (they failed ``isinstance(r, int)`` and were "do not exist").
+        ranks: list[int] = []
+        bad: list[object] = []
+        for r in dp_ranks:
+            try:
+                rank = operator.index(r)
+            except TypeError:
+                rank = -1
+            if isinstance(r, bool) or not 0 <= rank < len(statuses):
+                bad.append(r)
+            elif rank not in ranks:
+                ranks.append(rank)
         if bad:
             raise ShardStateError(
                 f"{op}: dp rank(s) {bad} do not exist; valid ranks are 0..{len(statuses) - 1} "

@@ -24,7 +24,7 @@ GPU_CLUSTER_NAMES: Final = (ACTOR_TRAIN, ACTOR_INFER, CRITIC, REFERENCE)
 GENERATION_CLUSTER: Final = ACTOR_INFER
 
 PIPELINE_TYPES: Final = ("ft", "lora")
-_PIPELINE_ID_RE: Final = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_PIPELINE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 def new_pipeline_id(pipeline_type: str) -> str:
@@ -40,7 +40,8 @@ def validate_pipeline_id(pipeline_id: object) -> str:
     """Return ``pipeline_id`` if it is a usable id (non-empty, no ``:``), else raise."""
     if not isinstance(pipeline_id, str) or not pipeline_id:
         raise ProtocolError(f"pipeline_id must be a non-empty str, got {pipeline_id!r}")
-    if not _PIPELINE_ID_RE.match(pipeline_id):
+    # fullmatch: ``$`` in a plain match also accepts a trailing newline
+    if not _PIPELINE_ID_RE.fullmatch(pipeline_id):
         raise ProtocolError(
             f"pipeline_id {pipeline_id!r} has invalid characters; "
             "allowed: letters, digits, '_', '.', '-' (never ':')"

@@ -142,8 +142,11 @@ def coerce_progress_report(obj: object) -> ProgressReport:
     if isinstance(target, bool) or not isinstance(target, int) or target < 0:
         raise ProtocolError(f"step_target_trajectories must be an int >= 0, got {target!r}")
     fifo = field("fifo_timestamp", None)
-    if fifo is not None and not isinstance(fifo, (int, float)):
-        raise ProtocolError(f"fifo_timestamp must be a number or None, got {fifo!r}")
+    # bool is an int and NaN/inf are floats: neither is a time
+    if fifo is not None and (
+        isinstance(fifo, bool) or not isinstance(fifo, (int, float)) or not math.isfinite(fifo)
+    ):
+        raise ProtocolError(f"fifo_timestamp must be a finite number or None, got {fifo!r}")
     metrics = field("metrics", None)
     if metrics is not None and not isinstance(metrics, Mapping):
         raise ProtocolError(f"metrics must be a mapping or None, got {type(metrics).__name__}")

@@ -18,13 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from rlix_plugins.errors import ProtocolError
 from rlix_plugins.hooks.protocol import RLixHooks
-from rlix_plugins.protocol import OUTSTANDING_METRIC, ProgressReport, progress_bucket
+from rlix_plugins.protocol import (
+    OUTSTANDING_METRIC,
+    ProgressReport,
+    progress_bucket,
+    validate_pipeline_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +48,23 @@ class VersionRecord:
 
     trajectory_version: int
     target_version: int | None = None
+
+
+def _int_arg(name: str, value: object, *, minimum: int | None = None) -> int:
+    """``value`` as a plain int (numpy ints too), else :class:`ProtocolError` naming it.
+
+    The counts end up in a ProgressReport, whose wire check refuses anything but an int; that
+    refusal happens inside the sink, where it is only logged, so demand would be lost.
+    """
+    try:
+        out = operator.index(value)  # type: ignore[arg-type]  # not floats, strings, None
+    except TypeError:
+        out = None
+    if isinstance(value, bool) or out is None:
+        raise ProtocolError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if minimum is not None and out < minimum:
+        raise ProtocolError(f"{name} must be >= {minimum}, got {value}")
+    return out
 
 
 def is_valid(version: int, current_weight_version: int, max_age_steps: int) -> bool:
@@ -100,12 +124,13 @@ class ProgressTracker:
         max_age_steps: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.pipeline_id = pipeline_id
+        # Checked here: a bad id fails every report at the coordinator (only logged here).
+        self.pipeline_id = validate_pipeline_id(pipeline_id)
         self._sink = sink
         self._on_clear = on_clear
         self.mode = mode
         self.adapter_id = adapter_id
-        self.max_age_steps = max_age_steps
+        self.max_age_steps = _int_arg("max_age_steps", max_age_steps, minimum=0)
         self._clock = clock
         self._lock = threading.Lock()
         # held while a report is handed to the sink: one send at a time, in seq order
@@ -140,9 +165,15 @@ class ProgressTracker:
     def begin_batch(
         self, *, step: int, step_target: int, weight_version: int, already_collected: int = 0
     ) -> ProgressReport:
-        """Start counting for a new step; always reports (``new_batch``)."""
-        if step_target < 0:
-            raise ValueError(f"step_target must be >= 0, got {step_target}")
+        """Start counting for a new step; always reports (``new_batch``).
+
+        Raises:
+            ProtocolError: an argument is not an int (or ``step_target`` < 0); nothing changed.
+        """
+        step = _int_arg("step", step)
+        step_target = _int_arg("step_target", step_target, minimum=0)
+        weight_version = _int_arg("weight_version", weight_version)
+        already_collected = _int_arg("already_collected", already_collected)
         with self._lock:
             self._active = True
             self._step = step
@@ -160,8 +191,8 @@ class ProgressTracker:
     def record(self, n: int = 1, *, weight_version: int) -> ProgressReport | None:
         """Count ``n`` trajectories generated with ``weight_version`` (ignored if not valid
         for the current step); reports when the 2% bucket changes."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+        n = _int_arg("n", n, minimum=0)
+        weight_version = _int_arg("weight_version", weight_version)
         with self._lock:
             if not self._active or not is_valid(weight_version, self._version, self.max_age_steps):
                 return None
@@ -172,6 +203,7 @@ class ProgressTracker:
 
     def set_collected(self, collected: int) -> ProgressReport | None:
         """Set the count outright (e.g. from :func:`valid_count` over the replay buffer)."""
+        collected = _int_arg("collected", collected)
         with self._lock:
             if not self._active:
                 return None
