@@ -29,6 +29,7 @@ from rlix_plugins.protocol.names import (
     validate_pipeline_id,
 )
 from rlix_plugins.protocol.types import ActionResponse, ProgressReport, coerce_progress_report
+from rlix_plugins.values import is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +114,17 @@ class PipelineCoordinator:
         *,
         control_namespace: str = "rlix",
         scheduler: Any = None,
+        call_timeout_s: float = 60.0,
     ) -> None:
         self.pipeline_id = validate_pipeline_id(pipeline_id)
+        if not is_finite(call_timeout_s) or call_timeout_s <= 0:
+            raise ProtocolError(
+                f"call_timeout_s must be finite seconds > 0, got {call_timeout_s!r}"
+            )
+        #: bound on each progress call to the scheduler (it answers at once when healthy): a
+        #: hung scheduler must not block the rollout scheduler, which waits for the call,
+        #: with the progress lock held
+        self.call_timeout_s = float(call_timeout_s)
         # A factory is accepted so the controller is built inside the actor process (the
         # router and its engine handles do not need to pickle). A class is a factory too: it
         # has ``shrink``/``expand`` attributes, so the Protocol check alone would take it for
@@ -207,8 +217,15 @@ class PipelineCoordinator:
                     raise CoordinatorUnavailableError(
                         f"no {SCHEDULER_ACTOR} in namespace {self.control_namespace!r}"
                     ) from None
+            ref = getattr(self._scheduler, method).remote(*args, **kwargs)
             try:
-                return ray.get(getattr(self._scheduler, method).remote(*args, **kwargs))
+                return ray.get(ref, timeout=self.call_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                ray.cancel(ref)
+                raise CoordinatorUnavailableError(
+                    f"{method} to {SCHEDULER_ACTOR} (namespace {self.control_namespace!r}) "
+                    f"got no answer within {self.call_timeout_s:g}s"
+                ) from None
             except ray.exceptions.RayActorError:
                 # The scheduler was re-created (new actor id): look it up again once.
                 self._scheduler = None
