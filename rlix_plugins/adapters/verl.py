@@ -28,7 +28,7 @@ from typing import Any
 from rlix_plugins.adapters.observability import ObservationWriter
 from rlix_plugins.adapters.shard_controller import LifecycleShardController, SyncFn
 from rlix_plugins.adapters.verl_shards import LoadBalancerShardState, VerlReplicaEngine
-from rlix_plugins.errors import RlixPluginsError
+from rlix_plugins.errors import RegistrationError, RlixPluginsError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.hooks.protocol import RLixHooks
 from rlix_plugins.protocol.names import (
@@ -41,6 +41,7 @@ from rlix_plugins.protocol.names import (
 )
 from rlix_plugins.protocol.types import Priority
 from rlix_plugins.settings import Settings
+from rlix_plugins.values import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +69,18 @@ class VerlLayout:
         return self.hybrid_replicas + self.standalone_replicas
 
     def device_mappings(self) -> dict[str, list[int]]:
+        """Raises :class:`RegistrationError` for a layout the coordinator cannot be told."""
+        counts = {"train_gpus": self.train_gpus, "tp": self.tp, "first_gpu": self.first_gpu,
+                  "hybrid_replicas": self.hybrid_replicas,
+                  "standalone_replicas": self.standalone_replicas}
+        # A negative count would slice the GPU list from the end (a wrong, accepted mapping).
+        bad = {k: v for k, v in counts.items() if not is_int(v) or v < 0}
+        if bad:
+            raise RegistrationError(f"veRL layout {bad}: each must be an int >= 0")
         train = list(range(self.first_gpu, self.first_gpu + self.train_gpus))
         infer_gpus = self.hybrid_replicas * self.tp
         if infer_gpus > self.train_gpus:
-            raise ValueError(
+            raise RegistrationError(
                 f"{self.hybrid_replicas} hybrid replicas x tp {self.tp} exceed the "
                 f"{self.train_gpus} trainer GPUs they live on"
             )
@@ -231,7 +240,11 @@ class VerlPipelineAdapter:
         """Clear progress and stop the hooks (heartbeat); no-op before :meth:`register`."""
         if self._hooks is None:
             return
-        self._hooks.clear_progress()
         close = getattr(self._hooks, "close", None)
-        if callable(close):
-            close()
+        try:
+            self._hooks.clear_progress()
+        finally:
+            # Even when the coordinator cannot be reached: a heartbeat left running would keep
+            # the lease of a job that has ended alive.
+            if callable(close):
+                close()

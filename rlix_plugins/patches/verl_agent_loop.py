@@ -3,7 +3,8 @@
 veRL 0.9.1's v1 trainer generates through ``AgentLoopWorkerTQ`` actors (``agent_loop_tq.py``):
 each trajectory ends in ``AgentLoopWorkerTQ._agent_loop_postprocess``, which stores it in the
 TransferQueue replay buffer. :class:`RLixAgentLoopWorkerTQ` subclasses the undecorated worker
-and, once the store returned, counts the stored trajectories on the pipeline's load balancer
+and, once the store returned, counts the stored trajectory (one per session, however many
+outputs its agent loop returned) on the pipeline's load balancer
 (:meth:`~.verl_routing.RLixRequestLoadBalancer.rlix_trajectory_done`): the one actor all agent
 loop workers share. The trainer reads that count as its demand (collected trajectories), so
 progress moves per trajectory, not per finished GRPO group.
@@ -41,9 +42,11 @@ class RLixAgentLoopWorkerTQ(_AgentLoopWorkerTQ):  # type: ignore[misc,valid-type
         await super()._agent_loop_postprocess(output, validate, **kwargs)
         if validate:
             return
-        n = len(output) if isinstance(output, list) else 1
-        if n:
-            await report_trajectories(self.llm_client, n)
+        # One session is one trajectory, however many outputs (rows) its agent loop returned:
+        # the trainer consumes, and the step target counts, train_batch_size * rollout.n
+        # sessions. An empty list stored nothing.
+        if not isinstance(output, list) or output:
+            await report_trajectories(self.llm_client, 1)
 
 
 async def report_trajectories(llm_client: Any, n: int) -> None:

@@ -535,7 +535,9 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
             # Inside the try: an abort failing on one replica must not leave the others
             # paused (their gates would stay closed to every request routed there).
             if self._active is not None:
-                _run(_gather(r.abort_all_requests() for r in replicas))
+                # Every abort settles before any resume: one failing fast must not resume a
+                # replica whose abort is still running (its pause would land after the resume).
+                _run(_gather((r.abort_all_requests() for r in replicas), settle=True))
             report = self.rlix_sync(chosen, version)
         finally:
             if self._active is not None:
@@ -599,5 +601,12 @@ class RLixHybridCheckpointManager(RLixCheckpointEngineManager):
         return None if self._bound() else super().resume_generation_replicas()
 
 
-async def _gather(coros: Iterable[Any]) -> list[Any]:
-    return list(await asyncio.gather(*coros))
+async def _gather(coros: Iterable[Any], *, settle: bool = False) -> list[Any]:
+    """``asyncio.gather``; ``settle``: wait for every call, then raise the first error."""
+    if not settle:
+        return list(await asyncio.gather(*coros))
+    results = list(await asyncio.gather(*coros, return_exceptions=True))
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results

@@ -91,6 +91,7 @@ from rlix_plugins.generation.migration import (
 from rlix_plugins.generation.router import CountersCallback, RequestLedger, RouterCounters
 from rlix_plugins.generation.shard_state import ShardEvent, ShardSnapshot, ShardStatus
 from rlix_plugins.generation.state_store import ShardStateStore
+from rlix_plugins.values import is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -612,11 +613,16 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         on_counters: CountersCallback | None = None,
         **kwargs: Any,
     ) -> None:
+        # bool is an int, and a float or str count would compare (or fail) oddly later
+        if not is_int(max_attempts) or max_attempts < 1:
+            raise SettingsError(
+                f"max_attempts={max_attempts!r} is not valid; use an int >= 1"
+            )
+        if not is_number(wait_timeout_s) or not wait_timeout_s > 0:
+            raise SettingsError(
+                f"wait_timeout_s={wait_timeout_s!r} is not valid; use a number of seconds > 0"
+            )
         super().__init__(config=config, load_balancer_handle=load_balancer_handle, **kwargs)
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        if not wait_timeout_s > 0:
-            raise ValueError(f"wait_timeout_s must be > 0, got {wait_timeout_s}")
         self.max_attempts = max_attempts
         self.wait_timeout_s = wait_timeout_s
         self._on_counters = on_counters if on_counters is not None else router_counters_emitter()
