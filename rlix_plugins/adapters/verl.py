@@ -145,6 +145,10 @@ class VerlPipelineAdapter:
         self.step_target = step_target
         self._coordinator: Any = None
         self._generation_thread: threading.Thread | None = None
+        #: our own register_pipeline succeeded (close unregisters only then: the id of a
+        #: failed registration may be another job's)
+        self._registered = False
+        self._closed = False
 
     @property
     def hooks(self) -> RLixHooks:
@@ -173,14 +177,21 @@ class VerlPipelineAdapter:
                 cluster_device_mappings=self.layout.device_mappings(),
             )
         )
-        self._coordinator = start_pipeline_coordinator(
-            self.pipeline_id,
-            self.controller,
-            control_namespace=self.settings.namespace or CONTROL_PLANE_NAMESPACE,
-        )
-        ray.get(orch.admit_pipeline.remote(pipeline_id=self.pipeline_id))
-        if self._hooks is None:
-            self._hooks = self._hooks_factory()
+        self._registered = True
+        try:
+            self._coordinator = start_pipeline_coordinator(
+                self.pipeline_id,
+                self.controller,
+                control_namespace=self.settings.namespace or CONTROL_PLANE_NAMESPACE,
+            )
+            ray.get(orch.admit_pipeline.remote(pipeline_id=self.pipeline_id))
+            if self._hooks is None:
+                self._hooks = self._hooks_factory()
+        except BaseException:
+            # A half-registered pipeline would hold its GPUs for nobody: leave the coordinator
+            # (our registration, the coordinator actor) before the error reaches the trainer.
+            self.close(raise_errors=False)
+            raise
         logger.info("veRL pipeline %s registered: %s", self.pipeline_id, self.layout)
 
     # ---------------------------------------------------------------- per step
@@ -236,15 +247,50 @@ class VerlPipelineAdapter:
         """Weights are cached and training state offloaded: release the trainer GPUs."""
         self.hooks.after_training(step)
 
-    def close(self) -> None:
-        """Clear progress and stop the hooks (heartbeat); no-op before :meth:`register`."""
-        if self._hooks is None:
+    def close(self, *, raise_errors: bool = True) -> None:
+        """Leave the coordinator: clear progress, stop the heartbeat, unregister (every GPU the
+        pipeline held is freed and a pending generation request fails; only a registration
+        of our own), stop the coordinator actor and the controller's event-loop thread.
+
+        Idempotent. Each part is attempted even if an earlier one failed (a heartbeat left
+        running would keep the lease of a job that has ended alive); the first failure is
+        raised at the end unless ``raise_errors`` is False (it is logged either way).
+        """
+        if self._closed:
             return
-        close = getattr(self._hooks, "close", None)
-        try:
-            self._hooks.clear_progress()
-        finally:
-            # Even when the coordinator cannot be reached: a heartbeat left running would keep
-            # the lease of a job that has ended alive.
+        self._closed = True
+        import ray
+
+        errors: list[Exception] = []
+
+        def attempt(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception as exc:
+                logger.warning("veRL pipeline %s close: %s failed", self.pipeline_id, what,
+                               exc_info=True)
+                errors.append(exc)
+
+        def unregister() -> None:
+            orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
+            ray.get(orch.unregister_pipeline.remote(self.pipeline_id))
+
+        hooks = self._hooks
+        if hooks is not None:
+            attempt("clear progress", hooks.clear_progress)
+            close = getattr(hooks, "close", None)
             if callable(close):
-                close()
+                attempt("heartbeat stop", close)
+        if self._registered:
+            attempt("unregister", unregister)
+        if self._generation_thread is not None:
+            # Unregistering failed its pending generation request; the thread ends with it.
+            self._generation_thread.join(timeout=10)
+        coordinator = self._coordinator
+        if coordinator is not None:
+            attempt("coordinator actor", lambda: ray.kill(coordinator, no_restart=True))
+        if self.controller is not None:
+            attempt("shard controller", self.controller.close)
+        logger.info("veRL pipeline %s left the coordinator", self.pipeline_id)
+        if errors and raise_errors:
+            raise errors[0]
