@@ -62,6 +62,7 @@ from rlix_plugins.generation.engine import (
 from rlix_plugins.generation.migration import MigrationConfig
 from rlix_plugins.generation.router import RedispatchMode, RouterConfig, ShardRouter
 from rlix_plugins.generation.state_store import ShardStateView
+from rlix_plugins.settings import load_settings
 
 logger = logging.getLogger(__name__)
 
@@ -383,11 +384,17 @@ def default_router_config(
     it. With CONTINUE, migration is on (router defaults): it moves running requests to a
     newly activated shard the same way. RESTART turns migration off (a migrated request is
     always continued), so with RESTART every sample comes from one engine run.
+
+    A request waits for an active shard as long as the coordinator lets a generation request
+    wait for its GPUs (``RLIX_REQUEST_TIMEOUT_S``): when every shard overlaps the training
+    GPUs, none is active for a whole training step.
     """
     mode = redispatch_mode(env) if redispatch is None else RedispatchMode(redispatch)
+    wait = load_settings(env).request_timeout_s
     if mode is RedispatchMode.RESTART:
-        return RouterConfig(redispatch=mode, migration=MigrationConfig(enabled=False))
-    return RouterConfig(redispatch=mode, migration=MigrationConfig())
+        return RouterConfig(redispatch=mode, wait_timeout_s=wait,
+                            migration=MigrationConfig(enabled=False))
+    return RouterConfig(redispatch=mode, wait_timeout_s=wait, migration=MigrationConfig())
 
 
 class RLixVllmGeneration(VllmGeneration):  # type: ignore[misc]

@@ -91,6 +91,7 @@ from rlix_plugins.generation.migration import (
 from rlix_plugins.generation.router import CountersCallback, RequestLedger, RouterCounters
 from rlix_plugins.generation.shard_state import ShardEvent, ShardSnapshot, ShardStatus
 from rlix_plugins.generation.state_store import ShardStateStore
+from rlix_plugins.settings import load_settings
 from rlix_plugins.values import is_int, is_number
 
 logger = logging.getLogger(__name__)
@@ -594,7 +595,8 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
     ``extra_fields["rlix_migrations"]`` the migrations and ``extra_fields["rlix_migrated_at"]``
     the tokens carried over at each one. Extra keyword args: ``max_attempts`` (preempted
     dispatches per request, default 8; migrations not counted),
-    ``wait_timeout_s`` (bound on waiting for an active replica, default 600) and
+    ``wait_timeout_s`` (bound on waiting for an active replica; default
+    ``RLIX_REQUEST_TIMEOUT_S``, 1800 s unless set) and
     ``on_counters`` (receives the ledger's :class:`RouterCounters`; default: the
     ``RLIX_OBSERVE_DIR`` records of ``PIPELINE_ID``, none when that is unset).
 
@@ -609,7 +611,7 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         load_balancer_handle: Any = None,
         *,
         max_attempts: int = 8,
-        wait_timeout_s: float = 600.0,
+        wait_timeout_s: float | None = None,
         on_counters: CountersCallback | None = None,
         **kwargs: Any,
     ) -> None:
@@ -618,6 +620,11 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             raise SettingsError(
                 f"max_attempts={max_attempts!r} is not valid; use an int >= 1"
             )
+        if wait_timeout_s is None:
+            # As long as the coordinator lets a generation request wait for its GPUs: in
+            # colocate_async every replica sleeps through each training step, and a shorter
+            # bound failed every in-flight rollout of a long step.
+            wait_timeout_s = load_settings().request_timeout_s
         if not is_number(wait_timeout_s) or not wait_timeout_s > 0:
             raise SettingsError(
                 f"wait_timeout_s={wait_timeout_s!r} is not valid; use a number of seconds > 0"

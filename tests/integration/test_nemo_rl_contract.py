@@ -125,6 +125,9 @@ def test_nemo_rl_router_continues_by_default_restart_selectable(nemo_rl_src: Pat
     cfg = default_router_config(env={ENV_REDISPATCH: "restart"})
     assert cfg.redispatch is RedispatchMode.RESTART and cfg.migration.enabled is False
     assert default_router_config("restart", env={}).redispatch is RedispatchMode.RESTART
+    # A request waits for an active shard as long as a generation request waits for GPUs.
+    assert cfg.wait_timeout_s == default_router_config(env={}).wait_timeout_s == 1800.0
+    assert default_router_config(env={"RLIX_REQUEST_TIMEOUT_S": "42"}).wait_timeout_s == 42.0
     with pytest.raises(SettingsError, match=r"RLIX_NEMO_RL_REDISPATCH='resume'.*continue"):
         default_router_config(env={ENV_REDISPATCH: "resume"})
 

@@ -121,6 +121,25 @@ def test_client_bad_arguments_are_typed_errors(
         RLixLLMServerClient(config=cfg, load_balancer_handle=None, **kwargs)
 
 
+@pytest.mark.verl
+def test_client_waits_for_a_replica_as_long_as_a_generation_request_waits(
+    verl_env: VerlEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In colocate_async every replica sleeps through each training step: a fixed 600 s wait
+    failed every in-flight rollout of a longer step. The default is RLIX_REQUEST_TIMEOUT_S."""
+    from omegaconf import OmegaConf
+
+    from rlix_plugins.patches.verl_routing import RLixLLMServerClient
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}}})
+    monkeypatch.delenv("RLIX_REQUEST_TIMEOUT_S", raising=False)
+    assert RLixLLMServerClient(config=cfg, load_balancer_handle=None).wait_timeout_s == 1800.0
+    monkeypatch.setenv("RLIX_REQUEST_TIMEOUT_S", "3600")
+    assert RLixLLMServerClient(config=cfg, load_balancer_handle=None).wait_timeout_s == 3600.0
+    explicit = RLixLLMServerClient(config=cfg, load_balancer_handle=None, wait_timeout_s=5)
+    assert explicit.wait_timeout_s == 5
+
+
 # ---------------------------------------------------------------- agent loop: progress unit
 class FakeTwoOutputAgentLoop:
     """FAKE agent loop (veRL's need a tokenizer and an LLM server): one session returns two
