@@ -69,52 +69,76 @@ def test_bad_calls_get_typed_errors_and_leave_state_unchanged(coordinator: Any) 
         _register(coordinator, "ft_good00000001", {"actor_train": 1}, {"actor_train": [3]})
     with pytest.raises(RegistrationError, match="invalid characters"):
         _register(coordinator, "ft:bad", {"actor_train": 1}, {"actor_train": [3]})
+    # (typed error, the bad value its message must name, call): the type alone cannot tell
+    # the intended check from any other failure of the same class.
     calls = [
         (
             UnknownClusterError,
+            "cluster 'ft_nobody000001_actor_train' is not registered",
             sched.request_gpus.remote(cluster_id="ft_nobody000001_actor_train", priority=1),
         ),
-        (ProtocolError, sched.request_gpus.remote(cluster_id="ft_good00000001_policy", priority=1)),
         (
             ProtocolError,
+            "cluster_id 'ft_good00000001_policy' does not end in a known cluster name",
+            sched.request_gpus.remote(cluster_id="ft_good00000001_policy", priority=1),
+        ),
+        (
+            ProtocolError,
+            r"priority 9 .* is not valid",
             sched.request_gpus.remote(cluster_id="ft_good00000001_actor_train", priority=9),
         ),
         (
             RequestStateError,
+            "cluster 'ft_good00000001_actor_train' is not a generation cluster",
             sched.request_gpus.remote(cluster_id="ft_good00000001_actor_train", priority=6),
         ),
         (
             OwnershipError,
+            "pipeline 'ft_other0000001' may not act on cluster 'ft_good00000001_actor_train'",
             sched.notify_release_gpus.remote(
                 cluster_id="ft_good00000001_actor_train", pipeline_id="ft_other0000001"
             ),
         ),
         (
             UnknownClusterError,
+            "cluster 'ft_nobody000001_actor_infer' is not registered",
             sched.notify_release_gpus.remote(cluster_id="ft_nobody000001_actor_infer"),
         ),
         (
             UnknownClusterError,
+            "cluster 'ft_nobody000001_actor_infer' is not registered",
             sched.await_release_gpus.remote(cluster_id="ft_nobody000001_actor_infer"),
         ),
         (
             RequestStateError,
+            "generation clusters only, got 'ft_good00000001_actor_train'",
             sched.await_release_gpus.remote(cluster_id="ft_good00000001_actor_train"),
         ),
-        (ProtocolError, sched.report_progress.remote({"pipeline_id": "ft_good00000001"})),
+        (
+            ProtocolError,
+            "lacks field 'step_target_trajectories'",
+            sched.report_progress.remote({"pipeline_id": "ft_good00000001"}),
+        ),
         (
             UnknownPipelineError,
+            "pipeline 'ft_nobody000001' is not registered",
             sched.report_progress.remote(
                 {"pipeline_id": "ft_nobody000001", "step_target_trajectories": 4}
             ),
         ),
-        (UnknownPipelineError, sched.heartbeat.remote("ft_nobody000001")),
         (
             UnknownPipelineError,
+            "pipeline 'ft_nobody000001' is not registered",
+            sched.heartbeat.remote("ft_nobody000001"),
+        ),
+        (
+            UnknownPipelineError,
+            "pipeline 'ft_nobody000001' is not registered",
             coordinator.orchestrator.admit_pipeline.remote(pipeline_id="ft_nobody000001"),
         ),
         (
             OwnershipError,
+            "pipeline 'ft_other0000001' may not act on cluster 'ft_good00000001_actor_train'",
             sched.notify_release_then_request_gpus.remote(
                 release_cluster_id="ft_good00000001_actor_train",
                 release_global_step=0,
@@ -124,8 +148,8 @@ def test_bad_calls_get_typed_errors_and_leave_state_unchanged(coordinator: Any) 
             ),
         ),
     ]
-    for error, ref in calls:
-        with pytest.raises(error):
+    for error, match, ref in calls:
+        with pytest.raises(error, match=match):
             ray.get(ref)
     after = _status(coordinator)
     assert after == before

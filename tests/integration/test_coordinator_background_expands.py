@@ -188,7 +188,7 @@ def test_a_failed_wake_fences_its_pipeline_and_keeps_its_gpus_until_it_is_dead(
     ray.get(gate.open.remote())
     # The waiting generation request fails with the pipeline; GPU 0 (state unknown after the
     # failed wake) goes to the trainer only once the fenced pipeline is confirmed dead.
-    with pytest.raises(PipelineFailedError):
+    with pytest.raises(PipelineFailedError, match=f"pipeline '{slow}' failed: .*wake failure"):
         ray.get(gen, timeout=30)
     status = ray.get(plane.scheduler.get_status.remote())
     if slow not in {d.pipeline_id for d in status.dead_pipelines}:

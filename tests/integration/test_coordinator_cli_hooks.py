@@ -150,7 +150,7 @@ def test_hooks_block_release_report_and_keep_the_lease(
         hooks.close()  # type: ignore[union-attr]
     # Without heartbeats the lease lapses and the pipeline is declared dead.
     wait_until(lambda: _status(coordinator).pipeline(pid) is None, 10)
-    with pytest.raises(PipelineFailedError):
+    with pytest.raises(PipelineFailedError, match=f"pipeline '{pid}' was declared dead"):
         hooks.before_training(1)
 
 

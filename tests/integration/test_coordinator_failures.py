@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -42,14 +41,13 @@ def test_killed_pipeline_returns_its_gpus_and_the_other_finishes(coordinator: An
     b.wait_for_step(1, 60)
     a.start()
     wait_until(lambda: bool(_holds(coordinator, b.pipeline_id)), 30)
-    killed_at = time.monotonic()
     b.kill_actors()
     took = wait_until(lambda: _status(coordinator).pipeline(b.pipeline_id) is None, 10)
     print(f"GPUs of the killed pipeline back after {took:.2f}s")
-    assert took < 5.0, f"GPUs of the dead pipeline came back after {took:.1f}s"
     assert not _holds(coordinator, b.pipeline_id)
+    # Found dead by its probe (not by a lapsed lease): the reason tells which.
     dead = {d.pipeline_id: d.reason for d in _status(coordinator).dead_pipelines}
-    assert "died" in dead[b.pipeline_id]
+    assert "died" in dead[b.pipeline_id], dead[b.pipeline_id]
     rb = b.join(60)
     assert isinstance(rb.error, (PipelineFailedError, ray.exceptions.RayActorError)), rb.error
     ra = a.join(90)
@@ -57,7 +55,6 @@ def test_killed_pipeline_returns_its_gpus_and_the_other_finishes(coordinator: An
     assert ra.steps_done == 4
     violations, _, _ = ray.get(ledger.report.remote())
     assert violations == []
-    assert time.monotonic() - killed_at < 90
 
 
 def test_lease_expiry_unregisters_and_fails_waiters(coordinator: Any) -> None:
@@ -73,10 +70,9 @@ def test_lease_expiry_unregisters_and_fails_waiters(coordinator: Any) -> None:
     ]
     blocked = sched.request_gpus.remote(cluster_id=f"{leased}_critic", priority=2)
     # ROLL-style pipeline (never beats) is not subject to the lease.
-    start = time.monotonic()
+    # Failed by the lease (its message says so), well before the 15 s wait would give up.
     with pytest.raises(PipelineFailedError, match="lease expired"):
         ray.get(blocked, timeout=15)
-    assert time.monotonic() - start < 6
     # Fenced at once (its waiters fail), unregistered by the same liveness pass once its probe
     # answers: the probe awaits Ray, so a status read right after the waiter fails may land
     # in between (seen once in a clean CI run).
@@ -85,7 +81,7 @@ def test_lease_expiry_unregisters_and_fails_waiters(coordinator: Any) -> None:
     assert status.pipeline(leased) is None
     assert status.owners()[0] is None and status.owners()[1] is None
     assert status.pipeline(holder) is not None, "a pipeline that never beat keeps its GPUs"
-    with pytest.raises(PipelineFailedError):
+    with pytest.raises(PipelineFailedError, match=f"pipeline '{leased}' was declared dead"):
         ray.get(sched.heartbeat.remote(leased))
 
 
@@ -150,3 +146,46 @@ def test_scheduler_crash_recovers_state_and_drops_pipelines_that_died_meanwhile(
     violations, _, _ = ray.get(ledger.report.remote())
     assert violations == []
     assert _status(coordinator).idle_gpus == tuple(range(8))
+
+
+@ray.remote(num_cpus=0)
+class _HungScheduler:
+    """FAKE scheduler whose progress calls never answer (a hung coordinator process): the
+    real one answers them at once, so it cannot be made to hang on demand."""
+
+    def report_progress(self, report: Any) -> None:
+        import time
+
+        time.sleep(3600)
+
+    def clear_progress(self, *, pipeline_id: str) -> None:
+        import time
+
+        time.sleep(3600)
+
+
+def test_a_hung_scheduler_cannot_block_progress_forwarding(ray_session: Any) -> None:
+    """The pipeline coordinator forwards a rollout scheduler's progress while holding its
+    progress lock; without a bound, a scheduler that never answers blocked that call (and
+    every later one) for good."""
+    from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
+    from rlix_plugins.errors import CoordinatorUnavailableError
+    from rlix_plugins.protocol.names import SCHEDULER_ACTOR
+    from rlix_plugins.protocol.types import ProgressReport
+
+    namespace = "rlix_hung_scheduler_test"
+    hung = _HungScheduler.options(  # type: ignore[attr-defined]
+        name=SCHEDULER_ACTOR, namespace=namespace
+    ).remote()
+    try:
+        coord = PipelineCoordinator(
+            "ft_hung", lambda pid: None, control_namespace=namespace, call_timeout_s=0.5
+        )
+        report = ProgressReport("ft_hung", 8, None, {"completed": 1, "mode": "train"})
+        with pytest.raises(CoordinatorUnavailableError, match=r"no answer within 0\.5s"):
+            coord.report_progress_from_scheduler(report)
+        # The lock was released: the next call is refused the same way, not blocked.
+        with pytest.raises(CoordinatorUnavailableError):
+            coord.clear_progress_stream(mode="train")
+    finally:
+        ray.kill(hung)

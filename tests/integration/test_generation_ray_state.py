@@ -60,11 +60,12 @@ def test_every_copy_sees_the_owner_state(ray_session: Any) -> None:
         await driver_copy.apply([0], ShardEvent.WAKE)
         return await driver_copy.apply([1, 2], ShardEvent.PREEMPT)
 
-    with pytest.raises(LastActiveShardError):  # typed across the actor boundary
+    # typed across the actor boundary, naming the refused ranks
+    with pytest.raises(LastActiveShardError, match=r"preempting \[1, 2\] would leave no active"):
         asyncio.run(drive())
     final = asyncio.run(owner.apply([1], ShardEvent.PREEMPT))
     assert final.version == 4 and final.active == (2,)
-    with pytest.raises(ShardStateError):
+    with pytest.raises(ShardStateError, match=r"cannot wake shard\(s\) \[1\]: .* sleeping"):
         asyncio.run(owner.apply([1], ShardEvent.WAKE))  # preempted, not sleeping
     assert asyncio.run(owner.refresh()) == final
 

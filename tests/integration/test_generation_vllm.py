@@ -230,13 +230,14 @@ def test_refuse_policy_keeps_last_active_shard(vllm_pair_clean: VllmPair) -> Non
         rig = Rig(pair, last_active=LastActivePolicy.REFUSE)
         await rig.life.preempt([0])
         before = rig.view.snapshot()
-        with pytest.raises(LastActiveShardError):
+        with pytest.raises(LastActiveShardError, match=r"preempting \[1\] would leave no active"):
             await rig.life.preempt([1])
         assert rig.view.snapshot() == before
         assert rig.shards[1].accepting and not await pair.engines[1].is_sleeping()
         (res,) = await run_load(rig.router, requests(make_prompts(1, seed=4), 8, "refuse"), 1)
         assert res.dp_rank == 1
-        with pytest.raises(ShardStateError):  # bad transition: sleeping shard cannot activate
+        # bad transition: a sleeping shard cannot activate
+        with pytest.raises(ShardStateError, match=r"cannot activate shard\(s\) \[0\]"):
             await rig.life.activate([0])
         assert rig.view.snapshot() == before
 

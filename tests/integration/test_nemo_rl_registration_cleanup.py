@@ -62,7 +62,8 @@ def test_a_registration_refused_by_the_placement_check_stops_its_heartbeat(
     # Training placed on GPU 1 while the layout (and so the coordinator) would say GPU 0.
     gen = _generation(2, one_node_plan((0, 1), (1,)))
     before = _heartbeats()
-    with pytest.raises(PlacementError):
+    with pytest.raises(PlacementError, match=r"actor_train: coordinator told \[0\], workers "
+                       r"placed on \[1\]"):
         nemo_rl.attach_generation(gen)
     wait_until(lambda: _heartbeats() <= before, 5)  # the pipeline that never registered stops
     assert _status(rlix_env).pipelines == ()

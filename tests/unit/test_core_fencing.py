@@ -52,7 +52,7 @@ def test_fence_of_an_unknown_pipeline_is_refused_and_changes_nothing() -> None:
     state = new_state(1, 4)
     register(state, "ft_a", infer=[0, 1])
     revision = state.revision
-    with pytest.raises(UnknownPipelineError):
+    with pytest.raises(UnknownPipelineError, match="pipeline 'ft_nobody' is not registered"):
         state.fence("ft_nobody")
     assert state.revision == revision and state.fenced == set()
 

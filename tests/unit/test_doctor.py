@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -107,10 +108,18 @@ def test_exit_code_is_nonzero_on_drift_for_any_registered_patch(
     assert _run(monkeypatch, unavailable, strict=True) == 1
 
 
-def test_a_patch_module_that_fails_to_load_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_patch_module_that_fails_to_load_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(activation, "PATCHES", {"broken": "no_such_patch_module_q:factory"})
     args = argparse.Namespace(host=None, nemo_rl_src=None, json=True, strict=False)
     assert doctor_cli.run(args) == 1
+    report = json.loads(capsys.readouterr().out)
+    # an error naming the patch and its module, not drift
+    assert report["drift"] == 0
+    [error] = report["errors"]
+    assert error.startswith("broken: patch module failed to load")
+    assert "no_such_patch_module_q" in error
 
 
 def test_every_registered_patch_is_iterated(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,9 +35,14 @@ def test_busy_records_round_trip_and_refuse_bad_values(tmp_path: Path) -> None:
     recs = [busy(A, "generation", (0,), 1.0, 2.0), busy(A, "train", (0, 1), 2.5, 4.0)]
     write_all(tmp_path, recs)
     assert read_observations(tmp_path).busy == tuple(recs)
-    for bad in (dict(stage="sync"), dict(gpus=()), dict(gpus=(-1,)), dict(end=0.5)):
+    for bad, message in (
+        (dict(stage="sync"), "stage 'sync' is not one of"),
+        (dict(gpus=()), r"gpus must be a non-empty list of GPU ids, got \(\)"),
+        (dict(gpus=(-1,)), r"gpus must be a non-empty list of GPU ids, got \(-1,\)"),
+        (dict(end=0.5), r"ends at 0\.5 before it starts \(1\.0\)"),
+    ):
         kw: dict[str, Any] = dict(pipeline_id=A, stage="train", gpus=(0,), start=1.0, end=2.0)
-        with pytest.raises(ObservationError):
+        with pytest.raises(ObservationError, match=message):
             BusyObserved(**(kw | bad))
 
 

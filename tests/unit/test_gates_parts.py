@@ -33,11 +33,13 @@ def test_busy_engine_closes_interval_when_the_request_fails() -> None:
             raise RuntimeError("boom")
 
     log: list[BusyObserved] = []
-    eng = BusyRecordingEngine(FailingStandIn(), pipeline_id="ft_x", shard=0, gpus=(0,),
+    eng = BusyRecordingEngine(FailingStandIn(), pipeline_id="ft_x", shard=1, gpus=(2, 3),
                               record=log.append)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="boom"):  # the engine's own error, unchanged
         asyncio.run(eng.generate(GenerationRequest("r", (5,), 1)))
-    assert len(log) == 1
+    (rec,) = log
+    assert (rec.pipeline_id, rec.stage, rec.gpus, rec.shard) == ("ft_x", "generation", (2, 3), 1)
+    assert rec.end >= rec.start
 
 
 def test_simulated_roll_shards_idempotent_and_logged() -> None:

@@ -89,10 +89,14 @@ def test_bad_inputs_raise_typed_errors() -> None:
         plan_migration([-1, 0], [0, 1], [1], [])
 
 
-@pytest.mark.parametrize("kwargs", [{"min_gap": 1}, {"min_remaining_tokens": -1},
-                                    {"max_per_request": 0}, {"watch_interval_s": 0}])
-def test_migration_config_rejects_bad_values(kwargs: dict[str, int]) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"min_gap": 1}, r"min_gap must be >= 2 .*got 1"),
+    ({"min_remaining_tokens": -1}, "min_remaining_tokens must be >= 0, got -1"),
+    ({"max_per_request": 0}, "max_per_request must be >= 1, got 0"),
+    ({"watch_interval_s": 0}, "watch_interval_s must be > 0, got 0"),
+])
+def test_migration_config_rejects_bad_values(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         MigrationConfig(**kwargs)  # type: ignore[arg-type]
 
 

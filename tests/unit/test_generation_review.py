@@ -41,12 +41,12 @@ def test_loop_thread_run_on_its_own_thread_raises_instead_of_deadlocking() -> No
         lt.close()
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"num_shards": 0},
-    {"num_shards": 2, "initial": ShardStatus.WOKEN},
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_shards": 0}, "num_shards must be >= 1, got 0"),
+    ({"num_shards": 2, "initial": ShardStatus.WOKEN}, "initial status 'woken' is not valid"),
 ])
 def test_ray_state_create_rejects_bad_arguments_before_starting_an_actor(
-    monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any]
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any], message: str
 ) -> None:
     # Before the fix the actor was started and its __init__ raised: the caller got Ray's
     # ActorDiedError (not a ShardStateError) after a worker process was spent on it.
@@ -54,7 +54,7 @@ def test_ray_state_create_rejects_bad_arguments_before_starting_an_actor(
         raise AssertionError("an actor was started for invalid arguments")
 
     monkeypatch.setattr(ray_state_module, "_actor_class", no_actor)
-    with pytest.raises(ShardStateError):
+    with pytest.raises(ShardStateError, match=message):
         RayShardState.create(**kwargs)
 
 

@@ -114,17 +114,24 @@ def test_engine_count_must_match_shards() -> None:
         ShardRouter(_ray_view(), [FakePicklableEngine("a")])
 
 
-@pytest.mark.parametrize("kwargs", [{"max_attempts": 0}, {"wait_timeout_s": 0},
-                                    {"policy": "random"}, {"redispatch": "maybe"}])
-def test_router_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_attempts": 0}, "max_attempts must be >= 1, got 0"),
+    ({"wait_timeout_s": 0}, "wait_timeout_s must be > 0, got 0"),
+    ({"policy": "random"}, "'random' is not a valid RoutingPolicy"),
+    ({"redispatch": "maybe"}, "'maybe' is not a valid RedispatchMode"),
+])
+def test_router_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         RouterConfig(**kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kwargs", [{"sleep_level": 3}, {"drain_timeout_s": 0},
-                                    {"drain_poll_s": -1}])
-def test_preemption_config_rejects_bad_values(kwargs: dict[str, object]) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"sleep_level": 3}, "sleep_level must be None, 0, 1 or 2, got 3"),
+    ({"drain_timeout_s": 0}, "drain_timeout_s must be > 0, got 0"),
+    ({"drain_poll_s": -1}, "drain_poll_s must be > 0, got -1"),
+])
+def test_preemption_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         PreemptionConfig(**kwargs)  # type: ignore[arg-type]
 
 

@@ -65,18 +65,23 @@ def test_woken_shard_may_be_preempted_again() -> None:
     assert apply_event(snap, [0], ShardEvent.PREEMPT).statuses == (P, A)
 
 
-@pytest.mark.parametrize("ranks", [[2], [-1], [], [True]])
-def test_unknown_or_empty_ranks_are_rejected(ranks: list[int]) -> None:
+@pytest.mark.parametrize(("ranks", "message"), [
+    ([2], r"dp rank 2 does not exist; valid ranks are 0\.\.1"),
+    ([-1], r"dp rank -1 does not exist; valid ranks are 0\.\.1"),
+    ([], "no dp ranks given"),
+    ([True], "dp rank must be an int, got True"),
+])
+def test_unknown_or_empty_ranks_are_rejected(ranks: list[int], message: str) -> None:
     snap = ShardSnapshot.initial(2)
-    with pytest.raises(ShardStateError):
+    with pytest.raises(ShardStateError, match=message):
         apply_event(snap, ranks, ShardEvent.PREEMPT)
 
 
 def test_initial_state_must_be_active_or_sleeping() -> None:
     assert ShardSnapshot.initial(2, S).active == ()
-    with pytest.raises(ShardStateError):
+    with pytest.raises(ShardStateError, match="initial status 'woken' is not valid"):
         ShardSnapshot.initial(2, W)
-    with pytest.raises(ShardStateError):
+    with pytest.raises(ShardStateError, match="num_shards must be >= 1, got 0"):
         ShardSnapshot.initial(0)
 
 
@@ -87,7 +92,7 @@ def test_last_active_policy_refuse_vs_allow() -> None:
     with pytest.raises(LastActiveShardError, match="last-active policy is 'refuse'"):
         refuse.apply([1], ShardEvent.PREEMPT)
     assert refuse.snapshot() is before
-    with pytest.raises(LastActiveShardError):
+    with pytest.raises(LastActiveShardError, match=r"preempting \[0, 1\] would leave no active"):
         ShardStateStore(2, last_active=LastActivePolicy.REFUSE).apply([0, 1], ShardEvent.PREEMPT)
 
     allow = ShardStateStore(2)

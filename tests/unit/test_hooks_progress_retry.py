@@ -31,7 +31,7 @@ def test_a_failed_report_is_retried_by_the_identical_next_one() -> None:
     def report() -> None:
         hooks.report_progress(step_target_trajectories=64, collected=64, current_train_step=3)
 
-    with pytest.raises(CoordinatorUnavailableError):
+    with pytest.raises(CoordinatorUnavailableError, match="scheduler unreachable"):
         report()
     report()  # the retry reaches the coordinator
     assert [r.completed for r in delivered] == [64]

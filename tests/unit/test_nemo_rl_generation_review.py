@@ -172,7 +172,7 @@ def test_register_failure_leaves_module_state_unchanged(
         raise HostDriftError("FAKE drift: AsyncLLM moved")
 
     monkeypatch.setattr(vllm_patch.VllmPatch, "apply", drift)
-    with pytest.raises(HostDriftError):
+    with pytest.raises(HostDriftError, match="FAKE drift: AsyncLLM moved"):
         vllm_patch.register()
     assert not vllm_patch.registered()
     assert vllm_patch._sleep_level == before

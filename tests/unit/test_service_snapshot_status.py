@@ -163,6 +163,6 @@ def test_bad_request_fields_are_refused_and_leave_state_unchanged() -> None:
         state.submit_request("ft_a_actor_infer", GEN, now=3, lora_name=object())  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match="pipeline_id must be a non-empty str"):
         state.pipeline(["ft_a"])  # type: ignore[arg-type]
-    with pytest.raises(UnknownPipelineError):
+    with pytest.raises(UnknownPipelineError, match="pipeline 'ft_zz' is not registered"):
         state.pipeline("ft_zz")
     assert observable(state) == before

@@ -155,6 +155,9 @@ def test_rlix_policy_preempts_eagerly_ours_does_not() -> None:
     plan: Plan = RlixPlanner().plan(state, 1)
     assert plan.grants == ()  # GPU 1 is held by ft_a's training ...
     assert {m.cluster_id for m in plan.shrinks} == {"ft_b_actor_infer"}  # ... yet it preempts
+    # Ours, on the same state: the request is blocked, so nothing is preempted for it.
+    ours: Plan = DemandSharePlanner().plan(state, 1)
+    assert ours.grants == () and ours.shrinks == ()
     assert round_half_up(2.5) == 3 and round_half_up(1.5) == 2
 
 
