@@ -73,7 +73,14 @@ class Harness:
         gen.current_generate_dp_shard_idx, gen.fleet_monitor, gen.fleet_selector = 0, None, None
         gen.weight_synchronizer = None
         self.samples: list[tuple[Any, tuple[Any, ...]]] = []
-        gen.rlix_sample_observer = lambda result, segs: self.samples.append((result, segs))
+        #: the asyncio task that generated each sample (samples arrive in completion order)
+        self.sample_tasks: list[asyncio.Task[Any] | None] = []
+
+        def observe(result: Any, segs: tuple[Any, ...]) -> None:
+            self.samples.append((result, segs))
+            self.sample_tasks.append(asyncio.current_task())
+
+        gen.rlix_sample_observer = observe
         self.state = LocalShardState(ShardStateStore(2))
         self.shards = [NemoRlShard(r, InProcessWorkerCaller(w))
                        for r, w in enumerate(self.workers)]
@@ -170,16 +177,17 @@ def test_preempted_requests_continue_token_exact(continued: Harness) -> None:
                             timeout=240)
     ref_batches = _uninterrupted(h, prompts)
     h.samples.clear()
+    h.sample_tasks.clear()
     before = h.router.counters()
 
-    async def run() -> tuple[list[Any], Any]:
+    async def run() -> tuple[list[Any], Any, list[Any]]:
         tasks = [asyncio.create_task(h.generate(p)) for p in prompts]
         await asyncio.sleep(0.2)
         await h.wait_tokens(1, 8)  # every request on shard 1 is mid-generation
         record = await h.lifecycle.preempt([1])
-        return list(await asyncio.gather(*tasks)), record
+        return list(await asyncio.gather(*tasks)), record, tasks
 
-    batches, record = h.pair.run(run(), timeout=300)
+    batches, record, tasks = h.pair.run(run(), timeout=300)
     aborted = record.shards[0].aborted_requests
     assert aborted >= 1
     for p, batch, expected, ref in zip(prompts, batches, ref_tokens, ref_batches, strict=True):
@@ -199,9 +207,14 @@ def test_preempted_requests_continue_token_exact(continued: Harness) -> None:
         assert [s.dp_rank for s in rest] == [0] and not rest[-1].aborted
         assert sum(s.num_tokens for s in segs) == MAX_NEW
     # A stitched sample reports the last run's shard leader, as NeMo RL's own results do.
-    for batch, (_, segs) in zip(batches, h.samples, strict=False):
+    # Samples are observed in completion order, batches come back in prompt order: pair them
+    # by the task that generated both.
+    sample_of = dict(zip(h.sample_tasks, h.samples, strict=True))
+    assert set(sample_of) == set(tasks)
+    for task, batch in zip(tasks, batches, strict=True):
+        result, segs = sample_of[task]
         if len(segs) > 1:
-            assert batch["gen_leader_worker_idx"] == [segs[-1].dp_rank]
+            assert batch["gen_leader_worker_idx"] == [segs[-1].dp_rank], (result, segs)
 
 
 @pytest.mark.vllm
