@@ -24,6 +24,7 @@ import ray
 
 from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
 from rlix_plugins.errors import PipelineFailedError
+from rlix_plugins.gates.timeline import intervals_from_trace, pipeline_of
 from rlix_plugins.protocol.names import cluster_id
 from rlix_plugins.protocol.types import Priority
 from tests.support.roll_pipeline import GpuLedger, register_pipeline
@@ -190,12 +191,17 @@ def test_a_failed_wake_fences_its_pipeline_and_keeps_its_gpus_until_it_is_dead(
     # failed wake) goes to the trainer only once the fenced pipeline is confirmed dead.
     with pytest.raises(PipelineFailedError, match=f"pipeline '{slow}' failed: .*wake failure"):
         ray.get(gen, timeout=30)
-    status = ray.get(plane.scheduler.get_status.remote())
-    if slow not in {d.pipeline_id for d in status.dead_pipelines}:
-        assert status.owners()[0] == slow, "a fenced pipeline's GPU was handed on before death"
     assert ray.get(train, timeout=30) == [0]
-    dead = ray.get(plane.scheduler.get_status.remote()).dead_pipelines
-    assert slow in {d.pipeline_id for d in dead}
+    dead = {d.pipeline_id: d.at for d in ray.get(plane.scheduler.get_status.remote())
+            .dead_pipelines}
+    assert slow in dead
+    # The ownership timeline: the fenced pipeline held GPU 0 until it was declared dead
+    # (checked on the record, not on a status read that may land before or after the death).
+    intervals, _ = intervals_from_trace(ray.get(plane.scheduler.get_trace.remote()))
+    held = [iv for iv in intervals if iv.gpu == 0 and pipeline_of(iv.owner) == slow]
+    assert held, intervals
+    assert max(iv.end for iv in held) >= dead[slow], (
+        "a fenced pipeline's GPU was handed on before death", held, dead[slow])
     del actor
 
 
