@@ -185,6 +185,14 @@ class LifecycleShardController:
         # Woken from level-2 sleep a shard has no valid weights: routed only after this.
         self._sync(inactive, version)
         self._loop_thread().run(self._lifecycle.activate(inactive))
+        # A version cached while these ranks synced was refreshed by the host into the shards
+        # active at that moment, not into these: bring them up to it the same way (in place,
+        # as an active refresh does), or they would serve the older version to the next step.
+        newest = self._version()
+        while newest is not None and newest > version:
+            version = newest
+            self._sync(inactive, version)
+            newest = self._version()
         self.observe("expand", inactive, version)
 
     def refresh(self, dp_ranks: Sequence[int], version: int, *, step: int | None = None) -> None:

@@ -132,6 +132,24 @@ def test_expand_with_a_version_wakes_syncs_and_activates(rig: Rig) -> None:
     assert rig.statuses() == (A, A)
 
 
+def test_a_version_cached_while_an_expand_syncs_reaches_the_expanded_shard(rig: Rig) -> None:
+    """The host caches v4 while the expand syncs v3, and refreshes v4 into the shards active
+    then: shard 1 is not active yet, so without a second look it would serve v3 to the next
+    step (its own refresh)."""
+    rig.weights.version = 3
+    sync = rig.weights.sync
+
+    def sync_then_cache_newer(dp_ranks: Sequence[int], version: int) -> None:
+        sync(dp_ranks, version)
+        if version == 3:
+            rig.weights.version = 4  # the trainer's next version, cached meanwhile
+
+    rig.controller._sync = sync_then_cache_newer  # the host's sync callback, wrapped
+    rig.controller.expand([1])
+    assert rig.weights.synced == [([1], 3), ([1], 4)]
+    assert rig.statuses() == (A, A)
+
+
 def test_expand_of_a_half_taken_down_shard_finishes_the_take_down_then_routes_it(
     rig: Rig,
 ) -> None:
