@@ -527,8 +527,9 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
         else:
             active = set(self._active())
             chosen = [i for i, r in enumerate(self._ranks) if r in active]
-        self.refreshed.append((version, tuple(self._ranks[i] for i in chosen)))
+        ranks = tuple(self._ranks[i] for i in chosen)
         if not chosen:
+            self.refreshed.append((version, ranks))
             return metrics
         replicas = [self.replicas[i] for i in chosen]
         try:
@@ -542,9 +543,11 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
         finally:
             if self._active is not None:
                 _run(_gather(r.resume_generation() for r in replicas))
+        # Recorded once the sync succeeded: the list names refreshes that happened.
+        self.refreshed.append((version, ranks))
         metrics["rlix/sync_seconds"] = report.get("seconds")
         if self._observe is not None:
-            self._observe([self._ranks[i] for i in chosen], version)
+            self._observe(list(ranks), version)
         return metrics
 
 

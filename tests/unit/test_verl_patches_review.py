@@ -95,6 +95,7 @@ def test_refresh_resumes_only_after_every_abort_finished(verl_env: VerlEnv) -> N
         mgr._refresh(5, {})
     assert not slow.resumed_while_aborting
     assert not slow.paused and not bad.paused
+    assert mgr.refreshed == [], "a refresh that failed was recorded as done"
 
 
 # ---------------------------------------------------------------- routing: client arguments
