@@ -63,6 +63,7 @@ from rlix_plugins.errors import (
     OversizeTensorError,
     UnknownWeightVersionError,
     WeightCacheError,
+    WeightSyncError,
 )
 from rlix_plugins.training.checksum import (
     ChecksumKind,
@@ -152,10 +153,27 @@ class TensorEntry:
 
     @staticmethod
     def from_wire(raw: list[object]) -> TensorEntry:
-        name, dtype, shape, offset, nbytes = raw
-        assert isinstance(name, str) and isinstance(dtype, str) and isinstance(shape, list)
-        assert isinstance(offset, int) and isinstance(nbytes, int)
-        return TensorEntry(name, dtype, tuple(int(s) for s in shape), offset, nbytes)
+        """Parse a bucket header's entry; raises :class:`WeightSyncError` naming it when it is
+        not ``[name, dtype, shape, offset, nbytes]`` (a receiver's input: asserts would vanish
+        under ``python -O`` and an AssertionError names nothing)."""
+        try:
+            name, dtype, shape, offset, nbytes = raw
+        except (TypeError, ValueError):
+            shape = None
+        ints = [*shape, offset, nbytes] if isinstance(shape, list) else []
+        if not (
+            isinstance(shape, list)
+            and isinstance(name, str)
+            and isinstance(dtype, str)
+            and isinstance(offset, int)
+            and isinstance(nbytes, int)
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ints)
+        ):
+            raise WeightSyncError(
+                f"malformed tensor entry {raw!r} in a bucket header; expected [name (str), "
+                "dtype (str), shape (list of ints >= 0), offset (int >= 0), nbytes (int >= 0)]"
+            )
+        return TensorEntry(name, dtype, tuple(shape), offset, nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,7 +576,8 @@ class BucketCache:
         stage: torch.Tensor | None = None
         decided = False
         try:
-            for name, tensor in iterator:
+            for item in iterator:
+                name, tensor = self._check_item(item, version)
                 if name in seen:
                     raise WeightCacheError(
                         f"tensor {name!r} appears twice in weight version {version}"
@@ -620,6 +639,29 @@ class BucketCache:
             file_token=self._file_token,
             recycles_files=recycles,
         )
+
+    @staticmethod
+    def _check_item(item: object, version: int) -> tuple[str, torch.Tensor]:
+        """``item`` as ``(name, tensor)``: a non-str name was cached and failed every receiver
+        later; a non-tensor failed here with an AttributeError that named nothing."""
+        import torch
+
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise WeightCacheError(
+                f"weight version {version}: the weight iterator yielded {item!r}; expected "
+                "(name, tensor) pairs"
+            )
+        name, tensor = item
+        if not isinstance(name, str) or not name:
+            raise WeightCacheError(
+                f"weight version {version}: tensor name {name!r} is not a non-empty str"
+            )
+        if not isinstance(tensor, torch.Tensor):
+            raise WeightCacheError(
+                f"weight version {version}: {name!r} is a {type(tensor).__name__}, expected a "
+                "torch.Tensor"
+            )
+        return name, tensor
 
     def _gpu_stage(self, first: torch.Tensor) -> torch.Tensor | None:
         """One bucket of staging memory on the GPU of ``first``, when the version's bucket
@@ -719,8 +761,14 @@ class BucketCache:
     def hold(self, version: int) -> Callable[..., None]:
         """Pin ``version`` beyond a ``with`` block (a receiver still reading its pages after
         its sync gave up on it); returns the release, which ignores its arguments (a future's
-        done-callback) and acts once however often called."""
-        cv = self._pin(version)
+        done-callback) and acts once however often called. A version retired while a sync
+        still pins it can be held too: that sync's stragglers still read its pages."""
+        with self._lock:
+            cv = self._versions.get(version)
+            if cv is None or (cv.retired and cv.pins == 0):
+                self._get(version)  # raises UnknownWeightVersionError
+            assert cv is not None
+            cv.pins += 1
         guard = threading.Lock()
         held = True
 

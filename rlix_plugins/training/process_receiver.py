@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlix_plugins.errors import ReceiverGoneError, WeightSyncError
+from rlix_plugins.errors import ReceiverGoneError, WeightCacheError, WeightSyncError
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
 
@@ -126,6 +126,32 @@ def _child(
         conn.send(("ok", result.to_dict(), before, after))
 
 
+def _check_layout(shard_id: str, layout: Layout) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``layout`` as plain data, each entry a known torch dtype name and a shape of ints >= 0."""
+    from rlix_plugins.training.bucket_cache import torch_dtype
+
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, spec in layout.items():
+        try:
+            dtype, shape = spec
+            torch_dtype(str(dtype))
+        except (TypeError, ValueError, WeightCacheError):
+            raise WeightSyncError(
+                f"receiver {shard_id}: layout of {name!r} is {spec!r}; expected (torch dtype "
+                "name such as 'bfloat16', shape as a tuple of ints >= 0)"
+            ) from None
+        if not (
+            isinstance(shape, tuple | list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise WeightSyncError(
+                f"receiver {shard_id}: layout of {name!r} has shape {shape!r}; expected a tuple "
+                "of ints >= 0"
+            )
+        out[name] = (str(dtype), tuple(shape))
+    return out
+
+
 class SpawnedReceiver(AddressedReceiver):
     """Sender-side handle of a receiver child process (see module docstring).
 
@@ -147,20 +173,34 @@ class SpawnedReceiver(AddressedReceiver):
                 f"receiver device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}"
             )
         super().__init__(shard_id, location)
+        checked = _check_layout(shard_id, layout)  # a bad one killed the child: EOFError('')
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
             target=_child,
-            args=(child_conn, {k: (d, tuple(s)) for k, (d, s) in layout.items()}, device),
+            args=(child_conn, checked, device),
             daemon=True,
             name=f"rlix-receiver-{shard_id}",
         )
         self.process.start()
         child_conn.close()
-        if not self._conn.poll(start_timeout_s):
+        try:
+            if not self._conn.poll(start_timeout_s):
+                raise ReceiverGoneError(
+                    f"receiver {shard_id} did not start in {start_timeout_s}s"
+                )
+            self._conn.recv()
+        except BaseException as exc:
+            # a failed start leaves neither the child nor its pipe behind
             self.process.kill()
-            raise ReceiverGoneError(f"receiver {shard_id} did not start in {start_timeout_s}s")
-        self._conn.recv()
+            self.process.join(10)
+            self._conn.close()
+            if isinstance(exc, (EOFError, OSError)):  # the child died while starting
+                raise ReceiverGoneError(
+                    f"receiver {shard_id} exited while starting (code "
+                    f"{self.process.exitcode}, device {device!r}); see its stderr"
+                ) from None
+            raise
         self._lock = threading.Lock()
         self.last_stats: ChildSyncStats | None = None
         self.syncs = 0

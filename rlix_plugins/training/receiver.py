@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -178,11 +179,26 @@ def _bucket_stream(
             return
         if kind != "bucket":
             raise WeightSyncError(f"unexpected control message {header!r}")
+        try:
+            index, raw_entries = int(header["index"]), list(header["entries"])
+            int(header["nbytes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightSyncError(
+                f"shard {offer.shard_id}: malformed bucket header {header!r} ({exc!r}); it "
+                "needs int index and nbytes and a list of entries"
+            ) from None
+        if index != stats.count:
+            # buckets come in index order, each once: only the count was checked, so a
+            # repeated bucket could stand in for a lost one and the sync still "succeeded"
+            raise WeightSyncError(
+                f"shard {offer.shard_id}: bucket {index} arrived as bucket {stats.count} of "
+                f"{offer.num_buckets} (sync {offer.sync_id}); expected indices in order"
+            )
         data = transport.fetch(header, list(frames[1:]))
-        received = _Received(
-            data, [TensorEntry.from_wire(e) for e in header["entries"]],
-            _Verifier(offer, header, data),
-        )
+        entries = [TensorEntry.from_wire(e) for e in raw_entries]
+        for e in entries:
+            _check_entry(offer, header, e)
+        received = _Received(data, entries, _Verifier(offer, header, data))
         # Drop every local reference to this bucket before it is acked: the next bucket
         # arrives right after the ack, and a live reference here would double the peak.
         del frames, data
@@ -194,7 +210,48 @@ def _bucket_stream(
         stats.count += 1
         stats.total += nbytes
         stats.peak = max(stats.peak, nbytes)
-        sock.send(encode({"ok": True, "kind": "ack", "index": int(header["index"])}))
+        _send(sock, {"ok": True, "kind": "ack", "index": index}, offer, "ack")
+
+
+def _check_entry(offer: SyncOffer, header: Mapping[str, Any], e: TensorEntry) -> None:
+    """An entry must lie inside its bucket and be exactly its dtype x shape: one past the end
+    sent the segment verifier into an endless loop, a wrong size failed in torch's view."""
+    index, nbytes = int(header["index"]), int(header["nbytes"])
+    where = f"shard {offer.shard_id}: bucket {index} entry {e.name!r}"
+    if e.offset + e.nbytes > nbytes:
+        raise WeightSyncError(
+            f"{where}: bytes {e.offset}..{e.offset + e.nbytes} lie past the end of the "
+            f"{nbytes}-byte bucket"
+        )
+    itemsize = torch_dtype(e.dtype).itemsize
+    numel = math.prod(e.shape)
+    if e.nbytes != numel * itemsize:
+        raise WeightSyncError(
+            f"{where}: {e.nbytes} bytes, but {numel} {e.dtype} elements of shape {e.shape} "
+            f"are {numel * itemsize}"
+        )
+    if e.offset % itemsize:
+        raise WeightSyncError(
+            f"{where}: offset {e.offset} is not a multiple of {e.dtype}'s element size "
+            f"({itemsize} bytes)"
+        )
+
+
+def _send(sock: zmq.Socket[bytes], msg: dict[str, Any], offer: SyncOffer, what: str) -> None:
+    """Send within the offer's timeout. A blocking send on a PAIR socket whose sender stopped
+    reading (hung, or gone without closing) blocked this receiver forever, its version pinned."""
+    import zmq
+
+    if sock.poll(int(offer.timeout_s * 1000), zmq.POLLOUT):
+        try:
+            sock.send(encode(msg), zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            pass
+    raise ReceiverGoneError(
+        f"shard {offer.shard_id}: sender of pipeline {offer.pipeline_id} took no {what} for "
+        f"{offer.timeout_s:.0f}s (sync {offer.sync_id})"
+    )
 
 
 def _run(offer: SyncOffer, consume: Callable[[Iterator[_Received]], object]) -> ReceiveResult:
@@ -203,7 +260,15 @@ def _run(offer: SyncOffer, consume: Callable[[Iterator[_Received]], object]) -> 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(offer.control_address)
+    try:
+        sock.connect(offer.control_address)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)  # it was left open (a socket and its fd per failed sync)
+        raise WeightSyncError(
+            f"shard {offer.shard_id}: cannot connect to the sender's control address "
+            f"{offer.control_address!r} (sync {offer.sync_id}): {exc}; expected an ipc:// or "
+            "tcp://host:port endpoint"
+        ) from None
     started = time.perf_counter()
     stats = _Stats()
     transport: ReceiverTransport | None = None
@@ -226,7 +291,7 @@ def _run(offer: SyncOffer, consume: Callable[[Iterator[_Received]], object]) -> 
             seconds=time.perf_counter() - started,
             max_bucket_bytes=stats.peak,
         )
-        sock.send(encode({"ok": True, "kind": "done", "result": result.to_dict()}))
+        _send(sock, {"ok": True, "kind": "done", "result": result.to_dict()}, offer, "final ack")
         return result
     except BaseException as exc:
         with contextlib.suppress(zmq.ZMQError):

@@ -253,6 +253,9 @@ class _Group:
         self.pipeline_id = pipeline_id
         self.sync_id = sync_id
         self.options = options
+        #: members that finished; kept on the group so a later member's failure (which
+        #: returns through _fail) does not drop their outcomes from the report
+        self._ok: list[ShardOutcome] = []
 
     def run(self) -> list[ShardOutcome]:
         opts = self.options
@@ -322,7 +325,6 @@ class _Group:
             for _ in range(in_flight):
                 for m in self.members:
                     self._guard(m, _recv, m, opts.ack_timeout_s, "bucket ack")
-            outcomes: list[ShardOutcome] = []
             if not end_early:
                 for m in self.members:
                     self._guard(m, _send, m, {"kind": "end"}, [], opts.ack_timeout_s)
@@ -337,8 +339,8 @@ class _Group:
                     else ReceiveResult.from_dict(raw if isinstance(raw, Mapping) else ack["result"])
                 )
                 m.done = True
-                outcomes.append(ShardOutcome(m.receiver.shard_id, self.kind, True, result))
-            return outcomes
+                self._ok.append(ShardOutcome(m.receiver.shard_id, self.kind, True, result))
+            return list(self._ok)
         except _Failure as f:
             return self._fail(f.shard_id, f.exc)
         except Exception as exc:  # transport setup or prepare failed: every member fails
@@ -358,7 +360,7 @@ class _Group:
 
     def _fail(self, shard_id: str | None, exc: BaseException) -> list[ShardOutcome]:
         reason = f"{type(exc).__name__}: {exc}"
-        outcomes: list[ShardOutcome] = []
+        outcomes: list[ShardOutcome] = list(self._ok)
         for m in self.members:
             if m.done:
                 continue
@@ -384,10 +386,18 @@ class _Group:
 def _control_address(
     sock: zmq.Socket[bytes], same_host: bool, sync_id: str, index: int, options: SyncOptions
 ) -> str:
+    import zmq
+
     if same_host:
         base = options.socket_dir or tempfile.gettempdir()
         path = os.path.join(base, f"rlix-{sync_id[:16]}-{index}.sock")
-        sock.bind(f"ipc://{path}")
+        try:
+            sock.bind(f"ipc://{path}")
+        except zmq.ZMQError as exc:  # a missing dir or a path over the socket-path limit
+            raise TransportUnavailableError(
+                f"cannot bind the control socket ipc://{path}: {exc}; SyncOptions.socket_dir "
+                f"must be an existing directory with a short path (was {options.socket_dir!r})"
+            ) from None
         return f"ipc://{path}"
     port = sock.bind_to_random_port("tcp://0.0.0.0")
     from rlix_plugins.training.transports.collective import _node_address

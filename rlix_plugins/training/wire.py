@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -60,6 +62,22 @@ class SyncOffer:
     timeout_s: float
     details: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # A receiver polls with int(timeout_s * 1000): a negative value is an endless wait in
+        # ZMQ, NaN or inf a crash mid-sync; negative counts would never match what arrives.
+        for name in ("version", "num_buckets", "total_bytes", "max_bucket_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise WeightSyncError(f"sync offer field {name}={value!r} must be an int")
+            if name != "version" and value < 0:
+                raise WeightSyncError(f"sync offer field {name}={value!r} must be >= 0")
+            object.__setattr__(self, name, int(value))  # numpy ints travel as plain ints
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise WeightSyncError(
+                f"sync offer field timeout_s={t!r} must be finite seconds > 0"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["transport"] = self.transport.value
@@ -69,17 +87,21 @@ class SyncOffer:
 
     @staticmethod
     def from_dict(raw: Mapping[str, Any]) -> SyncOffer:
+        if not isinstance(raw, Mapping):
+            raise WeightSyncError(
+                f"malformed sync offer {raw!r}: expected a mapping of the SyncOffer fields"
+            )
         try:
             return SyncOffer(
                 pipeline_id=str(raw["pipeline_id"]),
                 sync_id=str(raw["sync_id"]),
                 shard_id=str(raw["shard_id"]),
-                version=int(raw["version"]),
+                version=raw["version"],  # checked (not truncated by int()) in __post_init__
                 transport=TransportKind(raw["transport"]),
                 control_address=str(raw["control_address"]),
-                num_buckets=int(raw["num_buckets"]),
-                total_bytes=int(raw["total_bytes"]),
-                max_bucket_bytes=int(raw["max_bucket_bytes"]),
+                num_buckets=raw["num_buckets"],
+                total_bytes=raw["total_bytes"],
+                max_bucket_bytes=raw["max_bucket_bytes"],
                 checksum=ChecksumKind(raw["checksum"]),
                 timeout_s=float(raw["timeout_s"]),
                 details=dict(raw.get("details") or {}),

@@ -54,10 +54,13 @@ _PAGE = mmap.PAGESIZE
 
 class ShmSender(SenderTransport):
     kind = TransportKind.SHM
-    #: A receiver maps the cache's own pages, so a queued header costs it no memory: all of a
-    #: version's headers may be in flight (they are a few KiB each), saving a sender round
-    #: trip per bucket. The receiver still works on one bucket at a time.
-    headers_ahead = 1 << 30
+    #: A receiver maps the cache's own pages, so a queued header costs it no memory: many
+    #: headers may be in flight (they are a few KiB each), saving a sender round trip per
+    #: bucket. The receiver still works on one bucket at a time. Bounded well below ZMQ's
+    #: default high-water mark (1,000 messages a side): with every header ahead, a version of
+    #: thousands of buckets filled both directions (headers unread by the receiver while it
+    #: blocked on acks unread by the sender) and a healthy receiver was declared gone.
+    headers_ahead = 256
 
     def __init__(self, version: CachedVersion) -> None:
         missing = [b.layout.index for b in version.buckets if b.shm_path is None]
