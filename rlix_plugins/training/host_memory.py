@@ -40,16 +40,31 @@ def _meminfo_available(meminfo: Path) -> int | None:
     return None
 
 
-def _cgroup_available(root: Path) -> int | None:
-    """Room left under a cgroup v2 memory limit, if this process runs under one."""
-    limit_file = root / "memory.max"
-    current_file = root / "memory.current"
+#: cgroup v1 reports "no limit" as a huge page-aligned number (about 2**63)
+_V1_UNLIMITED = 1 << 62
+
+
+def _read_int(path: Path) -> int | None:
     try:
-        raw_limit = limit_file.read_text().strip()
-        current = int(current_file.read_text().strip())
+        return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
-    if raw_limit == "max":
+
+
+def _cgroup_room(directory: Path) -> int | None:
+    """Room left under one cgroup directory's memory limit (None: no limit or unreadable):
+    v2 (``memory.max`` / ``memory.current``) or v1 (``memory.limit_in_bytes`` /
+    ``memory.usage_in_bytes``)."""
+    try:
+        raw_limit = (directory / "memory.max").read_text().strip()
+    except OSError:
+        limit = _read_int(directory / "memory.limit_in_bytes")
+        usage = _read_int(directory / "memory.usage_in_bytes")
+        if limit is None or usage is None or limit >= _V1_UNLIMITED:
+            return None
+        return max(0, limit - usage)
+    current = _read_int(directory / "memory.current")
+    if raw_limit == "max" or current is None:
         return None
     try:
         return max(0, int(raw_limit) - current)
@@ -57,8 +72,48 @@ def _cgroup_available(root: Path) -> int | None:
         return None
 
 
+def _below(base: Path, path: str) -> list[Path]:
+    """``base`` and each directory on ``path`` below it (``/a/b`` -> base, base/a, base/a/b)."""
+    dirs = [base]
+    for part in (p for p in path.split("/") if p and p not in (".", "..")):
+        dirs.append(dirs[-1] / part)
+    return dirs
+
+
+def _own_cgroup(root: Path, proc_cgroup: Path) -> list[Path]:
+    """This process's memory cgroup directories, its own and every ancestor's.
+
+    Without a cgroup namespace (a Slurm job step, a systemd scope) the limit sits on a
+    sub-cgroup named in ``/proc/self/cgroup``, not on the mount's root, whose limit is then
+    the host's "none". v2 names it as ``0::/path`` (under ``root``); v1 as
+    ``N:memory:/path`` (under ``root/memory``). With a namespace the path is ``/``.
+    """
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return [root]
+    dirs: list[Path] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            dirs += _below(root, path.strip())
+        elif "memory" in controllers.split(","):
+            dirs += _below(root / "memory", path.strip())
+    return dirs or [root]
+
+
+def _cgroup_available(root: Path, proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Room left under the tightest memory limit on this process's cgroup path (its own and
+    every ancestor's count: the kernel enforces each)."""
+    rooms = [r for r in (_cgroup_room(d) for d in _own_cgroup(root, proc_cgroup)) if r is not None]
+    return min(rooms) if rooms else None
+
+
 def available_host_memory(
-    meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path = _CGROUP_ROOT
+    meminfo: Path = Path("/proc/meminfo"),
+    cgroup_root: Path = _CGROUP_ROOT,
+    proc_cgroup: Path = Path("/proc/self/cgroup"),
 ) -> HostMemory:
     """RAM this process can still allocate: the smaller of MemAvailable and the cgroup room.
 
@@ -70,9 +125,9 @@ def available_host_memory(
     avail = _meminfo_available(meminfo)
     if avail is not None:
         candidates.append((avail, "MemAvailable"))
-    cg = _cgroup_available(cgroup_root)
+    cg = _cgroup_available(cgroup_root, proc_cgroup)
     if cg is not None:
-        candidates.append((cg, "cgroup memory.max - memory.current"))
+        candidates.append((cg, "cgroup memory limit - usage"))
     if not candidates:
         try:
             pages = os.sysconf("SC_AVPHYS_PAGES")
