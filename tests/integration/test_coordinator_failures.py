@@ -189,3 +189,30 @@ def test_a_hung_scheduler_cannot_block_progress_forwarding(ray_session: Any) -> 
             coord.clear_progress_stream(mode="train")
     finally:
         ray.kill(hung)
+
+
+def test_the_orchestrator_finds_a_scheduler_created_anew(coordinator: Any, tmp_path: Any) -> None:
+    """A scheduler killed for good and started again is a new actor: the orchestrator's
+    cached handle to the old one failed every registration until the orchestrator too was
+    restarted."""
+    from rlix_plugins.coordinator.service.client import connect
+    from tests.fixtures.ray_cluster import coordinator_config
+
+    orch = coordinator.orchestrator
+    assert ray.get(orch.shutdown.remote()) == 0  # the orchestrator now holds a handle
+    ray.kill(coordinator.scheduler, no_restart=True)
+    wait_until(lambda: _dead(coordinator.scheduler), 30)
+    cfg = coordinator_config(tmp_path / "again")
+    plane = connect(namespace=coordinator.namespace, config=cfg)  # creates the scheduler only
+    assert plane.orchestrator._actor_id == orch._actor_id
+    assert ray.get(orch.shutdown.remote()) == 0
+    register_pipeline(plane, "ft_afterrestart", {"actor_train": [0], "actor_infer": [0, 1]})
+    assert _status(plane).pipeline("ft_afterrestart") is not None
+
+
+def _dead(handle: Any) -> bool:
+    try:
+        ray.get(handle.ping.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+        return True
+    return False

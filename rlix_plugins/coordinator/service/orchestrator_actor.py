@@ -36,10 +36,23 @@ class OrchestratorService:
         self._scheduler: Any = None
 
     def _sched(self) -> Any:
-        # Looked up lazily and cached: the scheduler keeps its actor id across restarts.
+        # Looked up lazily and cached: the scheduler keeps its actor id across Ray restarts.
         if self._scheduler is None:
             self._scheduler = ray.get_actor(SCHEDULER_ACTOR, namespace=self.namespace)
         return self._scheduler
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on the scheduler; a scheduler stopped and created anew (a new actor id:
+        ``rlix-plugins coordinator start`` after a kill) is looked up again once, or every
+        later call would fail on the dead handle."""
+        for attempt in (0, 1):
+            try:
+                return await getattr(self._sched(), method).remote(*args, **kwargs)
+            except ray.exceptions.RayActorError:
+                self._scheduler = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def allocate_pipeline_id(self, pipeline_type: str) -> str:
         """A fresh ``{ft|lora}_{12 hex}`` id."""
@@ -55,7 +68,8 @@ class OrchestratorService:
         weight: float = 1.0,
     ) -> None:
         """Validate and register (raises RegistrationError with the state unchanged)."""
-        await self._sched().register_pipeline.remote(
+        await self._call(
+            "register_pipeline",
             pipeline_id=pipeline_id,
             ray_namespace=ray_namespace,
             cluster_tp_configs=cluster_tp_configs,
@@ -65,18 +79,17 @@ class OrchestratorService:
 
     async def admit_pipeline(self, *, pipeline_id: str) -> AdmitResponse:
         """Admit a registered pipeline; the response carries the scheduler handle."""
-        sched = self._sched()
-        await sched.admit_pipeline.remote(pipeline_id=pipeline_id)
-        return AdmitResponse(True, pipeline_id, sched, self.namespace)
+        await self._call("admit_pipeline", pipeline_id=pipeline_id)
+        return AdmitResponse(True, pipeline_id, self._sched(), self.namespace)
 
     async def unregister_pipeline(self, pipeline_id: str) -> tuple[int, ...]:
         """Forget a pipeline (it stopped using its GPUs); returns the GPUs freed."""
-        freed: tuple[int, ...] = await self._sched().unregister_pipeline.remote(pipeline_id)
+        freed: tuple[int, ...] = await self._call("unregister_pipeline", pipeline_id)
         return freed
 
     async def kill_pipeline(self, pipeline_id: str) -> None:
         """Kill a pipeline's actors; its GPUs return once Ray confirms it dead."""
-        await self._sched().kill_pipeline.remote(pipeline_id)
+        await self._call("kill_pipeline", pipeline_id)
 
     async def shutdown(self, *, force: bool = False, reason: str | None = None, **_: Any) -> int:
         """End every pipeline's scheduling (unlike RLix, Ray itself keeps running).
@@ -85,15 +98,14 @@ class OrchestratorService:
         them with ``rlix-plugins coordinator stop``. Returns how many pipelines were ended
         (one that went away meanwhile, e.g. declared dead, is skipped, not an error).
         """
-        sched = self._sched()
-        status = await sched.get_status.remote()
+        status = await self._call("get_status")
         ended = 0
         for p in status.pipelines:
             try:
                 if force:
-                    await sched.kill_pipeline.remote(p.pipeline_id)
+                    await self._call("kill_pipeline", p.pipeline_id)
                 else:
-                    await sched.unregister_pipeline.remote(p.pipeline_id)
+                    await self._call("unregister_pipeline", p.pipeline_id)
             except UnknownPipelineError:
                 logger.info("shutdown: pipeline %s was already gone", p.pipeline_id)
                 continue
