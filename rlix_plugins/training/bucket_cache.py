@@ -77,6 +77,7 @@ from rlix_plugins.training.host_memory import (
     check_host_memory,
 )
 from rlix_plugins.training.wire import SHM_FILE_HEADER_BYTES, ShmFileHeader
+from rlix_plugins.values import is_int
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +88,8 @@ logger = logging.getLogger(__name__)
 #: dtype (bf16 needs 2, float64 8) and vector loads stay aligned.
 ALIGNMENT = 64
 SHM_PREFIX = "rlix-wcache-"
+#: Longest pipeline id (UTF-8 bytes) that still fits a shared-memory file name (255 bytes).
+MAX_PIPELINE_ID_BYTES = 160
 #: Segment sizes are multiples of the fletcher64 block (4096 words), so one pass over a bucket
 #: gives both its checksum and its segment checksums.
 SEGMENT_UNIT = 32 << 10
@@ -289,6 +292,20 @@ class BucketCache:
     copy or a sync, only for bookkeeping."""
 
     def __init__(self, pipeline_id: str, config: CacheConfig | None = None) -> None:
+        # The id becomes part of each shared-memory file name: one with "/" failed the first
+        # shared build with FileNotFoundError (a long one with ENAMETOOLONG), after the fact.
+        if not (
+            isinstance(pipeline_id, str)
+            and pipeline_id
+            and "/" not in pipeline_id
+            and "\0" not in pipeline_id
+            and len(pipeline_id.encode()) <= MAX_PIPELINE_ID_BYTES
+        ):
+            raise WeightCacheError(
+                f"pipeline_id {pipeline_id!r} cannot name the cache's files; expected a "
+                f"non-empty str of at most {MAX_PIPELINE_ID_BYTES} bytes without '/' or NUL "
+                "(e.g. 'ft_0123456789ab')"
+            )
         self.pipeline_id = pipeline_id
         self.config = config or CacheConfig()
         self._lock = threading.Lock()
@@ -338,6 +355,12 @@ class BucketCache:
             return sum(int(b.storage.numel()) for b in self._pool)
 
     def _get(self, version: int) -> CachedVersion:
+        if not is_int(version):
+            # True == 1 and hashes alike: a bool (or 1.0) found version 1
+            raise UnknownWeightVersionError(
+                f"pipeline {self.pipeline_id!r}: weight version {version!r} is not an int; "
+                f"cached versions: {sorted(v for v, c in self._versions.items() if not c.retired)}"
+            )
         cv = self._versions.get(version)
         if cv is None or cv.retired:
             held = sorted(v for v, c in self._versions.items() if not c.retired)
@@ -574,6 +597,8 @@ class BucketCache:
         seen: set[str] = set()
         # GPU staging buffer (see stage_on_gpu), decided by the first tensor of the version
         stage: torch.Tensor | None = None
+        # devices with non_blocking D2H copies into the current bucket still possibly running
+        copying: set[torch.device] = set()
         decided = False
         try:
             for item in iterator:
@@ -597,18 +622,22 @@ class BucketCache:
                     )
                 if current is None or offset + nbytes > cap:
                     if current is not None:
-                        buckets.append(self._seal(current, entries, offset, version, stage))
+                        buckets.append(
+                            self._seal(current, entries, offset, version, stage, copying)
+                        )
                         current = None
+                        copying = set()
                     current = self._allocate(storage, version, len(buckets), probe)
                     entries, offset = [], 0
                 packed = current.storage if stage is None else stage
                 # non_blocking: the copies of one bucket overlap (D2D into the stage, or D2H
                 # into pinned memory); _seal synchronises before the checksum is taken.
+                async_d2h = stage is None and storage is StorageKind.PINNED and raw.is_cuda
                 packed[offset : offset + nbytes].copy_(
-                    raw, non_blocking=stage is not None or (
-                        storage is StorageKind.PINNED and raw.is_cuda
-                    )
+                    raw, non_blocking=stage is not None or async_d2h
                 )
+                if async_d2h:
+                    copying.add(raw.device)
                 entries.append(
                     TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes)
                 )
@@ -620,7 +649,9 @@ class BucketCache:
                 n_tensors += 1
                 total += nbytes
             if current is not None:
-                buckets.append(self._seal(current, entries, min(offset, cap), version, stage))
+                buckets.append(
+                    self._seal(current, entries, min(offset, cap), version, stage, copying)
+                )
                 current = None
         except BaseException:
             for b in buckets if current is None else [*buckets, current]:
@@ -692,7 +723,10 @@ class BucketCache:
         used: int,
         version: int,
         stage: torch.Tensor | None = None,
+        copying: Iterable[torch.device] = (),
     ) -> Bucket:
+        """``copying``: the devices of non_blocking D2H copies into ``bucket`` (unstaged
+        pinned build), synchronised before the checksum reads the bytes."""
         import torch
 
         seg = self.config.segment_bytes
@@ -706,7 +740,12 @@ class BucketCache:
                 torch.cuda.synchronize(stage.device)
         else:
             if torch.cuda.is_available():
-                torch.cuda.synchronize()  # pending non_blocking D2H copies into this bucket
+                torch.cuda.synchronize()  # the current device, as before
+            # Pending non_blocking D2H copies into this bucket run on their source tensor's
+            # device: synchronize() alone waits only for the current device, so weights on
+            # another GPU could be checksummed before their bytes landed.
+            for device in copying:
+                torch.cuda.synchronize(device)
             if data.device.type == "cpu":
                 checksum, segs = segment_checksums(data.numpy(), seg, self.config.checksum)
             else:  # pragma: no cover - pinned host memory is CPU; kept for completeness
@@ -764,7 +803,7 @@ class BucketCache:
         done-callback) and acts once however often called. A version retired while a sync
         still pins it can be held too: that sync's stragglers still read its pages."""
         with self._lock:
-            cv = self._versions.get(version)
+            cv = self._versions.get(version) if is_int(version) else None
             if cv is None or (cv.retired and cv.pins == 0):
                 self._get(version)  # raises UnknownWeightVersionError
             assert cv is not None

@@ -22,6 +22,7 @@ import multiprocessing.connection
 import os
 import re
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,19 @@ from rlix_plugins.training.wire import ReceiveResult, SyncOffer
 
 #: name -> (dtype name, shape) of the tensors the child preallocates
 Layout = Mapping[str, tuple[str, tuple[int, ...]]]
+
+#: How often at most a child applying weights tells its handle it is still busy.
+_BEAT_S = 1.0
+#: Added to the silence a sync's offer allows a receiver (see _quiet_limit_s).
+_QUIET_GRACE_S = 10.0
+
+
+def _quiet_limit_s(offer: SyncOffer) -> float:
+    """How long a child may send nothing during a sync before it counts as hung. Between two
+    beats a working child waits at most for: its transport to open, the next bucket header,
+    the bucket's bytes and its ack to go out, each bounded by ``offer.timeout_s`` (after that
+    it gives up and answers with an error)."""
+    return 5 * offer.timeout_s + _QUIET_GRACE_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +122,30 @@ def _child(
             raw = {n: t.reshape(-1).view(torch.uint8) for n, t in target.tensors.items()}
             conn.send({n: f"{checksum_tensor(b, kind):x}" for n, b in raw.items()})
             continue
-        offer = SyncOffer.from_dict(msg)
+        try:
+            offer = SyncOffer.from_dict(msg)
+        except Exception as exc:  # a malformed offer must not end the loop (and the child)
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            continue
+        last_beat = time.monotonic()
+
+        def beat() -> None:
+            # tells the handle this child is working, not hung (see _quiet_limit_s)
+            nonlocal last_beat
+            if time.monotonic() - last_beat >= _BEAT_S:
+                last_beat = time.monotonic()
+                conn.send(("busy",))
+
+        def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+            beat()
+            target.load_weights(weights)
+
+        def destination(
+            name: str, dtype: torch.dtype, shape: tuple[int, ...]
+        ) -> torch.Tensor | None:
+            beat()
+            return target.destination(name, dtype, shape)
+
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM so the peak below belongs to this sync
@@ -117,7 +154,7 @@ def _child(
         before = [_status_kb(k) * 1024 for k in ("VmRSS", "RssShmem", "RssAnon")]
         maps_before = mappings_opened()
         try:
-            result = receive_weights(offer, target.load_weights, destination=target.destination)
+            result = receive_weights(offer, load, destination=destination)
         except BaseException as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
             continue
@@ -158,6 +195,10 @@ class SpawnedReceiver(AddressedReceiver):
     ``device`` is where the child's tensors live: ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` for a
     GPU engine's weights (the child's current device; RSS figures then cover only its host
     memory).
+
+    A child that stays silent during a sync longer than its offer allows (it reports progress
+    while applying; see ``_quiet_limit_s``), or misses ``param_checksums``'s deadline, is
+    killed: the handle is then dead and every later call fails with ReceiverGoneError.
     """
 
     def __init__(
@@ -211,14 +252,36 @@ class SpawnedReceiver(AddressedReceiver):
         def run() -> None:
             try:
                 with self._lock:
+                    if not self.process.is_alive():  # killed or crashed earlier
+                        raise ReceiverGoneError(
+                            f"receiver process {self._shard_id} exited "
+                            f"(code {self.process.exitcode})"
+                        )
                     self._conn.send(offer.to_dict())
-                    while not self._conn.poll(0.05):
+                    quiet_s = _quiet_limit_s(offer)
+                    heard = time.monotonic()
+                    while True:
+                        if self._conn.poll(0.05):
+                            reply = self._conn.recv()
+                            if reply[0] != "busy":
+                                break
+                            heard = time.monotonic()
+                            continue
                         if not self.process.is_alive():
                             raise ReceiverGoneError(
                                 f"receiver process {self._shard_id} exited "
                                 f"(code {self.process.exitcode})"
                             )
-                    reply = self._conn.recv()
+                        if time.monotonic() - heard > quiet_s:
+                            # Alive but hung: waiting on without end kept this future open,
+                            # so the version held for the child stayed pinned forever. Killed,
+                            # it reads no more pages and answers nothing late on this pipe.
+                            self.kill()
+                            raise ReceiverGoneError(
+                                f"receiver process {self._shard_id} made no progress for "
+                                f"{quiet_s:.0f}s receiving weight version {offer.version} "
+                                f"(sync {offer.sync_id}); it was killed"
+                            )
                 if reply[0] != "ok":
                     raise WeightSyncError(f"receiver {self._shard_id}: {reply[1]}")
                 _, raw, before, after = reply
@@ -250,7 +313,13 @@ class SpawnedReceiver(AddressedReceiver):
         with self._lock:
             self._conn.send("checksums")
             if not self._conn.poll(timeout_s):
-                raise ReceiverGoneError(f"receiver {self._shard_id}: no checksums in {timeout_s}s")
+                # The child still owes this answer: it would be read later as the next sync's
+                # reply (and that sync's as the one after). Killed, it owes nothing.
+                self.kill()
+                raise ReceiverGoneError(
+                    f"receiver {self._shard_id}: no checksums in {timeout_s}s; the receiver "
+                    "process was killed"
+                )
             sums = self._conn.recv()
         assert isinstance(sums, dict)
         return sums

@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import math
 import os
 import tempfile
 import time
@@ -42,6 +41,7 @@ from rlix_plugins.training.transports.selection import (
     select_transport,
 )
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer, TransportKind, decode, encode
+from rlix_plugins.values import is_finite
 
 if TYPE_CHECKING:
     import zmq
@@ -90,8 +90,9 @@ class SyncOptions:
     raise_on_error: bool = True
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.ack_timeout_s, (int, float)) and 0 < self.ack_timeout_s < math.inf):
-            # A negative or NaN bound failed every sync as "no connection within the timeout".
+        if not (is_finite(self.ack_timeout_s) and self.ack_timeout_s > 0):
+            # A negative or NaN bound failed every sync as "no connection within the timeout";
+            # True (a bool is an int) read as one second.
             raise WeightSyncError(
                 f"SyncOptions.ack_timeout_s must be finite seconds > 0, got {self.ack_timeout_s!r}"
             )
@@ -226,12 +227,22 @@ def _send(member: _Member, header: Mapping[str, Any], frames: list[Any], timeout
                 raise _gone(member, "no connection within the ack timeout") from None
 
 
-def _recv(member: _Member, timeout_s: float, what: str) -> dict[str, Any]:
+def _recv(
+    member: _Member, timeout_s: float, what: str, kind: str, index: int | None = None
+) -> dict[str, Any]:
+    """The next ack, which must be ``kind`` (for ``index``): acks were taken in order without
+    a look, so one for the wrong bucket (or an early "done") passed as the awaited one."""
     import zmq
 
     _wait(member, zmq.POLLIN, time.monotonic() + timeout_s, what)
     ack = decode(member.socket.recv())
     _raise_for_ack(member, ack)
+    if ack.get("kind") != kind or (index is not None and ack.get("index") != index):
+        expected = f"{kind!r} with index {index}" if index is not None else repr(kind)
+        raise WeightSyncError(
+            f"shard {member.receiver.shard_id}: expected the {what} (kind {expected}), got "
+            f"{ack!r}"
+        )
     return ack
 
 
@@ -296,11 +307,20 @@ class _Group:
             # round trip through the sender; the others keep strict lockstep (one in flight).
             window = max(1, transport.headers_ahead)
             in_flight = 0
+            acked = 0  # buckets acked by every member; the next ack is for cv.buckets[acked]
+
+            def collect_ack() -> None:
+                nonlocal acked, in_flight
+                index = cv.buckets[acked].layout.index
+                what = f"ack of bucket {index}"
+                for m in self.members:
+                    self._guard(m, _recv, m, opts.ack_timeout_s, what, "ack", index)
+                acked += 1
+                in_flight -= 1
+
             for bucket in cv.buckets:
                 while in_flight >= window:
-                    for m in self.members:
-                        self._guard(m, _recv, m, opts.ack_timeout_s, "bucket ack")
-                    in_flight -= 1
+                    collect_ack()
                 extras, frames = transport.frames(bucket)
                 header = {
                     "kind": "bucket",
@@ -322,22 +342,22 @@ class _Group:
             if end_early:
                 for m in self.members:
                     self._guard(m, _send, m, {"kind": "end"}, [], opts.ack_timeout_s)
-            for _ in range(in_flight):
-                for m in self.members:
-                    self._guard(m, _recv, m, opts.ack_timeout_s, "bucket ack")
+            while in_flight:
+                collect_ack()
             if not end_early:
                 for m in self.members:
                     self._guard(m, _send, m, {"kind": "end"}, [], opts.ack_timeout_s)
             for m in self.members:
-                ack = self._guard(m, _recv, m, opts.ack_timeout_s, "final ack")
+                ack = self._guard(m, _recv, m, opts.ack_timeout_s, "final ack", "done")
                 assert m.future is not None
                 # the receiver returns right after its final ack; its future carries the result
                 raw = self._guard(m, m.future.result, opts.ack_timeout_s)
-                result = (
-                    raw
-                    if isinstance(raw, ReceiveResult)
-                    else ReceiveResult.from_dict(raw if isinstance(raw, Mapping) else ack["result"])
-                )
+                if isinstance(raw, ReceiveResult):
+                    result = raw
+                else:  # from_dict: a typed error naming a missing or malformed field
+                    result = ReceiveResult.from_dict(
+                        raw if isinstance(raw, Mapping) else ack.get("result")
+                    )
                 m.done = True
                 self._ok.append(ShardOutcome(m.receiver.shard_id, self.kind, True, result))
             return list(self._ok)

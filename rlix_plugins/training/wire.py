@@ -28,6 +28,7 @@ import numpy as np
 
 from rlix_plugins.errors import WeightSyncError
 from rlix_plugins.training.checksum import ChecksumKind
+from rlix_plugins.values import is_finite, is_int
 
 
 class TransportKind(str, enum.Enum):
@@ -126,8 +127,31 @@ class ReceiveResult:
 
     @staticmethod
     def from_dict(raw: Mapping[str, Any]) -> ReceiveResult:
+        # It arrives from another process: a missing field was a bare KeyError, True read as
+        # version 1 and 1.5 bytes as 1.
+        if not isinstance(raw, Mapping):
+            raise WeightSyncError(
+                f"malformed receive result {raw!r}: expected a mapping of the ReceiveResult "
+                "fields"
+            )
+        for name in ("shard_id", "version", "buckets", "bytes", "seconds", "max_bucket_bytes"):
+            value = raw.get(name)
+            if name == "shard_id":
+                ok = isinstance(value, str)
+                valid = "a str"
+            elif name == "seconds":
+                ok = is_finite(value) and value >= 0
+                valid = "finite seconds >= 0"
+            else:
+                ok = is_int(value) and (name == "version" or value >= 0)
+                valid = "an int" if name == "version" else "an int >= 0"
+            if not ok:
+                raise WeightSyncError(
+                    f"malformed receive result {dict(raw)!r}: field {name}={value!r} must be "
+                    f"{valid}"
+                )
         return ReceiveResult(
-            shard_id=str(raw["shard_id"]),
+            shard_id=raw["shard_id"],
             version=int(raw["version"]),
             buckets=int(raw["buckets"]),
             bytes=int(raw["bytes"]),

@@ -180,12 +180,22 @@ class BroadcastReceiver(ReceiverTransport):
             offer.timeout_s,
         )
         self._store: Any = store
+        self._offer = offer
         device = "cuda" if kind is TransportKind.NCCL else "cpu"
         # one bucket of receive buffer, reused: the receiver's whole extra memory
         self._buffer = torch.empty(max(offer.max_bucket_bytes, 1), dtype=torch.uint8, device=device)
 
     def fetch(self, header: Mapping[str, Any], frames: list[Any]) -> torch.Tensor:
         n = int(header["nbytes"])
+        limit = self._offer.max_bucket_bytes
+        if not 0 <= n <= limit:
+            # A longer bucket was broadcast into a shorter view of the buffer: gloo aborts
+            # the whole process on the size mismatch (nccl reads past or hangs); refuse first.
+            raise WeightSyncError(
+                f"shard {self._offer.shard_id}: bucket {header.get('index')} announces {n} "
+                f"bytes, outside 0..{limit} (the offer's max_bucket_bytes, the receive buffer's "
+                f"size; sync {self._offer.sync_id})"
+            )
         view = self._buffer[:n]
         if n:
             _broadcast(self._group, view)
