@@ -37,6 +37,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from rlix_plugins.errors import SettingsError
+from rlix_plugins.values import is_int, is_number
+
 
 @dataclass(frozen=True, slots=True)
 class MigrationConfig:
@@ -66,18 +69,23 @@ class MigrationConfig:
     watch_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.min_gap < 2:
-            raise ValueError(
-                f"min_gap must be >= 2 (a gap of 1 would only swap the loads), got {self.min_gap}"
-            )
-        if self.min_remaining_tokens < 0:
-            raise ValueError(
-                f"min_remaining_tokens must be >= 0, got {self.min_remaining_tokens}"
-            )
-        if self.max_per_request < 1:
-            raise ValueError(f"max_per_request must be >= 1, got {self.max_per_request}")
-        if not self.watch_interval_s > 0:
-            raise ValueError(f"watch_interval_s must be > 0, got {self.watch_interval_s}")
+        # Values arrive from YAML, env and host configs: "false" or 2.5 must not pass.
+        for name in ("enabled", "auto"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise SettingsError(f"{name} must be a bool, got {value!r}")
+        _check_int("min_gap", self.min_gap, 2, " (a gap of 1 would only swap the loads)")
+        _check_int("min_remaining_tokens", self.min_remaining_tokens, 0)
+        _check_int("max_per_request", self.max_per_request, 1)
+        if not (is_number(self.watch_interval_s) and self.watch_interval_s > 0):
+            raise SettingsError(f"watch_interval_s must be > 0, got {self.watch_interval_s!r}")
+
+
+def _check_int(name: str, value: object, minimum: int, why: str = "") -> None:
+    """SettingsError unless ``value`` is an int (not a bool) >= ``minimum``."""
+    if not (is_int(value) and value >= minimum):
+        kind = "" if is_int(value) else "an int "
+        raise SettingsError(f"{name} must be {kind}>= {minimum}{why}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)

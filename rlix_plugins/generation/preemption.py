@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlix_plugins.errors import PreemptionError
+from rlix_plugins.errors import PreemptionError, SettingsError
 from rlix_plugins.generation.engine import ShardEngine
 from rlix_plugins.generation.shard_state import (
     ShardEvent,
@@ -30,6 +30,7 @@ from rlix_plugins.generation.shard_state import (
     normalize_ranks,
 )
 from rlix_plugins.generation.state_store import ShardStateView
+from rlix_plugins.values import is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,15 @@ class PreemptionConfig:
     drain_poll_s: float = 0.002
 
     def __post_init__(self) -> None:
-        if self.sleep_level is not None and self.sleep_level not in (0, 1, 2):
-            raise ValueError(f"sleep_level must be None, 0, 1 or 2, got {self.sleep_level!r}")
-        if not self.drain_timeout_s > 0:
-            raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
-        if not self.drain_poll_s > 0:
-            raise ValueError(f"drain_poll_s must be > 0, got {self.drain_poll_s}")
+        # is_int: True and 1.0 compare equal to 1 but are not sleep levels.
+        if self.sleep_level is not None and not (
+                is_int(self.sleep_level) and self.sleep_level in (0, 1, 2)):
+            raise SettingsError(
+                f"sleep_level must be None, 0, 1 or 2, got {self.sleep_level!r}")
+        for name in ("drain_timeout_s", "drain_poll_s"):
+            value = getattr(self, name)
+            if not (is_number(value) and value > 0):
+                raise SettingsError(f"{name} must be > 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,10 @@ class ShardLifecycle:
     ) -> None:
         self._state = state
         self._engines = tuple(engines)
+        if config is not None and not isinstance(config, PreemptionConfig):
+            raise SettingsError(
+                f"config must be a PreemptionConfig, got {type(config).__name__}"
+            )
         self._config = config or PreemptionConfig()
         self._reset_runtime()
 

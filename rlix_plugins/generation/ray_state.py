@@ -23,6 +23,9 @@ from rlix_plugins.generation.shard_state import (
     ShardEvent,
     ShardSnapshot,
     ShardStatus,
+    normalize_ranks,
+    parse_event,
+    parse_last_active,
 )
 from rlix_plugins.generation.state_store import ShardStateStore
 
@@ -95,19 +98,21 @@ class RayShardState:
         """Start the owner actor (named if ``name`` is given) and return a view of it.
 
         Raises:
-            ShardStateError: ``num_shards < 1`` or ``initial`` is neither active nor sleeping
-                (checked here, before any actor starts).
+            ShardStateError: ``num_shards`` is not an int >= 1, ``initial`` is neither active
+                nor sleeping, or ``last_active`` is not a policy (checked here, before any
+                actor starts).
         """
         # Validate in the caller: the actor's __init__ raising would only surface as Ray's
         # ActorDiedError, after a worker process was spent on it.
-        ShardSnapshot.initial(num_shards, ShardStatus(initial))
+        first = ShardSnapshot.initial(num_shards, initial)
+        policy = parse_last_active(last_active)
         options: dict[str, Any] = {}
         if name is not None:
             options["name"] = name
         if namespace is not None:
             options["namespace"] = namespace
         actor = _actor_class().options(**options).remote(
-            num_shards, ShardStatus(initial).value, LastActivePolicy(last_active).value
+            num_shards, first.statuses[0].value, policy.value
         )
         view = cls(actor)
         view._cached = view._get(actor.snapshot.remote())  # fail here, not at first request
@@ -180,9 +185,12 @@ class RayShardState:
         return self._update(snap)
 
     async def apply(self, dp_ranks: Iterable[int], event: ShardEvent) -> ShardSnapshot:
-        snap: ShardSnapshot = await self._handle.apply.remote(
-            list(dp_ranks), ShardEvent(event).value
-        )
+        name = parse_event(event).value
+        # Checked here, with the typed error the local view gives (the shard count never
+        # changes, so any snapshot can check the ranks); the owner re-checks the transition.
+        known = self._cached if self._cached is not None else await self.refresh()
+        ranks = normalize_ranks(known, dp_ranks)
+        snap: ShardSnapshot = await self._handle.apply.remote(list(ranks), name)
         return self._update(snap)
 
     def close(self) -> None:

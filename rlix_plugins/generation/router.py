@@ -37,10 +37,10 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
-from rlix_plugins.errors import NoActiveShardError, ShardPreemptedError
+from rlix_plugins.errors import NoActiveShardError, SettingsError, ShardPreemptedError
 from rlix_plugins.generation.engine import (
     EngineOutput,
     GenerationRequest,
@@ -56,8 +56,9 @@ from rlix_plugins.generation.migration import (
     plan_migration,
     remaining_tokens,
 )
-from rlix_plugins.generation.shard_state import ShardSnapshot, ShardStatus
+from rlix_plugins.generation.shard_state import ShardSnapshot, ShardStatus, normalize_ranks
 from rlix_plugins.generation.state_store import ShardStateView
+from rlix_plugins.values import is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -104,20 +105,42 @@ class RouterConfig:
     migration: MigrationConfig = field(default_factory=MigrationConfig)
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if not self.wait_timeout_s > 0:
-            raise ValueError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        if not (is_int(self.max_attempts) and self.max_attempts >= 1):
+            kind = "" if is_int(self.max_attempts) else "an int "
+            raise SettingsError(f"max_attempts must be {kind}>= 1, got {self.max_attempts!r}")
+        if not (is_number(self.wait_timeout_s) and self.wait_timeout_s > 0):
+            raise SettingsError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s!r}")
         # Accept the plain string values too (configs come from YAML); store the enums.
-        object.__setattr__(self, "policy", RoutingPolicy(self.policy))
-        object.__setattr__(self, "redispatch", RedispatchMode(self.redispatch))
+        object.__setattr__(self, "policy", _enum(RoutingPolicy, self.policy))
+        object.__setattr__(self, "redispatch", _enum(RedispatchMode, self.redispatch))
         if isinstance(self.migration, Mapping):
+            valid = sorted(f.name for f in fields(MigrationConfig))
+            unknown = sorted(set(self.migration) - set(valid), key=str)
+            if unknown:
+                raise SettingsError(
+                    f"unknown migration field(s) {unknown}; valid fields are {valid}"
+                )
             object.__setattr__(self, "migration", MigrationConfig(**self.migration))
         elif not isinstance(self.migration, MigrationConfig):
-            raise ValueError(
+            raise SettingsError(
                 f"migration must be a MigrationConfig or a mapping of its fields, got "
                 f"{self.migration!r}"
             )
+
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _enum(cls: type[_E], value: object) -> _E:
+    """``value`` as a member of ``cls`` (its string value too); SettingsError naming the
+    valid values otherwise."""
+    try:
+        return cls(value)
+    except ValueError:
+        valid = [m.value for m in cls]
+        raise SettingsError(
+            f"{value!r} is not a valid {cls.__name__}; valid values are {valid}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +319,10 @@ class ShardRouter:
     ) -> None:
         self._state = state
         self._engines = tuple(engines)
+        if config is not None and not isinstance(config, RouterConfig):
+            raise SettingsError(
+                f"config must be a RouterConfig, got {type(config).__name__}"
+            )
         self._config = config or RouterConfig()
         self._on_counters = on_counters
         n = state.snapshot().num_shards
@@ -409,8 +436,10 @@ class ShardRouter:
         """
         ledger = self._ledger
         ledger.begin(request.request_id)
-        self._ensure_watcher()
         try:
+            # Inside the try: starting the watcher reads the state view, which can fail (a
+            # remote owner gone); the request must then leave the ledger as lost.
+            self._ensure_watcher()
             result = await self._generate(request)
         except asyncio.CancelledError:
             ledger.cancel(request.request_id)
@@ -427,7 +456,9 @@ class ShardRouter:
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         cont = self._config.redispatch is RedispatchMode.CONTINUE
         prefix: tuple[int, ...] = ()
-        prefix_lp: tuple[float, ...] | None = None
+        # Logprobs of the prefix tokens; None once a segment came without them (then the
+        # result's logprobs cannot be aligned with its tokens and are None).
+        prefix_lp: tuple[float, ...] | None = ()
         preempted = 0
         migrations = 0
         target: int | None = None  # where a migrated request continues
@@ -449,31 +480,32 @@ class ShardRouter:
                 token_ids, logprobs = out.token_ids, out.logprobs
                 if prefix:
                     token_ids = prefix + token_ids
-                    if logprobs is not None and prefix_lp is not None:
-                        logprobs = prefix_lp + logprobs
+                    logprobs = (None if logprobs is None or prefix_lp is None
+                                else prefix_lp + logprobs)
                 return GenerationResult(
                     request.request_id, token_ids, out.finish_reason, logprobs, rank, dispatches
                 )
-            # An aborted output of an attempt we marked is a migration (even if a preemption
-            # of its shard raced it: the target is active, so that is where it belongs).
-            migrated = out is not None and run.migrate_to is not None
+            # An attempt we marked and aborted is a migration, whether the engine returned its
+            # partial output or raised (an engine that cannot hand partial output back), and
+            # even if a preemption of its shard raced it: the target is active, so that is
+            # where it belongs. Migrations never use up max_attempts.
+            migrated = run.migrate_to is not None
             if migrated:
                 migrations += 1
                 target = run.migrate_to
-                self._ledger.migrate()
             else:
                 preempted += 1
-                self._ledger.redispatch()
             if out is not None and (migrated or cont):
                 # Migrations always continue from the partial tokens (nothing is lost).
                 if out.token_ids:
                     prefix += out.token_ids
-                    if out.logprobs is not None:
-                        prefix_lp = (prefix_lp or ()) + out.logprobs
-            elif not cont:
+                    prefix_lp = (None if prefix_lp is None or out.logprobs is None
+                                 or len(out.logprobs) != len(out.token_ids)
+                                 else prefix_lp + out.logprobs)
+            elif not cont and not migrated:
                 # RESTART reruns from the prompt, also dropping tokens an earlier migration
                 # carried over (a restarted seeded sample is then exact again).
-                prefix, prefix_lp = (), None
+                prefix, prefix_lp = (), ()
             if prefix and len(prefix) >= request.max_tokens:
                 # Every token arrived before the abort: the sample is complete.
                 return GenerationResult(request.request_id, prefix, "length", prefix_lp,
@@ -487,12 +519,18 @@ class ShardRouter:
                     f"{self._config.max_attempts} dispatches; raise RouterConfig.max_attempts "
                     "or preempt less often"
                 )
+            # Counted only now that the request is sent again (not when it completed from
+            # its partial tokens or ran out of attempts).
+            if migrated:
+                self._ledger.migrate()
+            else:
+                self._ledger.redispatch()
 
     async def _dispatch(
         self, rank: int, attempt: GenerationRequest, run: _Running
     ) -> EngineOutput | None:
         """Run one attempt on ``rank``; ``None`` (or an aborted output) means preempted or,
-        if ``run.migrate_to`` is set and the output is aborted, migrated."""
+        if ``run.migrate_to`` is set, migrated."""
         key = attempt.request_id
         self._inflight[rank] += 1
         self._running[key] = run
@@ -522,8 +560,11 @@ class ShardRouter:
         # The engine rejected or aborted us; if our view still calls the shard active it is
         # behind the owner: refresh now rather than waiting for the push.
         if self._state.snapshot().statuses[rank] is ShardStatus.ACTIVE:
-            self._stale_refreshes += 1
-            await self._state.refresh()
+            snap = await self._state.refresh()
+            # Counted only when the owner disagrees: an abort on a shard that is still
+            # active (a host's abort) does not mean this copy was behind.
+            if snap.statuses[rank] is not ShardStatus.ACTIVE:
+                self._stale_refreshes += 1
 
     # -- migration -------------------------------------------------------------------------
 
@@ -536,9 +577,20 @@ class ShardRouter:
         shard become active. Each returned move's attempt was aborted on its source shard
         and continues on its target from its partial tokens. No-op (``()``) when migration is
         disabled, nothing runs, no engine can abort single requests, or nothing is worth it.
+
+        Raises:
+            ShardStateError: a rank in ``new_ranks`` is not an int or does not exist.
         """
         snap = await self._state.refresh()
-        return await self._rebalance(snap, snap.active if new_ranks is None else new_ranks)
+        targets = snap.active
+        if new_ranks is not None:
+            if isinstance(new_ranks, Iterable) and not isinstance(new_ranks, (str, bytes)):
+                new_ranks = list(new_ranks)
+                if not new_ranks:
+                    return ()  # no shard newly activated: nothing to fill
+            # A rank that does not exist is a caller's mistake, not "nothing to migrate".
+            targets = normalize_ranks(snap, new_ranks)
+        return await self._rebalance(snap, targets)
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -590,14 +642,10 @@ class ShardRouter:
         self, snap: ShardSnapshot, targets: tuple[int, ...]
     ) -> tuple[MigrationMove, ...]:
         mig = self._config.migration
-        # Loads as they will be once migrations already under way have landed.
-        loads = list(self._inflight)
         runs: dict[int, list[tuple[str, _Running]]] = {}
         for key, run in self._running.items():
-            if run.migrate_to is not None:
-                loads[run.rank] -= 1
-                loads[run.migrate_to] += 1
-            elif self._abortable[run.rank] and snap.statuses[run.rank] is ShardStatus.ACTIVE:
+            if (run.migrate_to is None and self._abortable[run.rank]
+                    and snap.statuses[run.rank] is ShardStatus.ACTIVE):
                 runs.setdefault(run.rank, []).append((key, run))
         progress: dict[str, int] = {}
         for rank, items in runs.items():
@@ -607,6 +655,19 @@ class ShardRouter:
                     progress.update(await engine.request_progress([k for k, _ in items]))
                 except Exception:
                     logger.debug("progress query failed on shard %d", rank, exc_info=True)
+        # The awaits before this point (the rebalance lock, the progress queries) may have
+        # let the state move on: plan on the newest snapshot, so no move targets or leaves
+        # a shard that is no longer active.
+        current = self._state.snapshot()
+        if current.version > snap.version:
+            snap = current
+        # Loads as they are now (attempts may have finished during the awaits) and as they
+        # will be once migrations already under way have landed.
+        loads = list(self._inflight)
+        for run in self._running.values():
+            if run.migrate_to is not None:
+                loads[run.rank] -= 1
+                loads[run.migrate_to] += 1
         # The awaits above may have let attempts finish or get marked: use the live ones.
         candidates = [
             MigrationCandidate(key, run.rank, remaining_tokens(run.budget, progress, key),

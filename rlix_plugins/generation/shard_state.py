@@ -17,6 +17,7 @@ without valid weights until its weight sync is done: it gets no traffic until ``
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -88,11 +89,15 @@ class ShardSnapshot:
         cls, num_shards: int, status: ShardStatus = ShardStatus.ACTIVE
     ) -> ShardSnapshot:
         """Version-0 snapshot with every one of ``num_shards`` shards in ``status``."""
-        if num_shards < 1:
-            raise ShardStateError(f"num_shards must be >= 1, got {num_shards}")
+        if not is_int(num_shards) or num_shards < 1:
+            kind = "" if is_int(num_shards) else "an int "
+            raise ShardStateError(f"num_shards must be {kind}>= 1, got {num_shards!r}")
+        with contextlib.suppress(ValueError):
+            status = ShardStatus(status)  # its string value is accepted too
         if status not in (ShardStatus.ACTIVE, ShardStatus.SLEEPING):
+            shown = status.value if isinstance(status, ShardStatus) else status
             raise ShardStateError(
-                f"initial status {status.value!r} is not valid; expected 'active' or 'sleeping'"
+                f"initial status {shown!r} is not valid; expected 'active' or 'sleeping'"
             )
         return cls.build(0, [status] * num_shards)
 
@@ -113,6 +118,29 @@ class ShardSnapshot:
         """Compact human-readable form for error messages and logs."""
         body = ", ".join(f"{r}:{s.value}" for r, s in enumerate(self.statuses))
         return f"v{self.version} [{body}]"
+
+
+def parse_event(event: ShardEvent | str) -> ShardEvent:
+    """``event`` as a :class:`ShardEvent`; :class:`ShardStateError` naming the valid ones."""
+    try:
+        return ShardEvent(event)
+    except ValueError:
+        valid = sorted(e.value for e in ShardEvent)
+        raise ShardStateError(
+            f"unknown shard event {event!r}; valid events are {valid}"
+        ) from None
+
+
+def parse_last_active(policy: LastActivePolicy | str) -> LastActivePolicy:
+    """``policy`` as a :class:`LastActivePolicy` (its string value is accepted too);
+    :class:`ShardStateError` naming the valid ones."""
+    try:
+        return LastActivePolicy(policy)
+    except ValueError:
+        valid = sorted(p.value for p in LastActivePolicy)
+        raise ShardStateError(
+            f"unknown last-active policy {policy!r}; valid policies are {valid}"
+        ) from None
 
 
 def _check_rank(snapshot: ShardSnapshot, dp_rank: int) -> None:
@@ -148,7 +176,9 @@ def check_event(
     last_active: LastActivePolicy = LastActivePolicy.ALLOW,
 ) -> tuple[int, ...]:
     """Raise unless ``event`` may be applied to every rank; return the normalized ranks."""
-    event = ShardEvent(event)
+    event = parse_event(event)
+    # Compared by identity below: the string "refuse" must not silently mean ALLOW.
+    last_active = parse_last_active(last_active)
     ranks = normalize_ranks(snapshot, dp_ranks)
     sources, _target = _TRANSITIONS[event]
     bad = [r for r in ranks if snapshot.statuses[r] not in sources]
@@ -175,7 +205,7 @@ def apply_event(
     last_active: LastActivePolicy = LastActivePolicy.ALLOW,
 ) -> ShardSnapshot:
     """Return the snapshot after ``event`` on ``dp_ranks`` (all or nothing, version + 1)."""
-    event = ShardEvent(event)
+    event = parse_event(event)
     ranks = check_event(snapshot, dp_ranks, event, last_active)
     target = _TRANSITIONS[event][1]
     statuses = list(snapshot.statuses)

@@ -25,6 +25,7 @@ from rlix_plugins.generation.shard_state import (
     ShardSnapshot,
     ShardStatus,
     apply_event,
+    parse_last_active,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,8 @@ class ShardStateStore:
         last_active: LastActivePolicy = LastActivePolicy.ALLOW,
     ) -> None:
         self._lock = threading.Lock()
-        self._snapshot = ShardSnapshot.initial(num_shards, ShardStatus(initial))
-        self._last_active = LastActivePolicy(last_active)
+        self._snapshot = ShardSnapshot.initial(num_shards, initial)
+        self._last_active = parse_last_active(last_active)
         self._listeners: list[Listener] = []
 
     @property

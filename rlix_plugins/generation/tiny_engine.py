@@ -62,13 +62,12 @@ def start_tiny_engine(spec: TinyEngineSpec) -> Any:
 
     Must be called from a running event loop's thread (AsyncLLM starts its output handler
     lazily there). ``VLLM_CPU_OMP_THREADS_BIND`` is read by the spawned EngineCore at start,
-    so it is set just before creation; without it two engines share core 0.
+    so it is set just for the creation and restored afterwards (left set, a later engine
+    without ``cpu_bind`` inherited this one's cores); without it two engines share core 0.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    if spec.cpu_bind is not None:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
     args = AsyncEngineArgs(
         model=str(spec.model_dir),
         load_format="dummy",
@@ -82,4 +81,14 @@ def start_tiny_engine(spec: TinyEngineSpec) -> Any:
         worker_extension_cls=spec.worker_extension_cls,
         disable_log_stats=True,
     )
-    return AsyncLLM.from_engine_args(args)
+    key = "VLLM_CPU_OMP_THREADS_BIND"
+    before = os.environ.get(key)
+    if spec.cpu_bind is not None:
+        os.environ[key] = spec.cpu_bind
+    try:
+        return AsyncLLM.from_engine_args(args)
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before

@@ -18,14 +18,18 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from rlix_plugins.errors import ShardPreemptedError
+from rlix_plugins.errors import ProtocolError, SettingsError, ShardPreemptedError
 from rlix_plugins.generation.engine import ABORTED, EngineOutput, GenerationRequest
+from rlix_plugins.values import is_int
 
 logger = logging.getLogger(__name__)
 
 #: vLLM sleep level used when none is configured: level 2 drops weights and KV cache (the
 #: weights are re-sent by the selective sync after wake-up anyway).
 DEFAULT_SLEEP_LEVEL = 2
+
+#: ``SamplingParams`` fields the wrapper sets itself (a request may not set them too).
+_WRAPPER_SET = frozenset({"max_tokens", "output_kind"})
 
 
 class VllmAsyncShard:
@@ -43,8 +47,8 @@ class VllmAsyncShard:
     def __init__(
         self, engine: Any, *, sleep_level: int = DEFAULT_SLEEP_LEVEL, name: str = "shard"
     ) -> None:
-        if sleep_level not in (0, 1, 2):
-            raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level!r}")
+        if not (is_int(sleep_level) and sleep_level in (0, 1, 2)):
+            raise SettingsError(f"sleep_level must be 0, 1 or 2, got {sleep_level!r}")
         self._engine = engine
         self._sleep_level = sleep_level
         self._name = name
@@ -119,7 +123,20 @@ class VllmAsyncShard:
         )
 
     async def generate(self, request: GenerationRequest) -> EngineOutput:
-        """Run ``request`` to completion; an aborted request returns ``finish_reason="abort"``."""
+        """Run ``request`` to completion; an aborted request returns ``finish_reason="abort"``.
+
+        Raises:
+            ProtocolError: ``request.sampling`` sets what this wrapper sets
+                (``max_tokens``: the request's own field; ``output_kind``).
+            ShardPreemptedError: the gate is closed (the shard is being preempted).
+        """
+        clash = sorted(_WRAPPER_SET.intersection(request.sampling))
+        if clash:
+            raise ProtocolError(
+                f"request {request.request_id}: sampling option(s) {clash} are set by the "
+                "engine wrapper (max_tokens comes from GenerationRequest.max_tokens); remove "
+                "them from GenerationRequest.sampling"
+            )
         if not self._accepting:
             self._rejected(request.request_id)
         sampling_cls, prompt_cls, final_only = self._vllm_types()
