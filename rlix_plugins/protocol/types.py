@@ -17,6 +17,7 @@ from typing import Any
 
 from rlix_plugins.errors import ProtocolError
 from rlix_plugins.protocol.names import validate_pipeline_id
+from rlix_plugins.values import is_finite, is_int
 
 #: Progress is reported in 2% steps: bucket 0..50.
 PROGRESS_BUCKETS = 50
@@ -139,12 +140,12 @@ def coerce_progress_report(obj: object) -> ProgressReport:
 
     pipeline_id = validate_pipeline_id(field("pipeline_id"))
     target = field("step_target_trajectories")
-    if isinstance(target, bool) or not isinstance(target, int) or target < 0:
+    if not is_int(target) or target < 0:
         raise ProtocolError(f"step_target_trajectories must be an int >= 0, got {target!r}")
     fifo = field("fifo_timestamp", None)
     # bool is an int and NaN/inf are floats: neither is a time
     if fifo is not None and (
-        isinstance(fifo, bool) or not isinstance(fifo, (int, float)) or not math.isfinite(fifo)
+        not is_finite(fifo)
     ):
         raise ProtocolError(f"fifo_timestamp must be a finite number or None, got {fifo!r}")
     metrics = field("metrics", None)
@@ -153,7 +154,7 @@ def coerce_progress_report(obj: object) -> ProgressReport:
     metrics_dict = dict(metrics) if metrics is not None else None
     if metrics_dict is not None:
         raw = metrics_dict.get("completed", metrics_dict.get("collected", 0))
-        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        if not is_int(raw) or raw < 0:
             raise ProtocolError(f"metrics['completed'] must be an int >= 0, got {raw!r}")
     return ProgressReport(
         pipeline_id=pipeline_id,

@@ -170,7 +170,7 @@ class TensorEntry:
             and isinstance(dtype, str)
             and isinstance(offset, int)
             and isinstance(nbytes, int)
-            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ints)
+            and all(is_int(i) and i >= 0 for i in ints)
         ):
             raise WeightSyncError(
                 f"malformed tensor entry {raw!r} in a bucket header; expected [name (str), "
@@ -422,7 +422,7 @@ class BucketCache:
             for _ in iterator:
                 pass
             return None
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        if not is_int(version) or version < 0:
             # Checked before the collective is consumed: a bad number must not cost a gather.
             raise WeightCacheError(
                 f"pipeline {self.pipeline_id!r}: weight version must be an int >= 0, got "

@@ -30,6 +30,7 @@ from typing import Any
 from rlix_plugins.errors import ReceiverGoneError, WeightCacheError, WeightSyncError
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
+from rlix_plugins.values import is_int
 
 #: name -> (dtype name, shape) of the tensors the child preallocates
 Layout = Mapping[str, tuple[str, tuple[int, ...]]]
@@ -179,7 +180,7 @@ def _check_layout(shard_id: str, layout: Layout) -> dict[str, tuple[str, tuple[i
             ) from None
         if not (
             isinstance(shape, tuple | list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+            and all(is_int(d) and d >= 0 for d in shape)
         ):
             raise WeightSyncError(
                 f"receiver {shard_id}: layout of {name!r} has shape {shape!r}; expected a tuple "

@@ -32,6 +32,7 @@ from rlix_plugins.protocol import (
     progress_bucket,
     validate_pipeline_id,
 )
+from rlix_plugins.values import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ def outstanding_sink(sink: ProgressSink, read: OutstandingReader) -> ProgressSin
 
 def _outstanding_of(report: ProgressReport) -> int | None:
     raw = (report.metrics or {}).get(OUTSTANDING_METRIC)
-    if isinstance(raw, bool) or not isinstance(raw, int):
+    if not is_int(raw):
         return None
     return raw
 

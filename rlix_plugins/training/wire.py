@@ -28,7 +28,7 @@ import numpy as np
 
 from rlix_plugins.errors import WeightSyncError
 from rlix_plugins.training.checksum import ChecksumKind
-from rlix_plugins.values import is_finite, is_int
+from rlix_plugins.values import is_finite, is_int, is_number
 
 
 class TransportKind(str, enum.Enum):
@@ -74,7 +74,7 @@ class SyncOffer:
                 raise WeightSyncError(f"sync offer field {name}={value!r} must be >= 0")
             object.__setattr__(self, name, int(value))  # numpy ints travel as plain ints
         t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+        if not is_number(t) or not 0 < t < math.inf:
             raise WeightSyncError(
                 f"sync offer field timeout_s={t!r} must be finite seconds > 0"
             )

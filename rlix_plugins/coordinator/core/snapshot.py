@@ -26,6 +26,7 @@ from rlix_plugins.coordinator.core.registration import validate_registration
 from rlix_plugins.coordinator.core.state import SchedulerState
 from rlix_plugins.errors import CorruptStateError, ProtocolError
 from rlix_plugins.protocol.types import Priority, coerce_progress_report
+from rlix_plugins.values import is_int
 
 SNAPSHOT_VERSION = 1
 
@@ -160,7 +161,7 @@ def _restore(data: Mapping[str, Any], topology: Topology | None) -> SchedulerSta
             state.progress.setdefault(pid, {})[report.stream_key] = report
     for pid, estimate in data["estimates"].items():
         state.pipeline(pid)
-        if isinstance(estimate, bool) or not isinstance(estimate, int) or estimate < 0:
+        if not is_int(estimate) or estimate < 0:
             raise ValueError(f"estimate of {pid!r} must be an int >= 0, got {estimate!r}")
         state.estimates[pid] = estimate
     # Background expands in flight at the crash (absent from older snapshots): still warming;
@@ -231,7 +232,7 @@ def _inflight_records(what: str, records: Iterable[object]) -> list[tuple[str, i
         )
         cid, rank = pair if len(pair) == 2 else (None, None)
         # bool is an int subclass: True would be read as rank 1
-        if not isinstance(cid, str) or not isinstance(rank, int) or isinstance(rank, bool):
+        if not isinstance(cid, str) or not is_int(rank):
             raise CorruptStateError(
                 f"in-flight record {record!r} in {what} is malformed; each record must be a "
                 "(cluster_id: str, dp_rank: int) pair"
