@@ -19,6 +19,9 @@ Wiring (installed by :mod:`rlix_plugins.patches.nemo_rl`, nothing in NeMo RL is 
   workers, refresh the still-active shards, release the training GPUs (``after_training``), ask
   for generation GPUs for the next step. The first call (before any step) caches version 0 and
   puts every shard to sleep; the coordinator wakes them as demand warrants.
+* ``Policy.save_checkpoint`` (async GRPO saves after the refit released the GPUs and destroyed
+  the groups) takes the training GPUs and groups back for the save and releases them after
+  (:meth:`NemoRlPipeline.hold_training` / :meth:`NemoRlPipeline.release_training`).
 * The collector reports progress (:func:`progress_tracker_for_collector`).
 """
 
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
-from rlix_plugins.errors import RegistrationError
+from rlix_plugins.errors import CoordinatorUnavailableError, RegistrationError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import ShardStateView
@@ -73,6 +76,13 @@ class NemoRlLayout:
             raise RegistrationError(
                 f"inference tp={self.infer_tp} is not valid; the tensor-parallel size must be >= 1"
             )
+        for name, gpus in (("infer_gpus", self.infer_gpus), ("train_gpus", self.train_gpus)):
+            twice = sorted({g for g in gpus if gpus.count(g) > 1})
+            if twice:
+                raise RegistrationError(
+                    f"{name} {list(gpus)} name GPU(s) {twice} twice; valid: distinct global "
+                    "GPU ids"
+                )
         if len(self.infer_gpus) % self.infer_tp:
             raise RegistrationError(
                 f"{len(self.infer_gpus)} inference GPUs are not a multiple of tp={self.infer_tp}"
@@ -98,7 +108,11 @@ class NemoRlLayout:
     def from_generation_config(cls, cfg: Any, num_shards: int, tp: int) -> NemoRlLayout:
         """``policy.generation.rlix.{infer_gpus,train_gpus}`` or, absent, all inference GPUs
         with training on the first ``rlix.train_gpu_count`` (default 1) of them."""
-        rl = dict((cfg or {}).get("rlix") or {})
+        # The placement plan's type checks: ``int(...)`` would read "01" as GPUs 0 and 1,
+        # 0.7 as GPU 0 and True as GPU 1 (attach_generation reaches here without a plan).
+        from rlix_plugins.adapters.nemo_rl_placement_plan import _checked_rlix_section
+
+        rl = _checked_rlix_section(cfg)
         infer = tuple(int(g) for g in rl.get("infer_gpus", range(num_shards * tp)))
         if "train_gpus" in rl:
             train = tuple(int(g) for g in rl["train_gpus"])
@@ -215,7 +229,7 @@ class NemoRlPipeline:
         from rlix_plugins.generation.ray_state import RayShardState
 
         self.check_placement()
-        orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
+        orch = _orchestrator(self.settings)
         ray.get(orch.register_pipeline.remote(
             pipeline_id=self.pipeline_id,
             ray_namespace=pipeline_namespace(self.pipeline_id),
@@ -326,6 +340,31 @@ class NemoRlPipeline:
         self._request_generation()
         return {"rlix/cached_version": float(version), "rlix/refreshed_shards": float(len(active))}
 
+    def hold_training(self) -> bool:
+        """Take the training GPUs and groups back outside a step: NeMo RL saves its checkpoint
+        after the refit, which released them (the save moves model and optimizer to the GPU
+        and runs Megatron's collectives). True when taken here; then
+        :meth:`release_training` gives them back."""
+        taken = not self._holding_train
+        self.before_training()
+        return taken
+
+    def release_training(self) -> None:
+        """Give back GPUs taken by :meth:`hold_training`: offload what the save moved to the
+        GPU, destroy the NCCL groups, release, ask for generation GPUs again (as after a
+        step). The release is sent even when the offload or the destroy fails (the GPUs must
+        not stay held by nobody)."""
+        if not self._holding_train:
+            return
+        try:
+            self.policy.offload_after_refit()
+            self.policy.run_all_workers_single_data("rlix_destroy_parallel_state")
+            self._nccl_destroyed = True
+        finally:
+            self.hooks.after_training(self.step)
+            self._holding_train = False
+        self._request_generation()
+
     def _request_generation(self) -> None:
         """Ask for generation GPUs for this step (returns at once; grants arrive as expands)."""
         if self._gen_thread is not None and self._gen_thread.is_alive():
@@ -390,6 +429,21 @@ class NemoRlPipeline:
         logger.info("NeMo RL pipeline %s left the coordinator", self.pipeline_id)
 
 
+def _orchestrator(settings: Settings) -> Any:
+    """The coordinator's orchestrator actor, or :class:`CoordinatorUnavailableError` naming the
+    namespace looked in (Ray's own error is an untyped ``ValueError``)."""
+    import ray
+
+    try:
+        return ray.get_actor(ORCHESTRATOR_ACTOR, namespace=settings.namespace)
+    except ValueError:
+        raise CoordinatorUnavailableError(
+            f"RLIX_CONTROL_PLANE=rlix but no {ORCHESTRATOR_ACTOR} runs in Ray namespace "
+            f"{settings.namespace!r} (RLIX_NAMESPACE); start the coordinator there or set "
+            "RLIX_NAMESPACE to the namespace it runs in"
+        ) from None
+
+
 def _set_controller(actor_self: Any, controller: NemoRlShardController) -> None:
     actor_self.shards = controller
 
@@ -429,7 +483,7 @@ def attach_generation(generation: Any) -> None:
                 f"{generation.dp_size} dp rank(s); infer_gpus must list exactly the inference "
                 "cluster's GPUs"
             )
-        orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=settings.namespace)
+        orch = _orchestrator(settings)
         pid: str = settings.pipeline_id or str(ray.get(orch.allocate_pipeline_id.remote("ft")))
         previous_pid = os.environ.get(ENV_PIPELINE_ID)
         os.environ[ENV_PIPELINE_ID] = pid  # inherited by the collector and buffer actors
@@ -448,7 +502,7 @@ def attach_generation(generation: Any) -> None:
         _pipeline = pipeline
         policy = _pending_policy
     if policy is not None:  # the policy finished first
-        pipeline.attach_policy(policy)
+        _attach_or_leave(pipeline, policy)
 
 
 def attach_policy(policy: Any) -> None:
@@ -459,7 +513,22 @@ def attach_policy(policy: Any) -> None:
         if pipeline is None:
             _pending_policy = policy
             return
-    pipeline.attach_policy(policy)
+    _attach_or_leave(pipeline, policy)
+
+
+def _attach_or_leave(pipeline: NemoRlPipeline, policy: Any) -> None:
+    """``pipeline.attach_policy(policy)``; when it fails the pipeline could never be resized,
+    so it leaves the coordinator (unregistered, heartbeat and actors stopped) before the
+    error propagates, as a failed registration does."""
+    global _pipeline, _pending_policy
+    try:
+        pipeline.attach_policy(policy)
+    except BaseException:
+        pipeline.shutdown()
+        with _pipeline_lock:
+            if _pipeline is pipeline:
+                _pipeline, _pending_policy = None, None
+        raise
 
 
 class RLixWeightSynchronizer:
@@ -495,6 +564,31 @@ class RLixWeightSynchronizer:
             if _pipeline is self.pipeline:
                 _pipeline, _pending_policy = None, None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # async_grpo_train pickles the generation into its collector actor (whose router copy
+        # routes); the pipeline (registration, heartbeat, threads) stays in the driver.
+        return (DetachedWeightSynchronizer, ())
+
+
+class DetachedWeightSynchronizer:
+    """What a pickled copy of the generation carries instead of :class:`RLixWeightSynchronizer`
+    (NeMo RL's collector never refits): refits are refused, shutdown leaves the driver's
+    pipeline alone."""
+
+    is_stale = False
+
+    def init_communicator(self) -> None:
+        """Nothing to set up."""
+
+    def sync_weights(self, timer: Any = None, kv_scales: Any = None) -> dict[str, float]:
+        raise RegistrationError(
+            "rlix: this generation is a copy (e.g. the trajectory collector's); refit through "
+            "the driver's generation, which holds the pipeline"
+        )
+
+    def shutdown(self) -> None:
+        """A copy going away must not unregister the driver's pipeline."""
+
 
 def make_policy_class(base: type) -> type:
     """``Policy`` subclass: Megatron extension + the before-training half of the cycle."""
@@ -521,6 +615,16 @@ def make_policy_class(base: type) -> type:
             if pipeline is not None:
                 pipeline.before_training()
             return super().prepare_for_training(*args, **kwargs)
+
+        def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+            # async GRPO saves after the refit released the GPUs and destroyed the groups
+            pipeline = current_pipeline()
+            if pipeline is None or not pipeline.hold_training():
+                return super().save_checkpoint(*args, **kwargs)
+            try:
+                return super().save_checkpoint(*args, **kwargs)
+            finally:
+                pipeline.release_training()
 
     RLixPolicy.__qualname__ = f"RLix{base.__name__}"
     return RLixPolicy
@@ -669,6 +773,7 @@ def begin_progress_batch(tracker: ProgressTracker, weight_version: int,
 # RLixVllmGeneration runs attach_generation at construction (the patch sets the class hook).
 __all__ = [
     "CacheSync",
+    "DetachedWeightSynchronizer",
     "NemoRlLayout",
     "NemoRlPipeline",
     "NemoRlShardController",

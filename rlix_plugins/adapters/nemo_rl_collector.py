@@ -10,6 +10,7 @@ targets and reports (2% buckets) through the pipeline's progress sink.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import ray
@@ -46,6 +47,13 @@ class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
             getattr(self, "master_config", kwargs.get("master_config")),
             getattr(self, "policy_generation", kwargs.get("policy_generation")),
         )
+        # Prompt groups buffered per target weight version. NeMo RL generates up to
+        # max_trajectory_age_steps ahead, so when a version begins some of its groups are
+        # already buffered: they count from the start (the tracker only counts its current
+        # version). One lock with the tracker calls: a group is counted once, either here
+        # before its version begins or by the tracker after.
+        self._rlix_buffered: dict[int, int] = {}
+        self._rlix_lock = threading.Lock()
 
     async def _enqueue_rollout_group(
         self,
@@ -68,8 +76,11 @@ class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
         if tracker is None:
             return
         try:
-            # One prompt group buffered for the step that trains target_weight_version.
-            tracker.record(1, weight_version=int(target_weight_version))
+            target = int(target_weight_version)
+            with self._rlix_lock:
+                self._rlix_buffered[target] = self._rlix_buffered.get(target, 0) + 1
+                # One prompt group buffered for the step that trains target_weight_version.
+                tracker.record(1, weight_version=target)
         except Exception:  # progress must never stop collection
             logger.exception("rlix: progress report failed; collection continues")
 
@@ -79,7 +90,13 @@ class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
         if tracker is not None:
             from rlix_plugins.adapters.nemo_rl import begin_progress_batch
 
-            begin_progress_batch(tracker, int(version))
+            version = int(version)
+            with self._rlix_lock:
+                # Earlier targets are sampled (or dropped) by now: forget them.
+                self._rlix_buffered = {
+                    t: n for t, n in self._rlix_buffered.items() if t >= version}
+                begin_progress_batch(tracker, version,
+                                     already_collected=self._rlix_buffered.get(version, 0))
 
 
 RLixAsyncTrajectoryCollector = ray.remote(RLixAsyncTrajectoryCollectorImpl)

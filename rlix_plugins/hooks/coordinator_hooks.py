@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlix_plugins.adapters.observability import BusyObserved, ObservationError, ObservationWriter
-from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
+from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError, ProtocolError
 from rlix_plugins.protocol.names import ACTOR_TRAIN, SCHEDULER_ACTOR, cluster_id
 from rlix_plugins.protocol.types import (
     OUTSTANDING_METRIC,
@@ -31,6 +32,19 @@ logger = logging.getLogger(__name__)
 #: how long past its own deadline a client waits for request_gpus's answer (the scheduler
 #: bounds the wait by the same RLIX_REQUEST_TIMEOUT_S and then answers with an error)
 _REQUEST_GRACE_S = 30.0
+
+
+def _count(name: str, value: object, minimum: int | None = None) -> int:
+    """``value`` as a plain int (numpy ints too; not bools, floats or strings), else
+    :class:`ProtocolError` naming the argument and what is valid."""
+    try:
+        out = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        out = None
+    if isinstance(value, bool) or out is None or (minimum is not None and out < minimum):
+        valid = "an int" if minimum is None else f"an int >= {minimum}"
+        raise ProtocolError(f"report_progress: {name}={value!r} is not valid; valid: {valid}")
+    return out
 
 
 @dataclass(slots=True)
@@ -195,6 +209,14 @@ class CoordinatorHooks:
         staleness bound allows; sent as the ``outstanding`` metric with the report (it never
         triggers a report by itself), so our planner sizes an async job by all its work.
         """
+        # Checked before anything is sent or throttled: a bool would count as 1, a float or a
+        # string would reach the coordinator (refused there, or read as another number).
+        step_target_trajectories = _count("step_target_trajectories", step_target_trajectories,
+                                          0)
+        collected = _count("collected", collected)
+        current_train_step = _count("current_train_step", current_train_step)
+        if outstanding is not None:
+            outstanding = _count("outstanding", outstanding)
         throttle = self._throttles.setdefault((mode, adapter_id), ProgressThrottle())
         state = throttle.state_of(target=step_target_trajectories, completed=collected)
         if not throttle.wants(state, new_batch=new_batch):
