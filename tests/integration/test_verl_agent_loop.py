@@ -60,35 +60,13 @@ def test_the_patch_installs_the_worker_veRLs_manager_builds(patched: Any) -> Non
 
 def test_each_stored_trajectory_is_counted_as_it_lands(patched: Any, verl_ray: Any) -> None:
     import transfer_queue as tq
-    from omegaconf import OmegaConf
-    from verl.experimental.agent_loop import agent_loop as agent_loop_mod
 
-    from rlix_plugins.patches.verl_agent_loop import RLixAgentLoopWorkerTQ
-    from rlix_plugins.patches.verl_routing import RLixLLMServerClient, RLixRequestLoadBalancer
+    from tests.support.verl_agent_loop import agent_loop_worker
 
-    lb = verl_ray.remote(RLixRequestLoadBalancer).options(num_cpus=0).remote(servers={})
-    cfg = OmegaConf.create({
-        "actor_rollout_ref": {"rollout": {"n": N, "val_kwargs": {"n": 1}}},
-        "data": {},
-        "transfer_queue": {"enable": True},
-    })
-    tq.init(OmegaConf.create({
-        "enable": True, "metrics": {"enabled": False, "port": 0},
-        "backend": {"storage_backend": "SimpleStorage",
-                    "SimpleStorage": {"total_storage_size": 1000, "num_data_storage_units": 1}},
-    }))
-    agent_loop_mod._agent_loop_registry["rlix_test_echo"] = {
-        "_target_": f"{__name__}.FakeEchoAgentLoop"
-    }
-    # veRL's __init__ loads a tokenizer and model config: set what the methods read instead.
-    worker = RLixAgentLoopWorkerTQ.__new__(RLixAgentLoopWorkerTQ)
-    worker.config = cfg
-    worker.llm_client = RLixLLMServerClient(config=cfg, load_balancer_handle=lb)
-    worker.tokenizer = worker.processor = worker.dataset_cls = worker.hf_model_type = None
-    worker.tools = []
-    worker.reward_loop_worker_handles = None
-    worker.distillation_enabled = False
-    try:
+    with agent_loop_worker(verl_ray, loop_name="rlix_test_echo",
+                           loop_target=f"{__name__}.FakeEchoAgentLoop", n=N, data={}) as rig:
+        worker, lb = rig.worker, rig.load_balancer
+
         async def scenario() -> list[int]:
             FakeEchoAgentLoop.gates = {i: asyncio.Event() for i in range(N)}
             prompt = {"uid": "u1", "agent_name": "rlix_test_echo", "global_steps": 1}
@@ -116,7 +94,3 @@ def test_each_stored_trajectory_is_counted_as_it_lands(patched: Any, verl_ray: A
         assert stored["u1"]["status"] == "finished"
         assert sorted(k for k in stored if k != "u1") == [f"u1_{s}_0" for s in range(N)]
         assert verl_ray.get(lb.rlix_consume.remote(N)) == 0
-    finally:
-        agent_loop_mod._agent_loop_registry.pop("rlix_test_echo", None)
-        tq.close()
-        verl_ray.kill(lb)

@@ -18,7 +18,7 @@ from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
 from rlix_plugins.coordinator.service import rlix_compat
 from rlix_plugins.errors import ProtocolError, ShardStateError
-from rlix_plugins.generation import EngineOutput, GenerationRequest, ShardLifecycle
+from rlix_plugins.generation import ShardLifecycle
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import LocalShardState, ShardStateStore
@@ -29,6 +29,7 @@ from rlix_plugins.protocol import (
     validate_pipeline_id,
 )
 from rlix_plugins.training.progress import ProgressTracker
+from tests.support.recording_engine import FakeRecordingEngine
 
 # ----------------------------------------------------------------------------- names
 
@@ -164,33 +165,6 @@ def test_tracker_refuses_a_bad_pipeline_id_or_age_window_at_construction() -> No
 
 
 # ----------------------------------------------------------------------------- shard controller
-
-
-class FakeRecordingEngine:
-    """FAKE shard engine (a vLLM engine per shard is what the integration suites start):
-    records lifecycle calls; the real ShardLifecycle and shard-state store drive it."""
-
-    def __init__(self, rank: int, calls: list[object]) -> None:
-        self.rank, self.calls = rank, calls
-
-    async def generate(self, request: GenerationRequest) -> EngineOutput:
-        raise NotImplementedError
-
-    async def abort_all(self) -> int:
-        self.calls.append(("abort_all", self.rank))
-        return 0
-
-    async def num_running(self) -> int:
-        return 0
-
-    async def sleep(self, level: int | None = None) -> None:
-        self.calls.append(("sleep", self.rank))
-
-    async def wake_up(self) -> None:
-        self.calls.append(("wake_up", self.rank))
-
-    async def resume(self) -> None:
-        self.calls.append(("resume", self.rank))
 
 
 @pytest.fixture

@@ -14,39 +14,13 @@ import pytest
 from rlix_plugins.adapters.observability import ObservationWriter
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
 from rlix_plugins.errors import ShardStateError
-from rlix_plugins.generation import EngineOutput, GenerationRequest, ShardLifecycle
+from rlix_plugins.generation import ShardLifecycle
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.shard_state import ShardEvent, ShardStatus
 from rlix_plugins.generation.state_store import LocalShardState, ShardStateStore
+from tests.support.recording_engine import FakeRecordingEngine
 
 A, S, W = ShardStatus.ACTIVE, ShardStatus.SLEEPING, ShardStatus.WOKEN
-
-
-@dataclass
-class FakeRecordingEngine:
-    """FAKE shard engine: records lifecycle calls instead of driving vLLM."""
-
-    rank: int
-    calls: list[tuple[str, int]]
-
-    async def generate(self, request: GenerationRequest) -> EngineOutput:
-        raise NotImplementedError
-
-    async def abort_all(self) -> int:
-        self.calls.append(("abort_all", self.rank))
-        return 0
-
-    async def num_running(self) -> int:
-        return 0
-
-    async def sleep(self, level: int | None = None) -> None:
-        self.calls.append(("sleep", self.rank))
-
-    async def wake_up(self) -> None:
-        self.calls.append(("wake_up", self.rank))
-
-    async def resume(self) -> None:
-        self.calls.append(("resume", self.rank))
 
 
 @dataclass

@@ -171,45 +171,22 @@ def test_a_multi_output_session_counts_as_one_trajectory(patched: Any, verl_ray:
     outputs must count once, or pending work grows every step and the coordinator sees the
     step's demand as met before it is."""
     import transfer_queue as tq
-    from omegaconf import OmegaConf
-    from verl.experimental.agent_loop import agent_loop as agent_loop_mod
 
-    from rlix_plugins.patches.verl_agent_loop import RLixAgentLoopWorkerTQ
-    from rlix_plugins.patches.verl_routing import RLixLLMServerClient, RLixRequestLoadBalancer
     from rlix_plugins.patches.verl_trainer import RLixTrainerMixin
+    from tests.support.verl_agent_loop import agent_loop_worker
 
     n = 2
-    lb = verl_ray.remote(RLixRequestLoadBalancer).options(num_cpus=0).remote(servers={})
-    cfg = OmegaConf.create({
-        "actor_rollout_ref": {"rollout": {"n": n, "val_kwargs": {"n": 1}}},
-        "data": {"train_batch_size": 1},
-        "transfer_queue": {"enable": True},
-    })
-    tq.init(OmegaConf.create({
-        "enable": True, "metrics": {"enabled": False, "port": 0},
-        "backend": {"storage_backend": "SimpleStorage",
-                    "SimpleStorage": {"total_storage_size": 1000, "num_data_storage_units": 1}},
-    }))
-    agent_loop_mod._agent_loop_registry["rlix_test_two"] = {
-        "_target_": f"{__name__}.FakeTwoOutputAgentLoop"
-    }
-    # veRL's __init__ loads a tokenizer and model config: set what the methods read instead.
-    worker = RLixAgentLoopWorkerTQ.__new__(RLixAgentLoopWorkerTQ)
-    worker.config = cfg
-    worker.llm_client = RLixLLMServerClient(config=cfg, load_balancer_handle=lb)
-    worker.tokenizer = worker.processor = worker.dataset_cls = worker.hf_model_type = None
-    worker.tools = []
-    worker.reward_loop_worker_handles = None
-    worker.distillation_enabled = False
 
     class _Trainer(RLixTrainerMixin):
         pass
 
-    trainer = _Trainer()
-    trainer.config = cfg
-    try:
+    with agent_loop_worker(verl_ray, loop_name="rlix_test_two",
+                           loop_target=f"{__name__}.FakeTwoOutputAgentLoop",
+                           n=n, data={"train_batch_size": 1}) as rig:
+        trainer = _Trainer()
+        trainer.config = rig.config
         prompt = {"uid": "u1", "agent_name": "rlix_test_two", "global_steps": 1}
-        asyncio.run(worker._run_prompt(
+        asyncio.run(rig.worker._run_prompt(
             prompt, {"temperature": 1.0},
             trajectory={"step": 1, "sample_index": 0, "rollout_n": 0, "validate": False},
         ))
@@ -218,11 +195,8 @@ def test_a_multi_output_session_counts_as_one_trajectory(patched: Any, verl_ray:
             f"u1_{s}_{i}" for s in range(n) for i in range(2)
         ]
         # one sample (one prompt, n sessions) takes the whole group: nothing is left pending
+        lb = rig.load_balancer
         assert verl_ray.get(lb.rlix_consume.remote(trainer._sample_trajectories())) == 0
-    finally:
-        agent_loop_mod._agent_loop_registry.pop("rlix_test_two", None)
-        tq.close()
-        verl_ray.kill(lb)
 
 
 # ---------------------------------------------------------------- adapter: layout
