@@ -6,8 +6,11 @@ mistake would read as 1 through a plain ``isinstance(x, int)``; every check here
 
 from __future__ import annotations
 
+import enum
 import math
-from typing import TypeGuard
+from typing import TypeGuard, TypeVar
+
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 def is_int(value: object) -> TypeGuard[int]:
@@ -23,3 +26,13 @@ def is_number(value: object) -> TypeGuard[int | float]:
 def is_finite(value: object) -> TypeGuard[int | float]:
     """``value`` is a finite int or float and not a bool."""
     return is_number(value) and math.isfinite(value)
+
+
+def enum_member(cls: type[_E], value: object, error: type[Exception], what: str) -> _E:
+    """``value`` as a member of ``cls`` (a member or its value, as configs and wire calls send
+    it); ``error`` naming ``what`` and the valid values otherwise."""
+    try:
+        return cls(value)
+    except ValueError:
+        valid = sorted(str(m.value) for m in cls)
+        raise error(f"unknown {what} {value!r}; valid values are {valid}") from None

@@ -38,7 +38,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any
 
 from rlix_plugins.errors import NoActiveShardError, SettingsError, ShardPreemptedError
 from rlix_plugins.generation.engine import (
@@ -58,7 +58,7 @@ from rlix_plugins.generation.migration import (
 )
 from rlix_plugins.generation.shard_state import ShardSnapshot, ShardStatus, normalize_ranks
 from rlix_plugins.generation.state_store import ShardStateView
-from rlix_plugins.values import is_int, is_number
+from rlix_plugins.values import enum_member, is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,10 @@ class RouterConfig:
         if not (is_number(self.wait_timeout_s) and self.wait_timeout_s > 0):
             raise SettingsError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s!r}")
         # Accept the plain string values too (configs come from YAML); store the enums.
-        object.__setattr__(self, "policy", _enum(RoutingPolicy, self.policy))
-        object.__setattr__(self, "redispatch", _enum(RedispatchMode, self.redispatch))
+        policy = enum_member(RoutingPolicy, self.policy, SettingsError, "routing policy")
+        redispatch = enum_member(RedispatchMode, self.redispatch, SettingsError, "redispatch mode")
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "redispatch", redispatch)
         if isinstance(self.migration, Mapping):
             valid = sorted(f.name for f in fields(MigrationConfig))
             unknown = sorted(set(self.migration) - set(valid), key=str)
@@ -128,19 +130,6 @@ class RouterConfig:
             )
 
 
-_E = TypeVar("_E", bound=enum.Enum)
-
-
-def _enum(cls: type[_E], value: object) -> _E:
-    """``value`` as a member of ``cls`` (its string value too); SettingsError naming the
-    valid values otherwise."""
-    try:
-        return cls(value)
-    except ValueError:
-        valid = [m.value for m in cls]
-        raise SettingsError(
-            f"{value!r} is not a valid {cls.__name__}; valid values are {valid}"
-        ) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rlix_plugins.errors import LastActiveShardError, ShardStateError
-from rlix_plugins.values import is_int
+from rlix_plugins.values import enum_member, is_int
 
 
 class ShardStatus(str, enum.Enum):
@@ -122,25 +122,13 @@ class ShardSnapshot:
 
 def parse_event(event: ShardEvent | str) -> ShardEvent:
     """``event`` as a :class:`ShardEvent`; :class:`ShardStateError` naming the valid ones."""
-    try:
-        return ShardEvent(event)
-    except ValueError:
-        valid = sorted(e.value for e in ShardEvent)
-        raise ShardStateError(
-            f"unknown shard event {event!r}; valid events are {valid}"
-        ) from None
+    return enum_member(ShardEvent, event, ShardStateError, "shard event")
 
 
 def parse_last_active(policy: LastActivePolicy | str) -> LastActivePolicy:
     """``policy`` as a :class:`LastActivePolicy` (its string value is accepted too);
     :class:`ShardStateError` naming the valid ones."""
-    try:
-        return LastActivePolicy(policy)
-    except ValueError:
-        valid = sorted(p.value for p in LastActivePolicy)
-        raise ShardStateError(
-            f"unknown last-active policy {policy!r}; valid policies are {valid}"
-        ) from None
+    return enum_member(LastActivePolicy, policy, ShardStateError, "last-active policy")
 
 
 def _check_rank(snapshot: ShardSnapshot, dp_rank: int) -> None:

@@ -158,9 +158,9 @@ def test_last_active_policy_given_as_its_string_value_is_honoured() -> None:
 
 @pytest.mark.parametrize(("call", "message"), [
     (lambda s: apply_event(s, [0], "bogus"),
-     r"unknown shard event 'bogus'; valid events are \['activate', 'asleep', 'preempt', 'wake'\]"),
+     r"unknown shard event 'bogus'; valid values are \['activate', 'asleep', 'preempt', 'wake'\]"),
     (lambda s: apply_event(s, [0], ShardEvent.PREEMPT, "maybe"),
-     r"unknown last-active policy 'maybe'; valid policies are \['allow', 'refuse'\]"),
+     r"unknown last-active policy 'maybe'; valid values are \['allow', 'refuse'\]"),
 ])
 def test_unknown_event_or_policy_is_a_typed_error(call: Any, message: str) -> None:
     snap = ShardSnapshot.initial(2)
@@ -175,7 +175,7 @@ def test_unknown_event_or_policy_is_a_typed_error(call: Any, message: str) -> No
     ((2,), {"initial": "asleep"},
      r"initial status 'asleep' is not valid; expected 'active' or 'sleeping'"),
     ((2,), {"last_active": "never"},
-     r"unknown last-active policy 'never'; valid policies are \['allow', 'refuse'\]"),
+     r"unknown last-active policy 'never'; valid values are \['allow', 'refuse'\]"),
 ])
 def test_store_arguments_get_typed_errors(
     args: tuple[Any, ...], kwargs: dict[str, Any], message: str
@@ -381,7 +381,7 @@ class FakeActorHandle:
 
 @pytest.mark.parametrize(("ranks", "event", "message"), [
     (0, ShardEvent.PREEMPT, "dp ranks must be an iterable of ints such as"),
-    ([0], "sleep", r"unknown shard event 'sleep'; valid events are"),
+    ([0], "sleep", r"unknown shard event 'sleep'; valid values are"),
 ])
 def test_ray_view_apply_gives_the_typed_error_of_the_local_view(
     ranks: Any, event: Any, message: str

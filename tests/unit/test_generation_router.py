@@ -117,8 +117,8 @@ def test_engine_count_must_match_shards() -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"max_attempts": 0}, "max_attempts must be >= 1, got 0"),
     ({"wait_timeout_s": 0}, "wait_timeout_s must be > 0, got 0"),
-    ({"policy": "random"}, "'random' is not a valid RoutingPolicy"),
-    ({"redispatch": "maybe"}, "'maybe' is not a valid RedispatchMode"),
+    ({"policy": "random"}, "unknown routing policy 'random'; valid values are"),
+    ({"redispatch": "maybe"}, "unknown redispatch mode 'maybe'; valid values are"),
 ])
 def test_router_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):

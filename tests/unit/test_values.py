@@ -32,3 +32,19 @@ def test_nan_and_infinities_are_numbers_but_not_finite(value: float) -> None:
 @pytest.mark.parametrize("value", ["1.5", None, 1j])
 def test_strings_none_and_complex_are_not_numbers(value: object) -> None:
     assert not is_number(value) and not is_finite(value)
+
+
+def test_enum_member_takes_members_and_values_and_names_the_valid_ones() -> None:
+    import enum
+
+    from rlix_plugins.errors import SettingsError
+    from rlix_plugins.values import enum_member
+
+    class Mode(enum.Enum):
+        FAST = "fast"
+        SAFE = "safe"
+
+    assert enum_member(Mode, "safe", SettingsError, "mode") is Mode.SAFE
+    assert enum_member(Mode, Mode.FAST, SettingsError, "mode") is Mode.FAST
+    with pytest.raises(SettingsError, match=r"unknown mode 'quick'; valid values are \['fast', "):
+        enum_member(Mode, "quick", SettingsError, "mode")
