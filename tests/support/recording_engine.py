@@ -1,6 +1,5 @@
-"""A FAKE shard engine for tests of the shard lifecycle and controller (a vLLM engine per shard
-is what the integration suites start): it records the lifecycle calls the real ShardLifecycle
-makes on it."""
+"""FAKE shard engines for tests of the router, the shard lifecycle and the controller (a vLLM
+engine per shard is what the integration suites start)."""
 
 from __future__ import annotations
 
@@ -34,3 +33,23 @@ class FakeRecordingEngine:
 
     async def resume(self) -> None:
         self.calls.append(("resume", self.rank))
+
+
+class IdleLifecycleEngine:
+    """The lifecycle half of a FAKE ShardEngine that has nothing to abort, drain, sleep or wake:
+    subclasses supply ``generate`` (and override what they need to observe)."""
+
+    async def abort_all(self) -> int:
+        return 0
+
+    async def num_running(self) -> int:
+        return 0
+
+    async def sleep(self, level: int | None = None) -> None:
+        return None
+
+    async def wake_up(self) -> None:
+        return None
+
+    async def resume(self) -> None:
+        return None

@@ -38,10 +38,11 @@ from rlix_plugins.generation import (
 )
 from rlix_plugins.generation import ray_state as ray_state_module
 from rlix_plugins.generation.shard_state import check_event
+from tests.support.recording_engine import IdleLifecycleEngine
 from tests.unit.test_generation_router_migration import FakeAbortableEngine
 
 
-class FakeScriptedEngine:
+class FakeScriptedEngine(IdleLifecycleEngine):
     """FAKE ShardEngine whose attempts return (or raise) scripted outcomes in order; the last
     outcome repeats. Records every attempt it received."""
 
@@ -55,21 +56,6 @@ class FakeScriptedEngine:
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
-
-    async def abort_all(self) -> int:
-        return 0
-
-    async def num_running(self) -> int:
-        return 0
-
-    async def sleep(self, level: int | None = None) -> None:
-        return None
-
-    async def wake_up(self) -> None:
-        return None
-
-    async def resume(self) -> None:
-        return None
 
 
 def _router(engine: FakeScriptedEngine, **config: Any) -> ShardRouter:

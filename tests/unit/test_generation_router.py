@@ -22,10 +22,11 @@ from rlix_plugins.generation import (
     ShardStatus,
     apply_event,
 )
+from tests.support.recording_engine import IdleLifecycleEngine
 
 
 @dataclass
-class FakePicklableEngine:
+class FakePicklableEngine(IdleLifecycleEngine):
     """Fake: pickling needs an engine that can cross processes; the real in-process vLLM
     wrapper refuses to be pickled (checked below), a remote-engine handle would be used.
     ``running``: what it reports as still running after an abort (never drains if > 0)."""
@@ -36,20 +37,8 @@ class FakePicklableEngine:
     async def generate(self, request: GenerationRequest) -> EngineOutput:
         raise NotImplementedError
 
-    async def abort_all(self) -> int:
-        return 0
-
     async def num_running(self) -> int:
         return self.running
-
-    async def sleep(self, level: int | None = None) -> None:
-        return None
-
-    async def wake_up(self) -> None:
-        return None
-
-    async def resume(self) -> None:
-        return None
 
 
 @dataclass

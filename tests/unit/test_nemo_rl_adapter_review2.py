@@ -40,6 +40,7 @@ from rlix_plugins.adapters.nemo_rl import NemoRlLayout
 from rlix_plugins.errors import RegistrationError
 from rlix_plugins.protocol import ProgressReport
 from rlix_plugins.training.progress import ProgressTracker
+from tests.support.recording_hooks import FakeHooks
 
 PID = "ft_000000000042"
 
@@ -187,19 +188,6 @@ class FakePolicyBase:
         self.calls.append("save_checkpoint")
         if self.save_error is not None:
             raise self.save_error
-
-
-class FakeHooks:
-    """FAKE hooks: records the protocol calls in order."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def before_training(self, step: int) -> None:
-        self.calls.append(f"before_training:{step}")
-
-    def after_training(self, step: int) -> None:
-        self.calls.append(f"after_training:{step}")
 
 
 class FakeController:

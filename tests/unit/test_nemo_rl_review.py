@@ -27,24 +27,9 @@ from rlix_plugins.errors import RegistrationError
 from rlix_plugins.generation import ShardLifecycle
 from rlix_plugins.generation.state_store import LocalShardState, ShardStateStore
 from rlix_plugins.settings import load_settings
+from tests.support.recording_hooks import FakeHooks
 
 PID = "ft_000000000042"
-
-
-class FakeHooks:
-    """FAKE hooks: records calls; ``close`` is what stops the real heartbeat thread."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def before_training(self, step: int) -> None:
-        self.calls.append(f"before_training:{step}")
-
-    def after_training(self, step: int) -> None:
-        self.calls.append(f"after_training:{step}")
-
-    def close(self) -> None:
-        self.calls.append("close")
 
 
 class FakeOrchestrator:

@@ -81,16 +81,10 @@ def test_refresh_resumes_only_after_every_abort_finished(verl_env: VerlEnv) -> N
     """One replica's abort failing fast must not make the refresh resume another replica
     whose abort is still running (veRL's abort closes the gate, then pauses the engine: a
     resume in between leaves the engine paused with the gate open, so requests hang)."""
-    from rlix_plugins.patches.verl_checkpoint import RLixCheckpointEngineManager
+    from tests.support.verl_checkpoint import bare_refresh_manager
 
-    mgr = RLixCheckpointEngineManager.__new__(RLixCheckpointEngineManager)
     bad, slow = FakeReplica(fail=True, steps=0), FakeReplica(fail=False, steps=20)
-    mgr.replicas = [bad, slow]
-    mgr._active = lambda: {0, 1}
-    mgr._ranks = [0, 1]
-    mgr._observe = None
-    mgr.refreshed = []
-    mgr.rlix_sync = lambda indices, version: {"seconds": 0.0}
+    mgr = bare_refresh_manager([bad, slow])
     with pytest.raises(RuntimeError, match="server died"):
         mgr._refresh(5, {})
     assert not slow.resumed_while_aborting

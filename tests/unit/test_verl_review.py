@@ -243,7 +243,7 @@ def test_taking_an_offer_drops_the_older_ones(verl_env: VerlEnv) -> None:
 def test_refresh_resumes_replicas_when_an_abort_fails(verl_env: VerlEnv) -> None:
     """An in-place refresh whose abort fails on one replica must still resume the replicas it
     paused (a closed gate would reject every request routed there)."""
-    from rlix_plugins.patches.verl_checkpoint import RLixCheckpointEngineManager
+    from tests.support.verl_checkpoint import bare_refresh_manager
 
     class _Replica:
         def __init__(self, fail: bool) -> None:
@@ -258,14 +258,8 @@ def test_refresh_resumes_replicas_when_an_abort_fails(verl_env: VerlEnv) -> None
         async def resume_generation(self) -> None:
             self.paused = False
 
-    mgr = RLixCheckpointEngineManager.__new__(RLixCheckpointEngineManager)
     good, bad = _Replica(False), _Replica(True)
-    mgr.replicas = [good, bad]
-    mgr._active = lambda: {0, 1}
-    mgr._ranks = [0, 1]
-    mgr._observe = None
-    mgr.refreshed = []
-    mgr.rlix_sync = lambda indices, version: {"seconds": 0.0}
+    mgr = bare_refresh_manager([good, bad])
     with pytest.raises(RuntimeError, match="server died"):
         mgr._refresh(5, {})
     assert not good.paused and not bad.paused
