@@ -39,6 +39,19 @@ def _shared_cache(pipeline: str) -> BucketCache:
 # --- sync.py: a straggling receiver of a version retired during its sync ----------------------
 
 
+def _blocking_receiver() -> tuple[ThreadReceiver, threading.Event, threading.Event]:
+    """Receiver ``s0`` whose load signals ``entered`` and then blocks until ``release``: a
+    receiver still applying a version after the sync gave up on it."""
+    entered, release = threading.Event(), threading.Event()
+
+    def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+        del weights
+        entered.set()
+        release.wait()
+
+    return ThreadReceiver("s0", load), entered, release
+
+
 def test_straggler_keeps_a_version_retired_during_the_sync() -> None:
     """A version retired while its sync runs (a newer one built and activated) is still pinned
     by the sync; when the sync gives up on a receiver that is still applying it, the version
@@ -47,14 +60,7 @@ def test_straggler_keeps_a_version_retired_during_the_sync() -> None:
     shard, and the version's files went back to the pool (to be rewritten under the receiver)."""
     cache = _shared_cache("review_hold")
     cache.build(1, _weights(1).items())
-    entered, release = threading.Event(), threading.Event()
-
-    def load(weights: list[tuple[str, torch.Tensor]]) -> None:
-        del weights
-        entered.set()
-        release.wait()
-
-    receiver = ThreadReceiver("s0", load)
+    receiver, entered, release = _blocking_receiver()
     out: dict[str, Any] = {}
 
     def run() -> None:
@@ -95,14 +101,7 @@ def test_straggler_keeps_a_version_retired_during_the_sync() -> None:
 def test_straggler_failure_is_reported_as_gone_with_raise_on_error() -> None:
     cache = _shared_cache("review_hold_raise")
     cache.build(1, _weights(3).items())
-    entered, release = threading.Event(), threading.Event()
-
-    def load(weights: list[tuple[str, torch.Tensor]]) -> None:
-        del weights
-        entered.set()
-        release.wait()
-
-    receiver = ThreadReceiver("s0", load)
+    receiver, entered, release = _blocking_receiver()
     out: dict[str, BaseException] = {}
 
     def run() -> None:
