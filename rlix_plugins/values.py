@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from typing import TypeGuard, TypeVar
 
 _E = TypeVar("_E", bound=enum.Enum)
@@ -26,6 +27,17 @@ def is_number(value: object) -> TypeGuard[int | float]:
 def is_finite(value: object) -> TypeGuard[int | float]:
     """``value`` is a finite int or float and not a bool."""
     return is_number(value) and math.isfinite(value)
+
+
+def as_index(value: object) -> int | None:
+    """``value`` as an int when it is an integer (ints and numpy/torch integer scalars, through
+    ``operator.index``), else None: never a bool, a float or a string."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def enum_member(cls: type[_E], value: object, error: type[Exception], what: str) -> _E:

@@ -16,7 +16,6 @@ subclass) through ``ray.remote`` (Ray freezes decorated classes).
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -29,7 +28,7 @@ from rlix_plugins.protocol.names import (
     validate_pipeline_id,
 )
 from rlix_plugins.protocol.types import ActionResponse, ProgressReport, coerce_progress_report
-from rlix_plugins.values import is_finite
+from rlix_plugins.values import as_index, is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +91,8 @@ def _rank_list(name: str, value: Iterable[int] | None) -> list[int]:
     given = list(value)
     out: list[int] = []
     for r in given:
-        try:
-            rank = operator.index(r)  # ints and numpy ints; not floats, strings or bools
-        except TypeError:
-            rank = -1
-        if isinstance(r, bool) or rank < 0:
+        rank = as_index(r)  # ints and numpy ints; not floats, strings or bools
+        if rank is None or rank < 0:
             raise ProtocolError(
                 f"{name} must hold DP ranks (ints >= 0); got {r!r} in {given!r}"
             )

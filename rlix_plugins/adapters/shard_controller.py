@@ -14,7 +14,6 @@ is set; the validation gates judge those records. Nothing is probed when it is u
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +29,7 @@ from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.preemption import ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import ShardStateView
+from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +118,8 @@ class LifecycleShardController:
         ranks: list[int] = []
         bad: list[object] = []
         for r in dp_ranks:
-            try:
-                rank = operator.index(r)
-            except TypeError:
-                rank = -1
-            if isinstance(r, bool) or not 0 <= rank < len(statuses):
+            rank = as_index(r)
+            if rank is None or not 0 <= rank < len(statuses):
                 bad.append(r)
             elif rank not in ranks:
                 ranks.append(rank)

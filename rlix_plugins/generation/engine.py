@@ -8,13 +8,12 @@ a veRL vLLM server handle; the host adapter supplies the implementation.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rlix_plugins.errors import ProtocolError
-from rlix_plugins.values import is_int
+from rlix_plugins.values import as_index, is_int
 
 #: ``finish_reason`` of a stream that ended because its request was aborted (vLLM's value).
 ABORTED = "abort"
@@ -77,24 +76,13 @@ def _token_ids(request_id: str, tokens: Iterable[Any]) -> tuple[int, ...]:
         )
     out: list[int] = []
     for i, t in enumerate(tokens):
-        tok = _index(t)
+        tok = as_index(t)
         if tok is None or tok < 0:
             raise ProtocolError(
                 f"{where} must hold non-negative int token ids; item {i} is {t!r}"
             )
         out.append(tok)
     return tuple(out)
-
-
-def _index(value: Any) -> int | None:
-    # operator.index takes ints and numpy/torch integer scalars, never floats or strings;
-    # a bool is an int to Python but never a token id.
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 @dataclass(frozen=True, slots=True)

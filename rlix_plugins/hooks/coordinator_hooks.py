@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from rlix_plugins.protocol.types import (
     progress_bucket,
 )
 from rlix_plugins.settings import MIN_SECONDS, Settings
+from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +37,8 @@ _REQUEST_GRACE_S = 30.0
 def _count(name: str, value: object, minimum: int | None = None) -> int:
     """``value`` as a plain int (numpy ints too; not bools, floats or strings), else
     :class:`ProtocolError` naming the argument and what is valid."""
-    try:
-        out = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        out = None
-    if isinstance(value, bool) or out is None or (minimum is not None and out < minimum):
+    out = as_index(value)
+    if out is None or (minimum is not None and out < minimum):
         valid = "an int" if minimum is None else f"an int >= {minimum}"
         raise ProtocolError(f"report_progress: {name}={value!r} is not valid; valid: {valid}")
     return out

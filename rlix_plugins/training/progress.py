@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -32,7 +31,7 @@ from rlix_plugins.protocol import (
     progress_bucket,
     validate_pipeline_id,
 )
-from rlix_plugins.values import is_int
+from rlix_plugins.values import as_index, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +56,8 @@ def _int_arg(name: str, value: object, *, minimum: int | None = None) -> int:
     The counts end up in a ProgressReport, whose wire check refuses anything but an int; that
     refusal happens inside the sink, where it is only logged, so demand would be lost.
     """
-    try:
-        out = operator.index(value)  # type: ignore[arg-type]  # not floats, strings, None
-    except TypeError:
-        out = None
-    if isinstance(value, bool) or out is None:
+    out = as_index(value)
+    if out is None:
         raise ProtocolError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if minimum is not None and out < minimum:
         raise ProtocolError(f"{name} must be >= {minimum}, got {value}")

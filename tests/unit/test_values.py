@@ -48,3 +48,13 @@ def test_enum_member_takes_members_and_values_and_names_the_valid_ones() -> None
     assert enum_member(Mode, Mode.FAST, SettingsError, "mode") is Mode.FAST
     with pytest.raises(SettingsError, match=r"unknown mode 'quick'; valid values are \['fast', "):
         enum_member(Mode, "quick", SettingsError, "mode")
+
+
+def test_as_index_takes_integer_scalars_and_nothing_else() -> None:
+    import numpy as np
+    import torch
+
+    from rlix_plugins.values import as_index
+
+    assert [as_index(v) for v in (3, np.int64(4), torch.tensor(5))] == [3, 4, 5]
+    assert [as_index(v) for v in (True, 1.0, "1", None, np.float32(2))] == [None] * 5
