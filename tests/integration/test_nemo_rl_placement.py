@@ -90,9 +90,12 @@ def test_training_on_gpu0_inference_on_gpus_0_and_1_same_bundles(
     assert r["generation"]["worker_group_class"] == "RLixRayWorkerGroup"
     # Shard r's leader reports GPU sorted(infer)[r] through VllmGeneration's own init calls.
     assert [d["gpu_ids"] for d in r["generation"]["reported"]] == [[0], [1]]
-    # The group outlives the first cluster's shutdown and goes with the second.
+    # The group outlives the first cluster's shutdown (called twice: counted once) and goes
+    # with the second; the pair is then reset for a later round, and shutting down again is a
+    # no-op.
     assert r["pg_after_train_shutdown"] == list(pg_ids)
     assert r["pg_states_after"] == ["REMOVED"]
+    assert r["pair_after_shutdown"] == {"placement_cleared": True, "released": []}
 
 
 def test_tensor_parallel_shard_and_training_on_the_second_gpu(

@@ -208,11 +208,17 @@ def _build(rlix: dict[str, Any], tp: int, train_gpus_per_node: int,
         for group in groups:
             group.shutdown(force=True)
         train.shutdown()
+        train.shutdown()  # released twice: counted once, the group stays for inference
         remaining = [p.id.hex() for p in infer._node_placement_groups or []]
         infer.shutdown()
+        pair = infer._rlix_pair
+        pair_after = {"placement_cleared": pair.placement is None,
+                      "released": sorted(pair.released)}
+        infer.shutdown()  # idempotent once the round is over
     from ray.util.placement_group import placement_group_table
 
     out["pg_after_train_shutdown"] = remaining
+    out["pair_after_shutdown"] = pair_after
     out["pg_states_after"] = sorted(
         {v["state"] for v in placement_group_table().values()
          if v["name"].startswith("rlix_nemo_rl_shared")}
