@@ -194,9 +194,12 @@ class RLixMegatronWorkerMixin:
     def rlix_destroy_parallel_state(self) -> DestroyReport:
         """Destroy every Megatron process group in this worker (frees NCCL buffers), and the
         groups NeMo RL built lazily (:attr:`rlix_lazy_groups`): those are dropped so that NeMo
-        RL rebuilds them on first use after the re-init, as on its first step."""
+        RL rebuilds them on first use after the re-init, as on its first step. The lazy
+        groups go last: they are the youngest, and NCCL groups come down fastest oldest first
+        (see ``nccl_lifecycle._destroy_live``)."""
+        report = self._rlix_lifecycle().destroy()
         self._rlix_drop_lazy_groups()
-        return self._rlix_lifecycle().destroy()
+        return report
 
     def _rlix_drop_lazy_groups(self) -> int:
         import torch.distributed as dist
