@@ -9,16 +9,28 @@ Concurrency: resizes are serialised by their own lock, and progress calls never 
 resize (the actor runs with several threads), so a long weight sync during an expand does not
 stall demand reporting (RLix holds one lock across the whole sync).
 
+Ordering of progress: Ray does not run a threaded actor's calls in submission order (with
+``max_concurrency > 1`` Ray 2.60 forces ``allow_out_of_order_execution``), and ROLL's reports
+carry no sequence number, so an older report could be applied after a newer one. Two layers
+keep the newest report: the progress calls run in their own concurrency group of one thread
+(:data:`PROGRESS_GROUP`; they never overlap and, in the usual case, run in arrival order, but
+Ray promises no order), and a report that its own fields show to be older than the one already
+applied for its stream (:func:`is_stale`: ``current_train_step``, then ``fifo_timestamp``, then
+``completed``) is dropped, as is a late report of a step whose stream was already cleared.
+
 Keep :class:`PipelineCoordinator` undecorated; :func:`start_pipeline_coordinator` serves it (or a
 subclass) through ``ray.remote`` (Ray freezes decorated classes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import ray
 
 from rlix_plugins.errors import CoordinatorUnavailableError, ProtocolError
 from rlix_plugins.protocol.names import (
@@ -33,6 +45,77 @@ from rlix_plugins.values import as_index, is_finite
 logger = logging.getLogger(__name__)
 
 StreamKey = tuple[str, str | None]
+
+#: Ray concurrency group (one thread) of the progress calls, so they never overlap.
+PROGRESS_GROUP = "progress"
+#: The calls a rollout scheduler makes; overrides in subclasses join the group too.
+PROGRESS_METHODS = ("report_progress_from_scheduler", "clear_progress_stream")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _in_progress_group(fn: _F) -> _F:
+    """Tag ``fn`` with :data:`PROGRESS_GROUP` for Ray, keeping its own type (``ray.method``'s
+    typing would make it a remote method, which a plain instance or subclass cannot call)."""
+    tagged: _F = ray.method(concurrency_group=PROGRESS_GROUP)(fn)
+    return tagged
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamMark:
+    """Where a progress stream stands, read from the fields ROLL sends (it sends no seq).
+
+    ``step`` is ``metrics["current_train_step"]`` (None when absent), ``fifo`` the report's
+    ``fifo_timestamp``, ``completed`` the raw completed count, ``new_batch`` the report opens a
+    batch (ROLL's ``begin_progress_batch``); ``cleared``: the stream was cleared after this
+    report.
+    """
+
+    step: int | None
+    fifo: float | None
+    completed: int
+    cleared: bool = False
+    new_batch: bool = False
+
+
+def stream_mark(report: ProgressReport) -> StreamMark:
+    """The ordering fields of a coerced report; ProtocolError for a malformed step."""
+    metrics = report.metrics or {}
+    raw_step = metrics.get("current_train_step")
+    step = None if raw_step is None else as_index(raw_step)
+    if raw_step is not None and (step is None or step < 0):
+        raise ProtocolError(
+            f"metrics['current_train_step'] must be an int >= 0 or None, got {raw_step!r}"
+        )
+    # coerce_progress_report checked it is an int >= 0
+    completed = int(metrics.get("completed", metrics.get("collected", 0)))
+    return StreamMark(step, report.fifo_timestamp, completed,
+                      new_batch=bool(metrics.get("new_batch", False)))
+
+
+def is_stale(new: StreamMark, last: StreamMark | None) -> bool:
+    """True if ``new`` is provably older than ``last`` (the stream's applied state).
+
+    Within one stream a later step is newer. Once the stream was cleared, only a later step
+    or a report opening a new batch of the same step (a batch collected again) opens it
+    again: a late bucket report of the cleared batch would bring back demand the pipeline
+    already gave up (its timestamp cannot tell: it may be the batch's start or the report's
+    own time, and the clear carries none). Within an open step a later ``fifo_timestamp`` is
+    newer; at the same (or an unknown) timestamp a report opening a batch restarts the count,
+    and otherwise a higher ``completed`` is newer (a batch's count does not go back). Without
+    a step on either side nothing orders the two (the new one is taken).
+    """
+    if last is None or new.step is None or last.step is None:
+        return False
+    if new.step != last.step:
+        return new.step < last.step
+    if last.cleared:
+        return not new.new_batch
+    if new.fifo is not None and last.fifo is not None and new.fifo != last.fifo:
+        return new.fifo < last.fifo
+    if new.new_batch:
+        return False
+    return new.completed < last.completed
 
 
 @runtime_checkable
@@ -101,7 +184,20 @@ def _rank_list(name: str, value: Iterable[int] | None) -> list[int]:
 
 
 class PipelineCoordinator:
-    """Undecorated implementation of ``rlix:coordinator:{pipeline_id}``."""
+    """Undecorated implementation of ``rlix:coordinator:{pipeline_id}``.
+
+    Serve it (or a subclass) with :func:`start_pipeline_coordinator`, which declares
+    :data:`PROGRESS_GROUP`; the progress methods are tagged with it.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # An override of a progress call must stay in the one-thread group, or its calls
+        # would overlap again and apply out of order.
+        for name in PROGRESS_METHODS:
+            fn = cls.__dict__.get(name)
+            if callable(fn) and not hasattr(fn, "__ray_concurrency_group__"):
+                setattr(cls, name, _in_progress_group(fn))
 
     def __init__(
         self,
@@ -140,6 +236,8 @@ class PipelineCoordinator:
         self._resize_lock = threading.Lock()
         self._progress_lock = threading.Lock()
         self._streams: dict[StreamKey, ProgressReport] = {}
+        #: per stream, the ordering fields of the last report applied (kept after a clear)
+        self._marks: dict[StreamKey, StreamMark] = {}
         self._active: set[int] = set()
 
     # ---------------------------------------------------------------- scheduler -> pipeline
@@ -178,31 +276,51 @@ class PipelineCoordinator:
         return sorted(self._active)
 
     # ---------------------------------------------------------------- progress aggregation
+    @_in_progress_group
     def report_progress_from_scheduler(self, report: Any) -> None:
-        """A rollout scheduler's progress for one stream (mode, adapter): forward the sum."""
+        """A rollout scheduler's progress for one stream (mode, adapter): forward the sum.
+
+        A report older than the stream's applied one (:func:`is_stale`) is dropped: Ray may
+        deliver ROLL's reports out of order.
+        """
         rep = coerce_progress_report(report)
         if rep.pipeline_id != self.pipeline_id:
             raise ProtocolError(
                 f"report for pipeline {rep.pipeline_id!r} sent to the coordinator of "
                 f"{self.pipeline_id!r}"
             )
+        mark = stream_mark(rep)
+        key = rep.stream_key
         with self._progress_lock:
-            self._streams[rep.stream_key] = rep
+            # checked and applied under one lock: no report can slip in between
+            last = self._marks.get(key)
+            if is_stale(mark, last):
+                logger.info(
+                    "pipeline %s stream %s: dropped a progress report older than the one "
+                    "applied (%s < %s)", self.pipeline_id, key, mark, last,
+                )
+                return
+            self._marks[key] = mark
+            self._streams[key] = rep
             aggregated = aggregate_reports(self.pipeline_id, self._streams)
             self._call("report_progress", aggregated)
 
+    @_in_progress_group
     def clear_progress_stream(self, *, mode: str = "train", adapter_id: str | None = None) -> None:
         """One stream ended; forward the remaining sum (or clear the pipeline's progress)."""
+        key = (str(mode), None if adapter_id is None else str(adapter_id))
         with self._progress_lock:
-            self._streams.pop((str(mode), None if adapter_id is None else str(adapter_id)), None)
+            self._streams.pop(key, None)
+            last = self._marks.get(key)
+            if last is not None:
+                # a report of this batch that arrives after the clear is stale (is_stale)
+                self._marks[key] = dataclasses.replace(last, cleared=True)
             if self._streams:
                 self._call("report_progress", aggregate_reports(self.pipeline_id, self._streams))
             else:
                 self._call("clear_progress", pipeline_id=self.pipeline_id)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        import ray
-
         for attempt in (0, 1):
             if self._scheduler is None:
                 try:
@@ -243,10 +361,12 @@ def start_pipeline_coordinator(
     """Create the pipeline's coordinator actor under RLix's name and namespace.
 
     ``cls`` may be a subclass (e.g. adding host-specific methods); it is decorated here.
+    ``max_concurrency`` is the thread count of the default group (resizes and the rest); the
+    progress calls run on the one thread of :data:`PROGRESS_GROUP`.
     """
-    import ray
-
-    actor_cls = ray.remote(cls)
+    # ray.remote's typed overloads leave out ``concurrency_groups``, a documented option
+    remote: Any = ray.remote
+    actor_cls = remote(concurrency_groups={PROGRESS_GROUP: 1})(cls)
     options: dict[str, Any] = {
         "name": pipeline_coordinator_actor(pipeline_id),
         "namespace": ray_namespace or pipeline_namespace(pipeline_id),
