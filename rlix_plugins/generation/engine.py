@@ -91,7 +91,10 @@ class EngineOutput:
 
     ``finish_reason == "abort"`` means the attempt was cut short (its shard is being
     preempted); ``token_ids`` then holds the partial tokens and it is NOT a sample.
-    ``logprobs`` holds the sampled tokens' logprobs when they were requested.
+    ``logprobs`` holds the sampled tokens' logprobs when they were requested: exactly one per
+    token, else :class:`~rlix_plugins.errors.ProtocolError` (the router concatenates the
+    outputs of successive attempts, so a short list would shift every later logprob against
+    its token without any error).
     """
 
     token_ids: tuple[int, ...]
@@ -103,7 +106,14 @@ class EngineOutput:
         # successive attempts (tuple + list would raise and lose the request).
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
         if self.logprobs is not None:
-            object.__setattr__(self, "logprobs", tuple(self.logprobs))
+            logprobs = tuple(self.logprobs)
+            if len(logprobs) != len(self.token_ids):
+                raise ProtocolError(
+                    f"EngineOutput has {len(logprobs)} logprobs for {len(self.token_ids)} "
+                    f"token(s) (finish_reason {self.finish_reason!r}); an engine must return "
+                    "one logprob per generated token, or None"
+                )
+            object.__setattr__(self, "logprobs", logprobs)
 
     @property
     def aborted(self) -> bool:

@@ -165,11 +165,23 @@ class RayShardState:
             self._update(snap)
 
     def snapshot(self) -> ShardSnapshot:
+        """Newest snapshot this copy has seen. The first read after this copy was unpickled
+        blocks on one RPC to the owner (then the long-poll keeps the copy fresh): code on an
+        event loop uses :meth:`snapshot_async` instead, which awaits that read."""
         self._ensure_poller()
         if self._cached is None:
-            # First read in this process: one blocking RPC, then the poller keeps it fresh.
+            # First read in this process, from a synchronous caller: one blocking RPC.
             self._update(self._get(self._handle.snapshot.remote()))
         assert self._cached is not None
+        return self._cached
+
+    async def snapshot_async(self) -> ShardSnapshot:
+        """:meth:`snapshot` for code on an event loop: the first read awaits the owner, so
+        the loop keeps serving its other tasks for that round trip (the router reads the
+        state through this)."""
+        if self._cached is None:
+            return await self.refresh()
+        self._ensure_poller()
         return self._cached
 
     async def refresh(self) -> ShardSnapshot:

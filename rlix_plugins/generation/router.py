@@ -38,9 +38,14 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from rlix_plugins.errors import NoActiveShardError, SettingsError, ShardPreemptedError
+from rlix_plugins.errors import (
+    NoActiveShardError,
+    ProtocolError,
+    SettingsError,
+    ShardPreemptedError,
+)
 from rlix_plugins.generation.engine import (
     EngineOutput,
     GenerationRequest,
@@ -61,6 +66,15 @@ from rlix_plugins.generation.state_store import ShardStateView
 from rlix_plugins.values import enum_member, is_int, is_number
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class AsyncSnapshotView(Protocol):
+    """Optional view capability: ``await snapshot_async()`` is ``snapshot()`` without ever
+    blocking the event loop (a remote view's first read in a process awaits its owner instead
+    of blocking on it). The router reads the state through it when the view has it."""
+
+    async def snapshot_async(self) -> ShardSnapshot: ...
 
 
 class RoutingPolicy(str, enum.Enum):
@@ -326,6 +340,10 @@ class ShardRouter:
         self._waits = 0
         self._stale_refreshes = 0
         self._running: dict[str, _Running] = {}
+        # Migration aborts a cancelled rebalance left running; they settle their marks.
+        self._settling: set[asyncio.Task[set[str]]] = set()
+        self._read_async = (self._state.snapshot_async
+                            if isinstance(self._state, AsyncSnapshotView) else None)
         self._abortable = tuple(isinstance(e, RequestAbortable) for e in self._engines)
         self._watcher: asyncio.Task[None] | None = None
         self._watcher_loop: asyncio.AbstractEventLoop | None = None
@@ -370,6 +388,12 @@ class ShardRouter:
     def emit_counters(self) -> None:
         """Hand the current counters to ``on_counters`` now (e.g. at the end of a run)."""
         self._ledger.emit()
+
+    async def _read_state(self) -> ShardSnapshot:
+        """The view's newest snapshot; on the event loop, so never a blocking read."""
+        if self._read_async is not None:
+            return await self._read_async()
+        return self._state.snapshot()
 
     def _pick(self, active: tuple[int, ...]) -> int:
         n = len(active)
@@ -422,13 +446,16 @@ class ShardRouter:
         Raises:
             NoActiveShardError: no shard became active within ``wait_timeout_s``.
             ShardPreemptedError: preempted on every one of ``max_attempts`` dispatches.
+            ProtocolError: an engine broke its contract (e.g. an output whose logprobs do
+                not line up with its tokens); the request is counted lost, not retried.
         """
         ledger = self._ledger
         ledger.begin(request.request_id)
         try:
             # Inside the try: starting the watcher reads the state view, which can fail (a
             # remote owner gone); the request must then leave the ledger as lost.
-            self._ensure_watcher()
+            if self._watcher_wanted():
+                self._ensure_watcher(await self._read_state())
             result = await self._generate(request)
         except asyncio.CancelledError:
             ledger.cancel(request.request_id)
@@ -454,7 +481,7 @@ class ShardRouter:
         dispatches = 0
         while True:
             dispatches += 1
-            snap = self._state.snapshot()
+            snap = await self._read_state()
             if target is not None and snap.statuses[target] is ShardStatus.ACTIVE:
                 rank = target
             else:
@@ -487,9 +514,9 @@ class ShardRouter:
             if out is not None and (migrated or cont):
                 # Migrations always continue from the partial tokens (nothing is lost).
                 if out.token_ids:
+                    # EngineOutput guarantees one logprob per token (or None).
                     prefix += out.token_ids
                     prefix_lp = (None if prefix_lp is None or out.logprobs is None
-                                 or len(out.logprobs) != len(out.token_ids)
                                  else prefix_lp + out.logprobs)
             elif not cont and not migrated:
                 # RESTART reruns from the prompt, also dropping tokens an earlier migration
@@ -531,6 +558,13 @@ class ShardRouter:
         except ShardPreemptedError:
             await self._refresh_if_stale(rank)
             return None
+        except ProtocolError:
+            # A broken engine contract (a malformed output) is a bug, not the preemption
+            # tearing the shard down, even on a preempted shard: retrying would hide it (or
+            # repeat it on the next shard), so the caller gets the typed error.
+            logger.error("attempt %s on shard %d: engine output rejected", attempt.request_id,
+                         rank, exc_info=True)
+            raise
         except Exception:
             # A failure on a shard that is no longer active is the preemption tearing it
             # down; on an active shard it is a real error for the caller.
@@ -548,7 +582,7 @@ class ShardRouter:
     async def _refresh_if_stale(self, rank: int) -> None:
         # The engine rejected or aborted us; if our view still calls the shard active it is
         # behind the owner: refresh now rather than waiting for the push.
-        if self._state.snapshot().statuses[rank] is ShardStatus.ACTIVE:
+        if (await self._read_state()).statuses[rank] is ShardStatus.ACTIVE:
             snap = await self._state.refresh()
             # Counted only when the owner disagrees: an abort on a shard that is still
             # active (a host's abort) does not mean this copy was behind.
@@ -566,6 +600,8 @@ class ShardRouter:
         shard become active. Each returned move's attempt was aborted on its source shard
         and continues on its target from its partial tokens. No-op (``()``) when migration is
         disabled, nothing runs, no engine can abort single requests, or nothing is worth it.
+        Cancelled, it leaves no mark behind: moves whose abort was not sent yet stay where
+        they are; an abort already sent runs on and settles its moves when it reports.
 
         Raises:
             ShardStateError: a rank in ``new_ranks`` is not an int or does not exist.
@@ -605,27 +641,67 @@ class ShardRouter:
                 self._running[m.key].migrate_to = m.target
                 by_source.setdefault(m.source, []).append(m)
             started: list[MigrationMove] = []
-            for source, ms in by_source.items():
-                engine = self._engines[source]
-                assert isinstance(engine, RequestAbortable)  # only such ranks have candidates
-                try:
-                    done = set(await engine.abort_requests([m.key for m in ms]))
-                except Exception:
-                    logger.warning("migration abort failed on shard %d; those requests stay",
-                                   source, exc_info=True)
-                    done = set()
-                for m in ms:
-                    if m.key in done:
-                        started.append(m)
-                        continue
-                    # Not aborted (finished meanwhile or not yet registered): it stays.
-                    run = self._running.get(m.key)
-                    if run is not None and run.migrate_to == m.target:
-                        run.migrate_to = None
+            pending = list(by_source.items())
+            try:
+                while pending:
+                    source, ms = pending[0]
+                    # Shielded: cancelling the rebalance must not cut an abort the engine may
+                    # already be carrying out (a remote one runs on regardless); its marks
+                    # are kept until it says which ids it aborted, then settled.
+                    task = asyncio.ensure_future(self._abort_moves(source, ms))
+                    try:
+                        done = await asyncio.shield(task)
+                    except asyncio.CancelledError:
+                        pending.pop(0)
+                        self._settle_later(task, ms)
+                        raise
+                    pending.pop(0)
+                    started.extend(self._settle(ms, done))
+            finally:
+                # Cancelled (or failed) before these sources' aborts were sent: nothing was
+                # aborted, so no mark may stay (a later preemption would pass for a migration).
+                for _source, ms in pending:
+                    self._settle(ms, set())
             if started:
                 logger.info("migrating %d request(s) to shard(s) %s (loads %s)", len(started),
                             sorted({m.target for m in started}), list(self._inflight))
             return tuple(started)
+
+    async def _abort_moves(self, source: int, ms: list[MigrationMove]) -> set[str]:
+        """Abort the attempts of ``ms`` on ``source``; the ids the engine actually aborted."""
+        engine = self._engines[source]
+        assert isinstance(engine, RequestAbortable)  # only such ranks have candidates
+        try:
+            return set(await engine.abort_requests([m.key for m in ms]))
+        except Exception:
+            logger.warning("migration abort failed on shard %d; those requests stay", source,
+                           exc_info=True)
+            return set()
+
+    def _settle(self, ms: list[MigrationMove], done: set[str]) -> list[MigrationMove]:
+        """Keep the marks of the moves whose attempt was aborted (they are under way), clear
+        the others; returns the moves under way."""
+        started: list[MigrationMove] = []
+        for m in ms:
+            if m.key in done:
+                started.append(m)
+                continue
+            # Not aborted (finished meanwhile or not yet registered): it stays.
+            run = self._running.get(m.key)
+            if run is not None and run.migrate_to == m.target:
+                run.migrate_to = None
+        return started
+
+    def _settle_later(self, task: asyncio.Task[set[str]], ms: list[MigrationMove]) -> None:
+        """Settle ``ms`` when ``task`` (an abort a cancelled rebalance left running) ends."""
+        self._settling.add(task)  # the loop holds tasks weakly
+
+        def _done(t: asyncio.Task[set[str]]) -> None:
+            self._settling.discard(t)
+            aborted = set() if t.cancelled() or t.exception() is not None else t.result()
+            self._settle(ms, aborted)
+
+        task.add_done_callback(_done)
 
     async def _plan(
         self, snap: ShardSnapshot, targets: tuple[int, ...]
@@ -647,7 +723,7 @@ class ShardRouter:
         # The awaits before this point (the rebalance lock, the progress queries) may have
         # let the state move on: plan on the newest snapshot, so no move targets or leaves
         # a shard that is no longer active.
-        current = self._state.snapshot()
+        current = await self._read_state()
         if current.version > snap.version:
             snap = current
         # Loads as they are now (attempts may have finished during the awaits) and as they
@@ -670,15 +746,22 @@ class ShardRouter:
             max_per_request=mig.max_per_request,
         )
 
-    def _ensure_watcher(self) -> None:
+    def _watcher_wanted(self) -> bool:
+        """Whether this copy should start a migration watcher on the running loop now."""
         mig = self._config.migration
         if not (mig.enabled and mig.auto and any(self._abortable)):
+            return False
+        loop = asyncio.get_running_loop()
+        return not (self._watcher is not None and not self._watcher.done()
+                    and self._watcher_loop is loop)
+
+    def _ensure_watcher(self, seen: ShardSnapshot) -> None:
+        # Re-checked: another request may have started it while ``seen`` was being read.
+        if not self._watcher_wanted():
             return
         loop = asyncio.get_running_loop()
-        if self._watcher is not None and not self._watcher.done() and self._watcher_loop is loop:
-            return
         self._watcher_loop = loop
-        self._watcher = loop.create_task(self._watch(self._state.snapshot()))
+        self._watcher = loop.create_task(self._watch(seen))
 
     def _stop_watcher_if_idle(self) -> None:
         if self._ledger.in_flight > 0 or self._watcher is None:
