@@ -21,8 +21,13 @@ Wiring (installed by :mod:`rlix_plugins.patches.nemo_rl`, nothing in NeMo RL is 
   puts every shard to sleep; the coordinator wakes them as demand warrants.
 * ``Policy.save_checkpoint`` (async GRPO saves after the refit released the GPUs and destroyed
   the groups) takes the training GPUs and groups back for the save and releases them after
-  (:meth:`NemoRlPipeline.hold_training` / :meth:`NemoRlPipeline.release_training`).
-* The collector reports progress (:func:`progress_tracker_for_collector`).
+  (:meth:`NemoRlPipeline.hold_training` / :meth:`NemoRlPipeline.release_training`); a Megatron
+  async save is finalised under that hold, before the release.
+* ``async_grpo_train`` (the patch wraps the name) calls :func:`start_run` first: the pipeline's
+  step counter starts at NeMo RL's ``grpo_save_state.current_step`` (> 0 on a resumed run).
+* The collector reports progress (:func:`progress_tracker_for_collector`); once NeMo RL's weight
+  version reaches ``grpo.max_num_steps`` it clears the pipeline's demand instead.
+* The heartbeat starts once ``register_pipeline`` has succeeded (a beat before it is refused).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from rlix_plugins.protocol.names import (
 from rlix_plugins.protocol.types import Priority, ProgressReport
 from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, settings_if_enabled
 from rlix_plugins.training.progress import OutstandingReader, ProgressTracker, with_outstanding
+from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +243,11 @@ class NemoRlPipeline:
             cluster_device_mappings=self.layout.device_mappings(),
         ))
         self._registered = True
+        # Only now: the scheduler refuses a beat of a pipeline it does not know (the hooks
+        # are made without their heartbeat so that the first beat cannot come earlier).
+        start_heartbeat = getattr(self.hooks, "start_heartbeat", None)
+        if callable(start_heartbeat):
+            start_heartbeat()
         # Shards start ACTIVE (NeMo RL loads and refits them during setup); the first
         # sync_weights puts them to sleep and the coordinator takes over.
         self.state = RayShardState.create(
@@ -297,6 +308,29 @@ class NemoRlPipeline:
         # The coordinator actor was started before the policy existed: hand it the controller.
         ray.get(self.coordinator.__ray_call__.remote(_set_controller, ctrl))
 
+    def start_at(self, step: object) -> None:
+        """The run's first step: NeMo RL's ``grpo_save_state.current_step`` (> 0 when it
+        resumed from a checkpoint; its weight version starts there too). Must come before the
+        first refit, which caches the weights as version ``step``.
+
+        Raises:
+            RegistrationError: ``step`` is not an int >= 0, or the run already started (the
+                first refit cached a version or a step holds the GPUs); nothing is changed.
+        """
+        value = as_index(step)
+        if value is None or value < 0:
+            raise RegistrationError(
+                f"pipeline {self.pipeline_id}: start step {step!r} is not valid; valid: an int "
+                ">= 0 (NeMo RL's grpo_save_state.current_step)"
+            )
+        if self._cached_once or self._holding_train:
+            raise RegistrationError(
+                f"pipeline {self.pipeline_id}: start step {value} given after the run started "
+                f"(at step {self.step}); valid: before the first refit"
+            )
+        self.step = value
+        logger.info("NeMo RL pipeline %s starts at step %d", self.pipeline_id, value)
+
     # training cycle -----------------------------------------------------------------------
     def before_training(self) -> None:
         """First touch of the training GPUs in a step: request them, re-init NCCL groups."""
@@ -317,7 +351,8 @@ class NemoRlPipeline:
                 f"pipeline {self.pipeline_id}: refit before the policy was attached (the Policy "
                 "subclass from make_policy_class attaches it at construction)"
             )
-        version = self.step + 1 if self._cached_once else 0
+        # NeMo RL's numbering: the weights before step s are version s (s > 0 on a resume).
+        version = self.step + 1 if self._cached_once else self.step
         self.policy.run_all_workers_single_data("rlix_build_cache", version)
         if not self._cached_once:
             # Init: every shard was loaded by NeMo RL; from now on the coordinator decides.
@@ -350,13 +385,26 @@ class NemoRlPipeline:
         return taken
 
     def release_training(self) -> None:
-        """Give back GPUs taken by :meth:`hold_training`: offload what the save moved to the
-        GPU, destroy the NCCL groups, release, ask for generation GPUs again (as after a
-        step). The release is sent even when the offload or the destroy fails (the GPUs must
-        not stay held by nobody)."""
+        """Give back GPUs taken by :meth:`hold_training`: finish an async checkpoint write,
+        offload what the save moved to the GPU, destroy the NCCL groups, release, ask for
+        generation GPUs again (as after a step). The release is sent even when one of those
+        fails (the GPUs must not stay held by nobody).
+
+        With Megatron's ``async_save`` the save returns after staging and the write goes on in
+        the background; its finalisation is a collective over the world group (an
+        ``all_reduce`` on a CUDA tensor), and NVRx's persistent writer holds CUDA handles into
+        the worker's memory until then. NeMo RL would finalise later
+        (``checkpointer.finalize_pending`` at the next save or at exit), on GPUs released by
+        then. It is run here, blocking, under the hold, so NeMo RL's later call finds nothing
+        pending. (NeMo RL's Megatron worker also finalises at the start of
+        ``offload_after_refit``; the explicit call keeps the hold right without relying on
+        that.)"""
         if not self._holding_train:
             return
         try:
+            finalize = getattr(self.policy, "finalize_async_save", None)
+            if callable(finalize):
+                finalize()
             self.policy.offload_after_refit()
             self.policy.run_all_workers_single_data("rlix_destroy_parallel_state")
             self._nccl_destroyed = True
@@ -488,7 +536,8 @@ def attach_generation(generation: Any) -> None:
         previous_pid = os.environ.get(ENV_PIPELINE_ID)
         os.environ[ENV_PIPELINE_ID] = pid  # inherited by the collector and buffer actors
         try:
-            hooks = make_hooks(settings, pipeline_id=pid)
+            # The heartbeat starts in register(), once register_pipeline has succeeded.
+            hooks = make_hooks(settings, pipeline_id=pid, heartbeat=False)
             pipeline = NemoRlPipeline(settings, generation, layout, hooks, pid)
             pipeline.register()  # shuts itself down when it fails
         except BaseException:
@@ -503,6 +552,25 @@ def attach_generation(generation: Any) -> None:
         policy = _pending_policy
     if policy is not None:  # the policy finished first
         _attach_or_leave(pipeline, policy)
+
+
+def start_run(grpo_save_state: Any) -> None:
+    """``async_grpo_train`` is starting (the patch's wrapper calls this first): this driver's
+    pipeline starts counting at ``grpo_save_state.current_step``, the step NeMo RL resumes at
+    (its weight version starts there too), instead of 0. No-op without a pipeline.
+
+    Raises:
+        RegistrationError: the state has no valid ``current_step`` (see
+            :meth:`NemoRlPipeline.start_at`); the pipeline is unchanged.
+    """
+    pipeline = current_pipeline()
+    if pipeline is None:
+        return
+    if isinstance(grpo_save_state, Mapping):
+        step = grpo_save_state.get("current_step")
+    else:
+        step = getattr(grpo_save_state, "current_step", None)
+    pipeline.start_at(step)
 
 
 def attach_policy(policy: Any) -> None:
@@ -633,16 +701,37 @@ def make_policy_class(base: type) -> type:
 # ---------------------------------------------------------------------------- progress
 
 
-def _num_prompts_per_step(master_config: Any) -> int | None:
+def _grpo_value(master_config: Any, name: str) -> Any:
+    """``master_config.grpo.<name>`` (pydantic model or plain dicts); None when absent."""
     grpo = getattr(master_config, "grpo", None)
     if grpo is None and isinstance(master_config, dict):
         grpo = master_config.get("grpo")
     if grpo is None:
         return None
-    value = getattr(grpo, "num_prompts_per_step", None)
+    value = getattr(grpo, name, None)
     if value is None and isinstance(grpo, dict):
-        value = grpo.get("num_prompts_per_step")
+        value = grpo.get(name)
+    return value
+
+
+def _num_prompts_per_step(master_config: Any) -> int | None:
+    value = _grpo_value(master_config, "num_prompts_per_step")
     return None if value is None else int(value)
+
+
+def _max_num_steps(master_config: Any) -> int | None:
+    """``grpo.max_num_steps``: NeMo RL's loop trains steps below it, so a weight version at or
+    past it is never trained. None (no end known) when absent or not an int >= 0 (logged:
+    the demand is then cleared only when the pipeline unregisters)."""
+    raw = _grpo_value(master_config, "max_num_steps")
+    if raw is None:
+        return None
+    value = as_index(raw)
+    if value is None or value < 0:
+        logger.warning("rlix: grpo.max_num_steps=%r is not an int >= 0; the final step's "
+                       "demand stays until the pipeline unregisters", raw)
+        return None
+    return value
 
 
 #: ``rank_load`` (progress metric): requests in flight per active dp rank. The planner takes
@@ -758,12 +847,24 @@ def progress_tracker_for_collector(master_config: Any,
     pid = settings.pipeline_id
     tracker = ProgressTracker(pid, sink, on_clear=lambda: sink.clear(pid))
     tracker._rlix_step_target = target  # type: ignore[attr-defined]
+    tracker._rlix_max_steps = _max_num_steps(master_config)  # type: ignore[attr-defined]
     return tracker
 
 
 def begin_progress_batch(tracker: ProgressTracker, weight_version: int,
-                         already_collected: int = 0) -> ProgressReport:
-    """New weight version = new step: count groups targeted at it from ``already_collected``."""
+                         already_collected: int = 0) -> ProgressReport | None:
+    """New weight version = new step: count groups targeted at it from ``already_collected``.
+
+    A version at or past the run's ``grpo.max_num_steps`` (the tracker's ``_rlix_max_steps``)
+    is never trained: NeMo RL sets it after the final step's refit and its loop then ends. No
+    batch starts; the pipeline's demand is cleared (``clear_progress``) and, the tracker
+    being inactive, nothing more is reported, although NeMo RL's collector goes on
+    generating until it is killed. Returns None then.
+    """
+    last = getattr(tracker, "_rlix_max_steps", None)
+    if last is not None and weight_version >= last:
+        tracker.end_batch()
+        return None
     target = int(getattr(tracker, "_rlix_step_target", 0))
     return tracker.begin_batch(step=weight_version, step_target=target,
                                weight_version=weight_version,
@@ -785,5 +886,6 @@ __all__ = [
     "progress_tracker_for_collector",
     "router_outstanding",
     "router_rank_load",
+    "start_run",
     "with_rank_load",
 ]

@@ -4,7 +4,9 @@
 keeps the user class as ``__ray_metadata__.modified_class.__ray_actor_class__``, which we
 subclass and decorate again. After each prompt group is buffered
 (``_enqueue_rollout_group``) the collector's progress tracker counts it for the step it
-targets and reports (2% buckets) through the pipeline's progress sink.
+targets and reports (2% buckets) through the pipeline's progress sink. When NeMo RL sets a
+weight version it never trains (``>= grpo.max_num_steps``: the final step's refit) the
+pipeline's demand is cleared instead of a new batch starting.
 """
 
 from __future__ import annotations
@@ -90,13 +92,18 @@ class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
         if tracker is not None:
             from rlix_plugins.adapters.nemo_rl import begin_progress_batch
 
-            version = int(version)
-            with self._rlix_lock:
-                # Earlier targets are sampled (or dropped) by now: forget them.
-                self._rlix_buffered = {
-                    t: n for t, n in self._rlix_buffered.items() if t >= version}
-                begin_progress_batch(tracker, version,
-                                     already_collected=self._rlix_buffered.get(version, 0))
+            try:
+                version = int(version)
+                with self._rlix_lock:
+                    # Earlier targets are sampled (or dropped) by now: forget them.
+                    self._rlix_buffered = {
+                        t: n for t, n in self._rlix_buffered.items() if t >= version}
+                    # Past grpo.max_num_steps this clears the pipeline's demand instead.
+                    begin_progress_batch(tracker, version,
+                                         already_collected=self._rlix_buffered.get(version, 0))
+            except Exception:  # NeMo RL's driver waits on this call: progress must not fail it
+                logger.exception("rlix: progress for weight version %s failed; collection "
+                                 "continues", version)
 
 
 RLixAsyncTrajectoryCollector = ray.remote(RLixAsyncTrajectoryCollectorImpl)

@@ -26,6 +26,9 @@ driver                placement (partial overlap): ``grpo.RayVirtualCluster`` ->
 driver                ``async_utils.ReplayBuffer`` / ``AsyncTrajectoryCollector`` (imported at
                       call time inside ``async_grpo_train``) -> subclasses of their undecorated
                       classes, re-decorated: ``valid_count`` and progress reports
+driver                ``grpo.async_grpo_train`` (imported at call time by NeMo RL's
+                      ``run_grpo.py``) -> a function that starts the pipeline's step counter
+                      at ``grpo_save_state.current_step`` and calls NeMo RL's loop
 ====================  ====================================================================
 
 The patch is triggered by the import of ``nemo_rl`` (the post-import hook of
@@ -36,7 +39,9 @@ points raises :class:`~rlix_plugins.errors.HostDriftError` at that import.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import logging
 import sys
 import threading
@@ -169,8 +174,11 @@ PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
         _p("refit", f"{_GRPO}:refit_policy_generation", PlugKind.READ,
            ("policy", "policy_generation", "colocated_inference", "timer", "kv_scales"),
            why="returns early into policy_generation.weight_synchronizer.sync_weights"),
-        _p("async GRPO loop", f"{_GRPO}:async_grpo_train", PlugKind.READ,
-           ("policy", "policy_generation", "max_trajectory_age_steps")),
+        _p("async GRPO loop", f"{_GRPO}:async_grpo_train", PlugKind.ATTRIBUTE,
+           ("policy", "policy_generation", "grpo_save_state", "master_config",
+            "max_trajectory_age_steps"),
+           why="examples/run_grpo.py imports it at call time: the pipeline's step counter "
+           "starts at grpo_save_state.current_step (a resumed run) before the loop runs"),
     ),
     _ASYNC: (
         _p("replay buffer actor", f"{_ASYNC}:ReplayBuffer", PlugKind.ATTRIBUTE,
@@ -191,6 +199,8 @@ PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
         _p("before training", f"{_POLICY}:Policy.prepare_for_training", PlugKind.SUBCLASS),
         _p("offload before refit", f"{_POLICY}:Policy.offload_before_refit", PlugKind.READ),
         _p("offload after refit", f"{_POLICY}:Policy.offload_after_refit", PlugKind.READ),
+        _p("async checkpoint finalisation", f"{_POLICY}:Policy.finalize_async_save",
+           PlugKind.READ, why="a Megatron async save is finalised under the save's GPU hold"),
         _p("all-worker call", f"{_POLICY}:Policy.run_all_workers_single_data", PlugKind.READ,
            ("method_name",)),
         _p("policy worker group class", f"{_POLICY}:RayWorkerGroup", PlugKind.ATTRIBUTE,
@@ -269,6 +279,27 @@ def _apply_grpo(patch: NemoRlPatch, module: Any) -> None:
     patch.set_attribute(
         module, "Policy", make_placed_policy_class(make_policy_class(module.Policy))
     )
+    patch.set_attribute(module, "async_grpo_train", wrap_async_grpo_train(module.async_grpo_train))
+
+
+def wrap_async_grpo_train(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """``async_grpo_train`` that first tells the driver's pipeline the step the run starts at
+    (``grpo_save_state.current_step``, > 0 on a resume), then runs NeMo RL's loop unchanged."""
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def async_grpo_train(*args: Any, **kwargs: Any) -> Any:
+        from rlix_plugins.adapters.nemo_rl import start_run
+
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            # NeMo RL raises its own error for a call that does not fit its signature.
+            return stock(*args, **kwargs)
+        start_run(bound.arguments.get("grpo_save_state"))
+        return stock(*args, **kwargs)
+
+    return async_grpo_train
 
 
 def _apply_async(patch: NemoRlPatch, module: Any) -> None:
@@ -408,4 +439,5 @@ __all__ = [
     "SUPPORTED_VERSION",
     "NemoRlPatch",
     "factory",
+    "wrap_async_grpo_train",
 ]
