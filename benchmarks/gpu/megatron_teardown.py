@@ -25,14 +25,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
 import os
-import socket
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu.processes import free_port, machine, run_in_process  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("bench.megatron_teardown")
@@ -71,12 +76,6 @@ VARIANTS: dict[str, Variant] = {
     "plain, 4 MiB reduce": Variant("plain", floats=1 << 20),
     "plain, timeout 30 min + group_desc": Variant("plain", timeout_min=30.0, group_desc=True),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _megatron_groups(ps: Any, dist: Any) -> tuple[list[tuple[str, Any]], list[Any]]:
@@ -207,23 +206,12 @@ def _lifecycle_cycles(dist: Any, x: Any, cycles: int) -> list[dict[str, Any]]:
 
 
 def measure(count: int, cycles: int, only: list[str] | None = None) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
     out: dict[str, Any] = {}
     for name, variant in VARIANTS.items():
         if only and name not in only:
             continue
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child,
-                           args=(name, variant, _free_port(), count, cycles, queue))
-        proc.start()
-        try:
-            out[name] = queue.get(timeout=90 + 30 * cycles)
-        except Exception as exc:  # recorded, so the other variants still report
-            out[name] = {"status": f"failed: {type(exc).__name__}: {exc}"}
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        out[name]["exitcode"] = proc.exitcode
+        out[name] = run_in_process(_child, (name, variant, free_port(), count, cycles),
+                                   90 + 30 * cycles)
         rows = out[name].get("rows", [])
         logger.info("%s: teardown %s s", name, [round(r["teardown_s"], 3) for r in rows])
         for r in rows[-1:]:
@@ -281,12 +269,7 @@ def main() -> None:
     import megatron.core
 
     data = {
-        "machine": {
-            "gpu": torch.cuda.get_device_properties(0).name,
-            "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),  # type: ignore[no-untyped-call]
-            "megatron_core": megatron.core.__version__,
-        },
+        "machine": {**machine(), "megatron_core": megatron.core.__version__},
         "groups": args.groups,
         "cycles": args.cycles,
         "variants": measure(args.groups, args.cycles, args.only),

@@ -20,12 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
 import os
-import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu.processes import free_port, machine, run_in_process  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 logger = logging.getLogger("bench.nccl_teardown")
@@ -37,12 +42,6 @@ VARIANTS: dict[str, dict[str, str]] = {
     "abort (TORCH_NCCL_ASYNC_ERROR_HANDLING=0)": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
     "abort, one NCCL group call": {},
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _teardown(variant: str, groups: list[Any]) -> list[float]:
@@ -120,20 +119,10 @@ def _child(variant: str, port: int, n_groups: int, cycles: int, queue: Any) -> N
 
 
 def measure(n_groups: int, cycles: int) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
     out: dict[str, Any] = {}
     for variant in VARIANTS:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child, args=(variant, _free_port(), n_groups, cycles, queue))
-        proc.start()
-        try:
-            out[variant] = queue.get(timeout=60 + 30 * cycles)
-        except Exception as exc:  # recorded, so the other variants still report
-            out[variant] = {"status": f"failed: {type(exc).__name__}: {exc}"}
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        out[variant]["exitcode"] = proc.exitcode
+        out[variant] = run_in_process(_child, (variant, free_port(), n_groups, cycles),
+                                      60 + 30 * cycles)
         logger.info("%s: %s", variant, out[variant])
     return out
 
@@ -177,11 +166,7 @@ def main() -> None:
         logger.error("no CUDA GPU here: these figures need one")
         raise SystemExit(2)
     data = {
-        "machine": {
-            "gpu": torch.cuda.get_device_properties(0).name,
-            "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),  # type: ignore[no-untyped-call]
-        },
+        "machine": machine(),
         "groups": args.groups,
         "cycles": args.cycles,
         "variants": measure(args.groups, args.cycles),

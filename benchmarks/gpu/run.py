@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -44,6 +42,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.gpu.processes import free_port, run_in_process  # noqa: E402
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig  # noqa: E402
 from rlix_plugins.training.checksum import (  # noqa: E402
     ChecksumKind,
@@ -388,20 +387,7 @@ def _nccl_child(port: int, cycles: int, env: dict[str, str], queue: Any) -> None
 
 
 def bench_nccl_lifecycle(cycles: int, env: dict[str, str] | None = None) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = ctx.Process(target=_nccl_child, args=(port, cycles, env or {}, queue))
-    proc.start()
-    try:
-        result: dict[str, Any] = queue.get(timeout=300)
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
-    return result
+    return run_in_process(_nccl_child, (free_port(), cycles, env or {}), 300)
 
 
 def _section(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
