@@ -40,7 +40,7 @@ from rlix_plugins.protocol.names import (
     pipeline_namespace,
 )
 from rlix_plugins.protocol.types import Priority
-from rlix_plugins.settings import Settings
+from rlix_plugins.settings import Settings, load_settings
 from rlix_plugins.values import is_int
 
 logger = logging.getLogger(__name__)
@@ -114,10 +114,26 @@ def make_shard_controller(
     version: Callable[[], int | None],
     preemption: PreemptionConfig | None = None,
     observer: ObservationWriter | None = None,
+    settings: Settings | None = None,
 ) -> VerlShardController:
     """Controller for replicas ``replica_servers[d]`` (server handles of dp rank ``d``);
-    ``observer`` gets the version records (default: ``RLIX_OBSERVE_DIR`` / ``PIPELINE_ID``)."""
-    engines = [VerlReplicaEngine(servers) for servers in replica_servers]
+    ``observer`` gets the version records (default: ``RLIX_OBSERVE_DIR`` / ``PIPELINE_ID``).
+
+    Preempted replicas sleep at ``settings.vllm_sleep_level`` (``RLIX_VLLM_SLEEP_LEVEL``, as on
+    the generation path; ``preemption.sleep_level`` overrides it) and wait for an in-place
+    refresh up to ``settings.resize_timeout_s``. ``settings`` default: this process's
+    environment, read here (the trainer's, which holds the job's variables).
+
+    Raises:
+        SettingsError: an invalid ``RLIX_VLLM_SLEEP_LEVEL`` (or other setting), naming it
+            and its valid values; nothing is built.
+    """
+    settings = settings if settings is not None else load_settings()
+    engines = [
+        VerlReplicaEngine(servers, sleep_level=settings.vllm_sleep_level,
+                          refresh_wait_s=settings.resize_timeout_s)
+        for servers in replica_servers
+    ]
     state = LoadBalancerShardState(load_balancer)
     lifecycle = ShardLifecycle(state, engines, preemption)
     return VerlShardController(lifecycle, state, sync, version, observer)

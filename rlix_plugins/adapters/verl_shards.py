@@ -4,14 +4,18 @@
 veRL rollout replica (its server actor handles), so the generation module's
 :class:`~rlix_plugins.generation.preemption.ShardLifecycle` drives veRL's own calls:
 
-* ``abort_all`` -> ``abort_all_requests(reject_request=True)`` on every server of the replica:
-  veRL closes the replica's submission gate (late arrivals come back ``stop_reason="aborted"``
-  at once, so the client re-routes them) and aborts in-flight requests through vLLM's
-  ``pause_generation``; they come back aborted with their partial tokens.
+* ``abort_all`` -> ``rlix_take_down`` on every server of the replica: veRL's
+  ``abort_all_requests(reject_request=True)`` (the submission gate closes, late arrivals come
+  back ``stop_reason="aborted"`` at once, so the client re-routes them; in-flight requests are
+  aborted through vLLM's ``pause_generation`` and come back with their partial tokens), and
+  the server is marked taken down: veRL's own resume (an in-place refresh) leaves it paused.
 * ``num_running`` -> the engine's unfinished-request count (drain poll).
 * ``sleep``/``wake_up`` -> engine-level sleep/wake on the RLix server subclass (works for
-  standalone replicas too, which veRL itself never sleeps).
-* ``resume`` -> veRL's ``resume_generation`` (reopens the gate).
+  standalone replicas too, which veRL itself never sleeps). The level is the engine's
+  ``sleep_level`` (``RLIX_VLLM_SLEEP_LEVEL`` through :func:`~.verl.make_shard_controller`);
+  the server waits for an in-place refresh holding it (up to ``refresh_wait_s``).
+* ``resume`` -> ``rlix_resume_engine`` then ``rlix_open_gate`` (veRL's resume order; these
+  reopen a server that was taken down).
 * ``weight_version`` -> the server's ``rlix_weight_version`` (the version its engine applied
   completely), read by the shard controller after each sync for the gates' weights record;
   None when the server class has no such method.
@@ -28,18 +32,43 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rlix_plugins.errors import SettingsError
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
 from rlix_plugins.generation.shard_state import ShardEvent, ShardSnapshot
+from rlix_plugins.values import is_int, is_number
+
+#: default bound on a sleep waiting for an in-place refresh of the replica (seconds)
+REFRESH_WAIT_S = 120.0
 
 
 class VerlReplicaEngine:
-    """ShardEngine over one veRL replica: ``servers[0]`` holds the engine (node rank 0)."""
+    """ShardEngine over one veRL replica: ``servers[0]`` holds the engine (node rank 0).
 
-    def __init__(self, servers: Sequence[Any], *, sleep_level: int | None = None) -> None:
+    Args:
+        servers: the replica's server actor handles.
+        sleep_level: vLLM sleep level when the lifecycle names none (0, 1, 2; None: veRL's
+            own level); the server never sleeps deeper than veRL's restorable level.
+        refresh_wait_s: how long a sleep waits for an in-place refresh of the replica.
+
+    Raises:
+        SettingsError: a bad ``sleep_level`` or ``refresh_wait_s``.
+    """
+
+    def __init__(self, servers: Sequence[Any], *, sleep_level: int | None = None,
+                 refresh_wait_s: float = REFRESH_WAIT_S) -> None:
         if not servers:
             raise ValueError("a replica needs at least one server handle")
+        if sleep_level is not None and not (is_int(sleep_level) and sleep_level in (0, 1, 2)):
+            raise SettingsError(f"sleep_level must be None, 0, 1 or 2, got {sleep_level!r}")
+        if not (is_number(refresh_wait_s) and refresh_wait_s > 0):
+            raise SettingsError(f"refresh_wait_s must be seconds > 0, got {refresh_wait_s!r}")
         self._servers = tuple(servers)
         self._sleep_level = sleep_level
+        self._refresh_wait_s = float(refresh_wait_s)
+
+    @property
+    def sleep_level(self) -> int | None:
+        return self._sleep_level
 
     @property
     def servers(self) -> tuple[Any, ...]:
@@ -59,9 +88,7 @@ class VerlReplicaEngine:
         return EngineOutput(tuple(out.token_ids), reason, logprobs)
 
     async def abort_all(self) -> int:
-        results = await asyncio.gather(
-            *(s.abort_all_requests.remote(reject_request=True) for s in self._servers)
-        )
+        results = await asyncio.gather(*(s.rlix_take_down.remote() for s in self._servers))
         return sum(int(r.get("aborted_count", 0)) for r in results)
 
     async def num_running(self) -> int:
@@ -70,15 +97,16 @@ class VerlReplicaEngine:
 
     async def sleep(self, level: int | None = None) -> None:
         lvl = self._sleep_level if level is None else level
-        await asyncio.gather(*(s.rlix_sleep.remote(lvl) for s in self._servers))
+        await asyncio.gather(
+            *(s.rlix_sleep.remote(lvl, self._refresh_wait_s) for s in self._servers))
 
     async def wake_up(self) -> None:
         await asyncio.gather(*(s.rlix_wake_up.remote() for s in self._servers))
 
     async def resume(self) -> None:
         # veRL's order: resume the engines with admission closed, then open every gate.
-        await self._servers[0].resume_engine_generation.remote()
-        await asyncio.gather(*(s.open_submission_gate.remote() for s in self._servers))
+        await self._servers[0].rlix_resume_engine.remote()
+        await asyncio.gather(*(s.rlix_open_gate.remote() for s in self._servers))
 
     async def weight_version(self) -> int | None:
         """Weight version the replica's engine reports (None: unknown or not recorded)."""

@@ -14,7 +14,9 @@ Both are subclasses of veRL 0.9.1 classes and are imported only where veRL is im
   ``stop_reason="aborted"`` (with the partial tokens) when its replica is aborted; the stock
   sync-mode client would hand that back as a finished, truncated sample. This client treats it
   as preemption: it continues the request from the partial tokens on another active replica
-  (at most ``max_attempts`` dispatches, then :class:`ShardPreemptedError`), and waits a bounded
+  (at most ``max_attempts`` preempted dispatches, then :class:`ShardPreemptedError`; aborts by
+  an in-place weight refresh, which the server tags, and migrations are re-dispatched without
+  counting), and waits a bounded
   time when no replica is active (then :class:`NoActiveShardError`). Its
   :class:`~rlix_plugins.generation.router.RequestLedger` counts what the gates judge (submitted,
   completed once, lost, cancelled, duplicated, re-dispatched); with ``RLIX_OBSERVE_DIR`` set the
@@ -101,6 +103,11 @@ logger = logging.getLogger(__name__)
 NO_SERVER_MESSAGE = "No available servers in load balancer"
 #: stop reasons veRL (and vLLM) use for an aborted request
 ABORT_REASONS = frozenset({"aborted", "abort"})
+#: ``extra_fields`` key / value the RLix vLLM server puts on an attempt aborted by an in-place
+#: weight refresh (``verl_vllm.ABORT_CAUSE_FIELD`` / ``REFRESH_ABORT``; not imported: that
+#: module needs vLLM, this one runs in agent-loop workers too)
+ABORT_CAUSE_FIELD = "rlix_abort"
+REFRESH_ABORT = "refresh"
 #: ``on`` (default) / ``off``: request migration in the load balancer
 ENV_VERL_MIGRATION = "RLIX_VERL_MIGRATION"
 #: the acquire field carrying an attempt's id / budget / migrations, and the release field
@@ -593,8 +600,11 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
     continued from its partial tokens on another active replica (a migrated one on its target),
     keeping the partial log-probs; ``num_preempted`` counts the re-dispatches after preemption,
     ``extra_fields["rlix_migrations"]`` the migrations and ``extra_fields["rlix_migrated_at"]``
-    the tokens carried over at each one. Extra keyword args: ``max_attempts`` (preempted
-    dispatches per request, default 8; migrations not counted),
+    the tokens carried over at each one, ``extra_fields["rlix_refresh_aborts"]`` the aborts by
+    in-place weight refreshes (tagged by the server, re-dispatched like preemptions but, like
+    migrations, not counted toward ``max_attempts``: the replica stayed in service). Extra
+    keyword args: ``max_attempts`` (preempted dispatches per request, default 8; migrations
+    and refresh aborts not counted),
     ``wait_timeout_s`` (bound on waiting for an active replica; default
     ``RLIX_REQUEST_TIMEOUT_S``, 1800 s unless set) and
     ``on_counters`` (receives the ledger's :class:`RouterCounters`; default: the
@@ -741,7 +751,8 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
 
         Raises:
             NoActiveShardError: no replica became active within ``wait_timeout_s``.
-            ShardPreemptedError: aborted on each of ``max_attempts`` dispatches.
+            ShardPreemptedError: preempted on ``max_attempts`` dispatches (migrations and
+                in-place refresh aborts do not count).
         """
         key = f"{request_id}#{len(prompt_ids)}"
         ledger = self._ledger
@@ -784,7 +795,7 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         routed: Any = None
         cached_tokens: Any = None
         first_steps: Any = None
-        dispatches = preempted = 0
+        dispatches = preempted = refreshed = 0
         migrated_at: list[int] = []
         while True:
             dispatches += 1
@@ -811,11 +822,17 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
                 log_probs = (log_probs or []) + list(out.log_probs)
             done = out.stop_reason not in ABORT_REASONS
             moved_to: int | None = None
+            by_refresh = False
             if not done:
                 moved_to = await self._migration_outcome(attempt.attempt_id)
                 if moved_to is not None:
                     migrated_at.append(len(tokens))
                     self._ledger.migrate()
+                elif (out.extra_fields or {}).get(ABORT_CAUSE_FIELD) == REFRESH_ABORT:
+                    # The host refreshed the replica's weights in place: a re-dispatch, not a
+                    # preemption, so a request living across many refreshes is never failed.
+                    by_refresh = True
+                    refreshed += 1
                 else:
                     preempted += 1
             if not done and budget is not None and limit_key is not None:
@@ -836,9 +853,10 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
                 out.extra_fields["rlix_attempts"] = dispatches
                 out.extra_fields["rlix_migrations"] = len(migrated_at)
                 out.extra_fields["rlix_migrated_at"] = list(migrated_at)
+                out.extra_fields["rlix_refresh_aborts"] = refreshed
                 return out
             if moved_to is None:
-                if preempted >= self.max_attempts:
+                if not by_refresh and preempted >= self.max_attempts:
                     raise ShardPreemptedError(
                         f"request {request_id}: aborted {self.max_attempts} times (replicas "
                         "kept being preempted); raise max_attempts or check the coordinator's "
@@ -848,5 +866,6 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             logger.debug(
                 "request %s %s on dispatch %d (%d tokens so far); continuing",
                 request_id, f"migrated to replica {moved_to}" if moved_to is not None
-                else "aborted", dispatches, len(tokens),
+                else "aborted by a weight refresh" if by_refresh else "aborted", dispatches,
+                len(tokens),
             )
