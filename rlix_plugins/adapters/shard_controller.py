@@ -179,18 +179,28 @@ class LifecycleShardController:
                 f"expand: the weight cache lost every version while waking {sleeping}; they "
                 "stay woken and unrouted"
             )
-        # Woken from level-2 sleep a shard has no valid weights: routed only after this.
-        self._sync(inactive, version)
+        # Woken from level-2 sleep a shard has no valid weights: routed only after this. A
+        # version cached while these ranks synced was refreshed by the host into the shards
+        # active at that moment, not into these: they catch up before they are routed, so no
+        # request of theirs sees its weights change under it.
+        version = self._catch_up(inactive, version, synced=False)
         self._loop_thread().run(self._lifecycle.activate(inactive))
-        # A version cached while these ranks synced was refreshed by the host into the shards
-        # active at that moment, not into these: bring them up to it the same way (in place,
-        # as an active refresh does), or they would serve the older version to the next step.
+        # One cached between the last check and the activation: in place, as an active
+        # refresh does, or they would serve the older version to the next step.
+        version = self._catch_up(inactive, version, synced=True)
+        self.observe("expand", inactive, version)
+
+    def _catch_up(self, ranks: list[int], version: int, *, synced: bool) -> int:
+        """Sync ``ranks`` to ``version`` (unless ``synced``), then to every newer version
+        cached meanwhile; the version they hold at the end."""
+        if not synced:
+            self._sync(ranks, version)
         newest = self._version()
         while newest is not None and newest > version:
             version = newest
-            self._sync(inactive, version)
+            self._sync(ranks, version)
             newest = self._version()
-        self.observe("expand", inactive, version)
+        return version
 
     def refresh(self, dp_ranks: Sequence[int], version: int, *, step: int | None = None) -> None:
         """Active refresh: sync ``version`` into shards that stay active (no drain), then

@@ -124,6 +124,39 @@ def test_a_version_cached_while_an_expand_syncs_reaches_the_expanded_shard(rig: 
     assert rig.statuses() == (A, A)
 
 
+def test_an_expand_catches_up_to_a_newer_version_before_it_routes_the_shard(rig: Rig) -> None:
+    # Synced in place after activation, requests already routed to the shard would see its
+    # weights change under them: the catch-up must come before the shard is routed.
+    rig.weights.version = 3
+    sync = rig.weights.sync
+    routed_at_sync: list[tuple[int, bool]] = []
+
+    def sync_then_cache_newer(dp_ranks: Sequence[int], version: int) -> None:
+        routed_at_sync.append((version, rig.statuses()[1] is A))
+        sync(dp_ranks, version)
+        if version == 3:
+            rig.weights.version = 4
+
+    rig.controller._sync = sync_then_cache_newer
+    rig.controller.expand([1])
+    assert routed_at_sync == [(3, False), (4, False)]
+    assert rig.statuses() == (A, A)
+
+
+def test_a_version_cached_during_activation_is_still_synced_in_place(rig: Rig) -> None:
+    rig.weights.version = 3
+    activate = rig.controller._lifecycle.activate
+
+    async def activate_then_cache_newer(ranks: Sequence[int]) -> None:
+        await activate(ranks)
+        rig.weights.version = 4  # cached between the last check and the activation
+
+    rig.controller._lifecycle.activate = activate_then_cache_newer  # type: ignore[method-assign]
+    rig.controller.expand([1])
+    assert rig.weights.synced == [([1], 3), ([1], 4)]
+    assert rig.statuses() == (A, A)
+
+
 def test_expand_of_a_half_taken_down_shard_finishes_the_take_down_then_routes_it(
     rig: Rig,
 ) -> None:
