@@ -40,10 +40,8 @@ from rlix_plugins.adapters.nemo_rl import NemoRlLayout
 from rlix_plugins.errors import RegistrationError
 from rlix_plugins.protocol import ProgressReport
 from rlix_plugins.training.progress import ProgressTracker
+from tests.support.nemo_rl_pipeline import PID
 from tests.support.recording_hooks import FakeHooks
-
-PID = "ft_000000000042"
-
 
 # ------------------------------------------------------------------ layout config
 
@@ -199,25 +197,11 @@ class FakeController:
 
 @pytest.fixture
 def policy_after_refit(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
-    from types import SimpleNamespace
+    from tests.support.nemo_rl_pipeline import fake_pipeline
 
-    from rlix_plugins.adapters import nemo_rl
-    from rlix_plugins.settings import load_settings
-
-    monkeypatch.delenv("RLIX_CONTROL_PLANE", raising=False)  # no attach at construction
-    policy = nemo_rl.make_policy_class(FakePolicyBase)(None, {"megatron_cfg": {}})
-    hooks = FakeHooks()
-    policy.hooks = hooks
-    pipeline = nemo_rl.NemoRlPipeline(load_settings({}), SimpleNamespace(),
-                                      NemoRlLayout((0, 1), (0,)), hooks, PID)  # type: ignore[arg-type]
-    pipeline.policy = policy
-    pipeline.state = SimpleNamespace(snapshot=lambda: SimpleNamespace(active=(1,)))
-    pipeline._controller = FakeController()  # type: ignore[assignment]
-    pipeline._cached_once = True  # the init refit is done
-    # FAKE: no scheduler; generation requests are recorded in the hooks' order
-    monkeypatch.setattr(pipeline, "_request_generation",
-                        lambda: hooks.calls.append("request_generation"))
-    monkeypatch.setattr(nemo_rl, "_pipeline", pipeline)
+    # the init refit is done; FAKE: no scheduler, generation requests recorded in the hooks
+    policy, pipeline, hooks = fake_pipeline(monkeypatch, FakePolicyBase, FakeController(),
+                                            cached_once=True)
     # One async-GRPO step as NeMo RL runs it: train, then the refit (our after_training).
     policy.prepare_for_training()
     pipeline.after_training()

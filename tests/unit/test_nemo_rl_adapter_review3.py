@@ -31,10 +31,9 @@ from typing import Any
 import pytest
 
 from rlix_plugins.adapters import nemo_rl
-from rlix_plugins.adapters.nemo_rl import NemoRlLayout
 from rlix_plugins.errors import RegistrationError
 from rlix_plugins.protocol import ProgressReport
-from rlix_plugins.settings import load_settings
+from tests.support.nemo_rl_pipeline import fake_pipeline
 from tests.support.recording_hooks import FakeHooks
 from tests.unit.test_nemo_rl_adapter_review2 import (  # noqa: F401  (fixture)
     PID,
@@ -220,18 +219,9 @@ class FakeInitController(FakeController):
 @pytest.fixture
 def fresh_pipeline(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, FakeHooks]]:
     """A registered-looking pipeline before NeMo RL's first refit (FAKE policy and shards)."""
-    monkeypatch.delenv("RLIX_CONTROL_PLANE", raising=False)  # no attach at construction
-    policy = nemo_rl.make_policy_class(FakeVersionPolicy)(None, {"megatron_cfg": {}})
-    hooks = FakeHooks()
-    policy.hooks = hooks
-    pipeline = nemo_rl.NemoRlPipeline(load_settings({}), SimpleNamespace(),
-                                      NemoRlLayout((0, 1), (0,)), hooks, PID)  # type: ignore[arg-type]
-    pipeline.policy = policy
-    pipeline.state = SimpleNamespace(snapshot=lambda: SimpleNamespace(active=(1,)))
-    pipeline._controller = FakeInitController()  # type: ignore[assignment]
-    monkeypatch.setattr(pipeline, "_request_generation",
-                        lambda: hooks.calls.append(f"request_generation:{pipeline.step}"))
-    monkeypatch.setattr(nemo_rl, "_pipeline", pipeline)
+    policy, pipeline, hooks = fake_pipeline(monkeypatch, FakeVersionPolicy,
+                                            FakeInitController(), cached_once=False,
+                                            request_with_step=True)
     yield policy, pipeline, hooks
 
 
@@ -332,19 +322,8 @@ class FakeAsyncSavePolicy(FakePolicyBase):
 
 def test_an_async_save_is_finalised_before_the_gpus_are_released(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("RLIX_CONTROL_PLANE", raising=False)
-    policy = nemo_rl.make_policy_class(FakeAsyncSavePolicy)(None, {"megatron_cfg": {}})
-    hooks = FakeHooks()
-    policy.hooks = hooks
-    pipeline = nemo_rl.NemoRlPipeline(load_settings({}), SimpleNamespace(),
-                                      NemoRlLayout((0, 1), (0,)), hooks, PID)  # type: ignore[arg-type]
-    pipeline.policy = policy
-    pipeline.state = SimpleNamespace(snapshot=lambda: SimpleNamespace(active=(1,)))
-    pipeline._controller = FakeController()  # type: ignore[assignment]
-    pipeline._cached_once = True
-    monkeypatch.setattr(pipeline, "_request_generation",
-                        lambda: hooks.calls.append("request_generation"))
-    monkeypatch.setattr(nemo_rl, "_pipeline", pipeline)
+    policy, pipeline, hooks = fake_pipeline(monkeypatch, FakeAsyncSavePolicy, FakeController(),
+                                            cached_once=True)
     policy.prepare_for_training()
     pipeline.after_training()  # the refit released the GPUs
 
