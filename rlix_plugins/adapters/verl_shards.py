@@ -23,7 +23,11 @@ veRL rollout replica (its server actor handles), so the generation module's
 :class:`LoadBalancerShardState` is the :class:`~rlix_plugins.generation.state_store.ShardStateView`
 whose owner is the pipeline's :class:`~rlix_plugins.patches.verl_routing.RLixRequestLoadBalancer`
 actor: every agent-loop worker routes through that one actor, so the state it routes by and the
-state the lifecycle changes are the same object.
+state the lifecycle changes are the same object. Its ``apply`` retries a ``preempt`` the
+balancer refused because an in-place refresh claims the replica (:class:`RefreshHoldError`,
+until the refresh's aborts reached its servers), up to ``hold_wait_s``, then raises
+:class:`~rlix_plugins.errors.PreemptionError` with nothing changed (the replica stays ACTIVE;
+the coordinator retries the shrink).
 """
 
 from __future__ import annotations
@@ -32,13 +36,32 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rlix_plugins.errors import SettingsError
+from rlix_plugins.errors import PreemptionError, SettingsError, ShardStateError
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
 from rlix_plugins.generation.shard_state import ShardEvent, ShardSnapshot
 from rlix_plugins.values import is_int, is_number
 
 #: default bound on a sleep waiting for an in-place refresh of the replica (seconds)
 REFRESH_WAIT_S = 120.0
+#: default bound on a preempt retried while an in-place refresh claims the replica (seconds);
+#: above the balancer's claim bound (``verl_routing.REFRESH_HOLD_S``): an abandoned claim
+#: expires before the shrink gives up
+HOLD_WAIT_S = 120.0
+#: pause between two such retries (seconds)
+HOLD_POLL_S = 0.01
+
+
+class RefreshHoldError(ShardStateError):
+    """The load balancer refused a ``preempt``: an in-place weight refresh claims one of the
+    replicas (it read them ACTIVE and its abort has not reached them yet). Nothing changed;
+    retry once the refresh released them."""
+
+
+def _is_refresh_hold(exc: BaseException) -> bool:
+    # A Ray actor's error arrives as a RayTaskError that is also an instance of its cause
+    # where Ray can build that class, else only carrying it as ``cause``.
+    return isinstance(exc, RefreshHoldError) or isinstance(
+        getattr(exc, "cause", None), RefreshHoldError)
 
 
 class VerlReplicaEngine:
@@ -126,10 +149,25 @@ class VerlReplicaEngine:
 
 
 class LoadBalancerShardState:
-    """ShardStateView whose owner is the RLix load-balancer actor (picklable: a handle)."""
+    """ShardStateView whose owner is the RLix load-balancer actor (picklable: a handle).
 
-    def __init__(self, load_balancer: Any) -> None:
+    Args:
+        load_balancer: the balancer actor handle.
+        hold_wait_s: how long ``apply`` retries a preempt refused under a refresh claim.
+        poll_s: pause between those retries.
+
+    Raises:
+        SettingsError: ``hold_wait_s`` or ``poll_s`` is not seconds > 0.
+    """
+
+    def __init__(self, load_balancer: Any, *, hold_wait_s: float = HOLD_WAIT_S,
+                 poll_s: float = HOLD_POLL_S) -> None:
+        for name, value in (("hold_wait_s", hold_wait_s), ("poll_s", poll_s)):
+            if not (is_number(value) and value > 0):
+                raise SettingsError(f"{name} must be seconds > 0, got {value!r}")
         self._lb = load_balancer
+        self._hold_wait_s = float(hold_wait_s)
+        self._poll_s = float(poll_s)
         self._cached: ShardSnapshot | None = None
 
     def _update(self, snap: ShardSnapshot) -> ShardSnapshot:
@@ -159,12 +197,35 @@ class LoadBalancerShardState:
             await asyncio.sleep(0.05)
 
     async def apply(self, dp_ranks: Iterable[int], event: ShardEvent) -> ShardSnapshot:
-        snap = await self._lb.apply_shard_event.remote(list(dp_ranks), ShardEvent(event).value)
-        return self._update(snap)
+        """Apply ``event`` on the balancer; a preempt refused under an in-place refresh claim
+        is retried (the balancer is a synchronous actor: it cannot wait itself).
+
+        Raises:
+            PreemptionError: still refused after ``hold_wait_s`` (nothing changed).
+        """
+        ranks, name = list(dp_ranks), ShardEvent(event).value
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._hold_wait_s
+        while True:
+            try:
+                snap = await self._lb.apply_shard_event.remote(ranks, name)
+            except Exception as exc:
+                if not _is_refresh_hold(exc):
+                    raise
+                if loop.time() >= deadline:
+                    raise PreemptionError(
+                        f"replica(s) {ranks} still claimed by an in-place weight refresh after "
+                        f"{self._hold_wait_s:g}s; not preempted (retry the shrink)"
+                    ) from exc
+                await asyncio.sleep(self._poll_s)
+                continue
+            return self._update(snap)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"lb": self._lb}
+        return {"lb": self._lb, "hold_wait_s": self._hold_wait_s, "poll_s": self._poll_s}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._lb = state["lb"]
+        self._hold_wait_s = float(state.get("hold_wait_s", HOLD_WAIT_S))
+        self._poll_s = float(state.get("poll_s", HOLD_POLL_S))
         self._cached = None

@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWithCache
@@ -465,6 +466,26 @@ def _run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+@dataclass(frozen=True)
+class RefreshClaim:
+    """How an in-place refresh picks its replicas: ``begin(ranks)`` returns those of the dp
+    ``ranks`` that are ACTIVE now and claims them (the coordinator's shrink cannot take them
+    until ``end(ranks)``), in one step on the shard-state owner: the RLix load balancer's
+    ``rlix_refresh_begin`` / ``rlix_refresh_end`` (see ``build_adapter``)."""
+
+    begin: Callable[[list[int]], Iterable[int]]
+    end: Callable[[list[int]], None]
+
+
+def _as_claim(active: Any) -> RefreshClaim | None:
+    """``bind``'s ``active``: a :class:`RefreshClaim`, or a plain ``active()`` callable (a
+    caller without the RLix balancer, e.g. a test): read, not claimed, so a shrink may still
+    take a replica between that read and the refresh's abort."""
+    if active is None or isinstance(active, RefreshClaim):
+        return active
+    return RefreshClaim(begin=lambda ranks: set(active()) & set(ranks), end=lambda ranks: None)
+
+
 class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc]
     """veRL's checkpoint manager for replicas the coordinator owns (``rlix_cache`` backend).
 
@@ -474,6 +495,11 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
     aborted and resumed, as veRL's own update does). Sleeping replicas are NOT contacted: the
     coordinator's expand syncs them from the cache when it wakes them. Until :meth:`bind`
     (veRL's first sync, before the pipeline is registered) every replica is synced.
+
+    The replicas are picked and claimed in one step (:class:`RefreshClaim`) and released once
+    their parking aborts settled: from its abort on, each server holds itself against a
+    shrink's sleep until its gate reopens (:mod:`.verl_vllm`), so no shrink can put a replica
+    to sleep between the pick and the weight load.
     """
 
     def __init__(self, config: Any, actor_wg: Any, replicas: list[Any]) -> None:
@@ -488,16 +514,17 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
 
     def bind(
         self,
-        active: Any,
+        active: RefreshClaim | Callable[[], Iterable[int]],
         ranks: Sequence[int],
         observe: Callable[[Sequence[int], int], None] | None = None,
     ) -> None:
-        """From now on refresh only replicas whose pipeline dp rank is in ``active()``;
-        ``ranks[i]`` is the pipeline dp rank of this manager's replica ``i``. ``observe(ranks,
-        version)`` runs after each in-place refresh (the shard controller's version record)."""
+        """From now on refresh only the replicas ``active`` claims (a :class:`RefreshClaim`;
+        a plain ``active()`` callable is read, unclaimed); ``ranks[i]`` is the pipeline dp rank
+        of this manager's replica ``i``. ``observe(ranks, version)`` runs after each in-place
+        refresh (the shard controller's version record)."""
         if len(ranks) != len(self.replicas):
             raise ValueError(f"{len(ranks)} ranks for {len(self.replicas)} replicas")
-        self._active = active
+        self._active = _as_claim(active)
         self._ranks = list(ranks)
         self._observe = observe
 
@@ -522,11 +549,12 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
 
     def _refresh(self, version: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Sync ``version`` in place to the replicas ACTIVE now (all of them until bound)."""
-        if self._active is None:
+        claim = _as_claim(self._active)
+        if claim is None:
             chosen = list(range(len(self.replicas)))
         else:
-            active = set(self._active())
-            chosen = [i for i, r in enumerate(self._ranks) if r in active]
+            claimed = set(claim.begin(list(self._ranks)))
+            chosen = [i for i, r in enumerate(self._ranks) if r in claimed]
         ranks = tuple(self._ranks[i] for i in chosen)
         if not chosen:
             self.refreshed.append((version, ranks))
@@ -535,13 +563,18 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
         try:
             # Inside the try: an abort failing on one replica must not leave the others
             # paused (their gates would stay closed to every request routed there).
-            if self._active is not None:
-                # Every abort settles before any resume: one failing fast must not resume a
-                # replica whose abort is still running (its pause would land after the resume).
-                _run(_gather((r.abort_all_requests() for r in replicas), settle=True))
+            if claim is not None:
+                try:
+                    # Every abort settles before any resume: one failing fast must not resume
+                    # a replica whose abort is still running (its pause would land after it).
+                    _run(_gather((r.abort_all_requests() for r in replicas), settle=True))
+                finally:
+                    # Each server now holds itself until its gate reopens (a shrink's sleep
+                    # waits for that): the claim only had to cover the pick-to-abort gap.
+                    claim.end(list(ranks))
             report = self.rlix_sync(chosen, version)
         finally:
-            if self._active is not None:
+            if claim is not None:
                 _run(_gather(r.resume_generation() for r in replicas))
         # Recorded once the sync succeeded: the list names refreshes that happened.
         self.refreshed.append((version, ranks))

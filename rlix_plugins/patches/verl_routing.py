@@ -54,6 +54,15 @@ and why it lives in the load balancer rather than in the clients:
   not use up ``max_attempts``. The balancer is a synchronous actor, so that question is
   answered only after the planning call that aborted the attempt has finished.
 
+In-place refresh claims: a weight refresh (``RLixCheckpointEngineManager``) claims its replicas
+with :meth:`RLixRequestLoadBalancer.rlix_refresh_begin` (only those ACTIVE at that moment, read
+and claimed in one actor call) and releases them with ``rlix_refresh_end`` once its parking
+aborts reached their servers (from then on each server holds itself until its gate reopens,
+:mod:`.verl_vllm`). Meanwhile a ``preempt`` of a claimed replica is refused with
+:class:`~rlix_plugins.adapters.verl_shards.RefreshHoldError` (nothing changed), which
+:class:`~rlix_plugins.adapters.verl_shards.LoadBalancerShardState` retries for a bounded time;
+a claim nobody ends expires after its ``hold_s``.
+
 Config: :meth:`RLixRequestLoadBalancer.set_migration` (a ``MigrationConfig`` or a mapping of its
 fields), ``bind_shards(..., migration=...)``, or ``RLIX_VERL_MIGRATION=off`` in the job's
 environment (read when the balancer starts). ``auto=False``: only an explicit
@@ -78,6 +87,7 @@ from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
 from rlix_plugins.adapters.observability import router_counters_emitter
+from rlix_plugins.adapters.verl_shards import RefreshHoldError
 from rlix_plugins.errors import (
     NoActiveShardError,
     SettingsError,
@@ -91,7 +101,12 @@ from rlix_plugins.generation.migration import (
     plan_migration,
 )
 from rlix_plugins.generation.router import CountersCallback, RequestLedger, RouterCounters
-from rlix_plugins.generation.shard_state import ShardEvent, ShardSnapshot, ShardStatus
+from rlix_plugins.generation.shard_state import (
+    ShardEvent,
+    ShardSnapshot,
+    ShardStatus,
+    normalize_ranks,
+)
 from rlix_plugins.generation.state_store import ShardStateStore
 from rlix_plugins.settings import load_settings
 from rlix_plugins.values import is_int, is_number
@@ -119,6 +134,14 @@ UNKNOWN_BUDGET = 1 << 30
 SERVER_CALL_TIMEOUT_S = 30.0
 #: migration outcomes / steered requests remembered (bounded like veRL's sticky cache)
 _REMEMBER = 10000
+#: bound on an in-place refresh's claim of its replicas (one whose trainer died never ends it);
+#: below the shrink's retry bound (``verl_shards.HOLD_WAIT_S``), so such a claim only delays
+REFRESH_HOLD_S = 60.0
+
+
+def _now() -> float:
+    """Clock of the refresh claims (a module function: tests replace it, not the loop's)."""
+    return time.monotonic()
 
 
 def migration_config(value: MigrationConfig | Mapping[str, Any] | None) -> MigrationConfig:
@@ -247,6 +270,8 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         self._outcomes: OrderedDict[str, int] = OrderedDict()  # attempt id -> target rank
         self._steered: OrderedDict[str, str] = OrderedDict()  # request id -> target server
         self._mig_stats = MigrationStats()
+        # in-place refresh claims: dp rank -> when the claim expires (_now())
+        self._refresh_holds: dict[int, float] = {}
 
     # ---------------------------------------------------------------- shard state (owner)
     def bind_shards(
@@ -300,6 +325,13 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         if event not in valid:
             raise ShardStateError(f"shard event {event!r} is not valid; use one of {valid}")
         before = set(store.snapshot().active)
+        if event == ShardEvent.PREEMPT.value:
+            held = self._held(dp_ranks)
+            if held:
+                raise RefreshHoldError(
+                    f"replica(s) {held} are claimed by an in-place weight refresh until its "
+                    "aborts reach them; preempt refused, nothing changed (retry)"
+                )
         new = store.apply(dp_ranks, ShardEvent(event))
         self._sync_pool(new)
         fresh = [r for r in new.active if r not in before]
@@ -310,6 +342,60 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
                 # Migration is an optimization: it must never fail the activation.
                 logger.warning("migration onto replica(s) %s failed", fresh, exc_info=True)
         return new
+
+    # ---------------------------------------------------------------- in-place refresh claims
+    def rlix_refresh_begin(
+        self, dp_ranks: list[int], hold_s: float = REFRESH_HOLD_S
+    ) -> list[int]:
+        """Claim, for an in-place weight refresh, those of ``dp_ranks`` that are ACTIVE now;
+        returns them (ascending). Until :meth:`rlix_refresh_end` (or ``hold_s`` seconds) a
+        ``preempt`` naming one of them is refused with :class:`RefreshHoldError`. Claims do
+        not nest: each replica is refreshed by one manager, one update at a time.
+
+        Raises:
+            ShardStateError: a rank is not an int or does not exist (nothing claimed).
+            SettingsError: ``hold_s`` is not seconds > 0 (nothing claimed).
+        """
+        if not (is_number(hold_s) and hold_s > 0):
+            raise SettingsError(f"hold_s={hold_s!r} is not valid; expected seconds > 0")
+        snap = self._require_store().snapshot()
+        if isinstance(dp_ranks, (list, tuple)) and not dp_ranks:
+            return []
+        ranks = normalize_ranks(snap, dp_ranks)
+        claimed = [r for r in ranks if snap.statuses[r] is ShardStatus.ACTIVE]
+        until = _now() + float(hold_s)
+        for r in claimed:
+            self._refresh_holds[r] = until
+        return claimed
+
+    def rlix_refresh_end(self, dp_ranks: list[int]) -> None:
+        """Release the refresh claims of ``dp_ranks`` (a rank not claimed is ignored).
+
+        Raises:
+            ShardStateError: ``dp_ranks`` is not a list of ranks (nothing released).
+        """
+        if isinstance(dp_ranks, (str, bytes)) or not isinstance(dp_ranks, Iterable):
+            raise ShardStateError(f"dp ranks must be an iterable of ints such as [0, 1], got "
+                                  f"{dp_ranks!r}")
+        for r in list(dp_ranks):
+            if is_int(r):
+                self._refresh_holds.pop(r, None)
+
+    def rlix_refresh_held(self) -> list[int]:
+        """Ranks an in-place refresh claims now (expired claims dropped)."""
+        return self._held(list(self._refresh_holds))
+
+    def _held(self, dp_ranks: Iterable[int]) -> list[int]:
+        """Those of ``dp_ranks`` under an unexpired refresh claim (bad ranks are left to the
+        store's own checks)."""
+        now = _now()
+        for r, until in list(self._refresh_holds.items()):
+            if until <= now:
+                del self._refresh_holds[r]
+                logger.warning("in-place refresh claim of replica %d expired unreleased "
+                               "(its refresh died or stalled before its abort); released", r)
+        given = list(dp_ranks) if isinstance(dp_ranks, Iterable) else []
+        return sorted({r for r in given if is_int(r) and r in self._refresh_holds})
 
     def shard_inflight(self) -> dict[int, int]:
         """In-flight request count per bound dp rank (routed ones only)."""

@@ -11,7 +11,8 @@ The job keeps its ``trainer.v1.trainer_mode``; the registry entry of that mode i
 * ``on_step_begin``: ask for generation GPUs for the step (non-blocking) and reset progress;
 * ``on_init_end`` also replaces the standalone replicas' checkpoint manager (``rlix_cache``)
   by :class:`~.verl_checkpoint.RLixCheckpointEngineManager`: updates cache the version and
-  refresh only ACTIVE replicas; the coordinator's expand syncs the ones it wakes;
+  refresh only ACTIVE replicas (claimed on the load balancer against a shrink until their
+  aborts landed); the coordinator's expand syncs the ones it wakes;
 * ``on_train_begin``: start the progress thread (trajectories counted per trajectory by the
   agent loops, :mod:`.verl_agent_loop`);
 * ``on_init_end`` also replaces the hybrid replicas' manager by
@@ -123,7 +124,7 @@ def build_adapter(trainer: Any) -> Any:
     from rlix_plugins.adapters.observability import ObservationWriter
     from rlix_plugins.adapters.verl import VerlLayout, VerlPipelineAdapter, make_shard_controller
     from rlix_plugins.hooks import make_hooks
-    from rlix_plugins.patches.verl_checkpoint import VerlCacheSync
+    from rlix_plugins.patches.verl_checkpoint import RefreshClaim, VerlCacheSync
     from rlix_plugins.protocol.names import new_pipeline_id
     from rlix_plugins.settings import load_settings
 
@@ -142,13 +143,18 @@ def build_adapter(trainer: Any) -> Any:
     )
     # Hybrid replicas are dp ranks 0..len(hybrid)-1 of the pipeline, standalone ones after;
     # each in-place refresh is recorded like the controller's own (what every active engine
-    # holds).
+    # holds). A refresh picks its replicas and claims them against a shrink in one balancer
+    # call (the shard state's owner), so none is put to sleep before its abort arrives.
+    claim = RefreshClaim(
+        begin=lambda ranks: ray.get(lb.rlix_refresh_begin.remote(ranks)),
+        end=lambda ranks: ray.get(lb.rlix_refresh_end.remote(ranks)),
+    )
     for attr, ranks in (("checkpoint_manager", range(len(hybrid))),
                         ("standalone_checkpoint_manager",
                          range(len(hybrid), len(hybrid) + len(standalone)))):
         manager: Any = getattr(trainer, attr, None)
         if manager is not None and hasattr(manager, "bind"):
-            manager.bind(lambda: set(ray.get(lb.shard_snapshot.remote()).active), list(ranks),
+            manager.bind(claim, list(ranks),
                          observe=lambda ranks, v: controller.observe("refresh", ranks, v))
     cfg = trainer.config
     rollout = cfg.actor_rollout_ref.rollout
