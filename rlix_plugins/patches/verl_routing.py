@@ -118,9 +118,9 @@ logger = logging.getLogger(__name__)
 NO_SERVER_MESSAGE = "No available servers in load balancer"
 #: stop reasons veRL (and vLLM) use for an aborted request
 ABORT_REASONS = frozenset({"aborted", "abort"})
-#: ``extra_fields`` key / value the RLix vLLM server puts on an attempt aborted by an in-place
-#: weight refresh (``verl_vllm.ABORT_CAUSE_FIELD`` / ``REFRESH_ABORT``; not imported: that
-#: module needs vLLM, this one runs in agent-loop workers too)
+#: ``extra_fields`` key / value the RLix vLLM server (``verl_vllm``, which imports them from
+#: here: that module needs vLLM, this one runs in agent-loop workers too) puts on an attempt
+#: aborted by an in-place weight refresh
 ABORT_CAUSE_FIELD = "rlix_abort"
 REFRESH_ABORT = "refresh"
 #: ``on`` (default) / ``off``: request migration in the load balancer

@@ -58,19 +58,15 @@ from typing import Any
 
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
+from rlix_plugins.adapters.verl_shards import REFRESH_WAIT_S
 from rlix_plugins.errors import PreemptionError, SettingsError
+from rlix_plugins.patches.verl_routing import ABORT_CAUSE_FIELD, ABORT_REASONS, REFRESH_ABORT
 from rlix_plugins.values import is_int, is_number
 
 logger = logging.getLogger(__name__)
 
-#: ``extra_fields`` key / value of a generation aborted by an in-place refresh
-ABORT_CAUSE_FIELD = "rlix_abort"
-REFRESH_ABORT = "refresh"
 #: vLLM sleep levels
 SLEEP_LEVELS = (0, 1, 2)
-#: default bound on ``rlix_sleep`` waiting for an in-place refresh to finish
-REFRESH_WAIT_S = 120.0
-_ABORTED = ("aborted", "abort")
 
 
 class RLixvLLMHttpServer(vLLMHttpServer):  # type: ignore[misc]
@@ -121,7 +117,7 @@ class RLixvLLMHttpServer(vLLMHttpServer):  # type: ignore[misc]
         is tagged ``extra_fields["rlix_abort"] = "refresh"``."""
         pauses, downs = self._rlix_pause_epoch, self._rlix_down_epoch
         out = await super().generate(*args, **kwargs)
-        if (getattr(out, "stop_reason", None) in _ABORTED and not self._rlix_down
+        if (getattr(out, "stop_reason", None) in ABORT_REASONS and not self._rlix_down
                 and self._rlix_pause_epoch != pauses and self._rlix_down_epoch == downs):
             out.extra_fields[ABORT_CAUSE_FIELD] = REFRESH_ABORT
         return out

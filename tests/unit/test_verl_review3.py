@@ -17,22 +17,11 @@ from typing import Any
 import pytest
 
 from tests.fixtures.verl_env import VerlEnv
+from tests.support.stepping import quiesce as _quiesce
+from tests.support.stepping import run_bounded as _run
 
 pytestmark = pytest.mark.verl
 
-
-#: bound on one test's event loop: a regression fails here instead of hanging the session
-TEST_BOUND_S = 30.0
-
-
-def _run(coro: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, TEST_BOUND_S))
-
-
-async def _quiesce() -> None:
-    """Let every runnable task run until all wait on something (no I/O here: deterministic)."""
-    for _ in range(50):
-        await asyncio.sleep(0)
 
 
 async def _next_attempt(engine: Any, request: asyncio.Future[Any]) -> None:
