@@ -112,6 +112,12 @@ class LastActiveShardError(ShardStateError):
     """Preempting would leave no active shard and the pipeline is configured to refuse that."""
 
 
+class RefreshHoldError(ShardStateError):
+    """A ``preempt`` was refused: an in-place weight refresh claims one of the replicas (it
+    read them ACTIVE and its abort has not reached them yet). Nothing changed; retry once the
+    refresh released them (veRL's load balancer, :mod:`rlix_plugins.patches.verl_routing`)."""
+
+
 class ShardPreemptedError(RlixPluginsError, RuntimeError):
     """A request's shard was preempted (internal re-dispatch signal; raised to the caller only
     when the request ran out of re-dispatch attempts)."""

@@ -27,7 +27,12 @@ from typing import Any
 
 from rlix_plugins.adapters.observability import ObservationWriter
 from rlix_plugins.adapters.shard_controller import LifecycleShardController, SyncFn
-from rlix_plugins.adapters.verl_shards import LoadBalancerShardState, VerlReplicaEngine
+from rlix_plugins.adapters.verl_shards import (
+    DEFAULT_SHRINK_BUDGET,
+    LoadBalancerShardState,
+    ShrinkBudget,
+    VerlReplicaEngine,
+)
 from rlix_plugins.errors import RegistrationError, RlixPluginsError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.hooks.protocol import RLixHooks
@@ -94,7 +99,9 @@ class VerlLayout:
 
 class VerlShardController(LifecycleShardController):
     """ShardController over veRL replicas: the load balancer owns the shard state, ``sync``
-    streams the cached version to the chosen replicas, ``version`` names the newest one."""
+    streams the cached version to the chosen replicas, ``version`` names the newest one.
+    ``shrink_budget`` is how its shrinks' waits share the coordinator's resize timeout (an
+    in-place refresh's claim uses its ``claim_s``)."""
 
     def __init__(
         self,
@@ -103,8 +110,10 @@ class VerlShardController(LifecycleShardController):
         sync: SyncFn,
         version: Callable[[], int | None],
         observer: ObservationWriter | None = None,
+        shrink_budget: ShrinkBudget = DEFAULT_SHRINK_BUDGET,
     ) -> None:
         super().__init__(lifecycle, state, sync, version, observer=observer)
+        self.shrink_budget = shrink_budget
 
 
 def make_shard_controller(
@@ -120,23 +129,28 @@ def make_shard_controller(
     ``observer`` gets the version records (default: ``RLIX_OBSERVE_DIR`` / ``PIPELINE_ID``).
 
     Preempted replicas sleep at ``settings.vllm_sleep_level`` (``RLIX_VLLM_SLEEP_LEVEL``, as on
-    the generation path; ``preemption.sleep_level`` overrides it) and wait for an in-place
-    refresh up to ``settings.resize_timeout_s``. ``settings`` default: this process's
-    environment, read here (the trainer's, which holds the job's variables).
+    the generation path; ``preemption.sleep_level`` overrides it). A shrink's waits for an
+    in-place refresh share ``settings.resize_timeout_s`` (``RLIX_RESIZE_TIMEOUT_S``) with the
+    drain (:class:`~.verl_shards.ShrinkBudget`), so a shrink gives up before the coordinator
+    times it out. ``settings`` default: this process's environment, read here (the trainer's,
+    which holds the job's variables).
 
     Raises:
         SettingsError: an invalid ``RLIX_VLLM_SLEEP_LEVEL`` (or other setting), naming it
-            and its valid values; nothing is built.
+            and its valid values, or a resize timeout no longer than the drain bound;
+            nothing is built.
     """
     settings = settings if settings is not None else load_settings()
+    drain_s = (preemption or PreemptionConfig()).drain_timeout_s
+    budget = ShrinkBudget.within(settings.resize_timeout_s, drain_s)
     engines = [
         VerlReplicaEngine(servers, sleep_level=settings.vllm_sleep_level,
-                          refresh_wait_s=settings.resize_timeout_s)
+                          refresh_wait_s=budget.refresh_wait_s)
         for servers in replica_servers
     ]
-    state = LoadBalancerShardState(load_balancer)
+    state = LoadBalancerShardState(load_balancer, hold_wait_s=budget.hold_wait_s)
     lifecycle = ShardLifecycle(state, engines, preemption)
-    return VerlShardController(lifecycle, state, sync, version, observer)
+    return VerlShardController(lifecycle, state, sync, version, observer, budget)
 
 
 class VerlPipelineAdapter:

@@ -26,35 +26,87 @@ actor: every agent-loop worker routes through that one actor, so the state it ro
 state the lifecycle changes are the same object. Its ``apply`` retries a ``preempt`` the
 balancer refused because an in-place refresh claims the replica (:class:`RefreshHoldError`,
 until the refresh's aborts reached its servers), up to ``hold_wait_s``, then raises
-:class:`~rlix_plugins.errors.PreemptionError` with nothing changed (the replica stays ACTIVE;
-the coordinator retries the shrink).
+:class:`~rlix_plugins.errors.PreemptionError` with nothing changed (the replica stays ACTIVE).
+
+Every wait inside one shrink is a share of the coordinator's ``RLIX_RESIZE_TIMEOUT_S``
+(:class:`ShrinkBudget`): the coordinator fences a pipeline whose ``resize_infer`` fails or
+outlasts that timeout (docs/coordinator.md), so a wait longer than the timeout would never get
+to give up cleanly.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from rlix_plugins.errors import PreemptionError, SettingsError, ShardStateError
+from rlix_plugins.errors import PreemptionError, RefreshHoldError, SettingsError
 from rlix_plugins.generation.engine import EngineOutput, GenerationRequest
 from rlix_plugins.generation.shard_state import ShardEvent, ShardSnapshot
 from rlix_plugins.values import is_int, is_number
 
+__all__ = [
+    "DEFAULT_SHRINK_BUDGET",
+    "HOLD_POLL_S",
+    "HOLD_WAIT_S",
+    "REFRESH_WAIT_S",
+    "LoadBalancerShardState",
+    "RefreshHoldError",
+    "ShrinkBudget",
+    "VerlReplicaEngine",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkBudget:
+    """How one shrink of a veRL replica splits the coordinator's resize timeout (seconds).
+
+    A shrink is: the preempt on the load balancer (retried up to ``hold_wait_s`` while an
+    in-place refresh claims the replica), abort + drain (up to the lifecycle's
+    ``drain_timeout_s``), then the sleep (waiting up to ``refresh_wait_s`` for a refresh
+    holding the server). The coordinator fences the pipeline when the whole ``resize_infer``
+    outlasts ``RLIX_RESIZE_TIMEOUT_S``, so the waits share what the drain leaves of it:
+
+    * ``claim_s`` (a refresh's claim expires, 30%) < ``hold_wait_s`` (40%): an abandoned claim
+      (its trainer died) expires before the preempt gives up, so the shrink goes on;
+    * ``claim_s + drain + refresh_wait_s`` (30% + 60%) fits in the timeout: a shrink delayed
+      by a claim and then by a refresh hold still answers before the coordinator's timeout.
+    """
+
+    claim_s: float
+    hold_wait_s: float
+    refresh_wait_s: float
+
+    @classmethod
+    def within(cls, resize_timeout_s: float, drain_timeout_s: float) -> ShrinkBudget:
+        """The budget of a shrink under ``resize_timeout_s`` with the given drain bound.
+
+        Raises:
+            SettingsError: a bound is not seconds > 0, or the drain leaves no time.
+        """
+        for name, value in (("resize_timeout_s", resize_timeout_s),
+                            ("drain_timeout_s", drain_timeout_s)):
+            if not (is_number(value) and value > 0):
+                raise SettingsError(f"{name} must be seconds > 0, got {value!r}")
+        spare = float(resize_timeout_s) - float(drain_timeout_s)
+        if spare <= 0:
+            raise SettingsError(
+                f"RLIX_RESIZE_TIMEOUT_S={resize_timeout_s:g}s leaves no time for a veRL shrink "
+                f"after its drain bound ({drain_timeout_s:g}s): raise the timeout above the drain "
+                "bound (PreemptionConfig.drain_timeout_s)"
+            )
+        return cls(claim_s=0.3 * spare, hold_wait_s=0.4 * spare, refresh_wait_s=0.6 * spare)
+
+
+#: under the coordinator's default resize timeout (120 s) and drain bound (30 s)
+DEFAULT_SHRINK_BUDGET = ShrinkBudget.within(120.0, 30.0)
 #: default bound on a sleep waiting for an in-place refresh of the replica (seconds)
-REFRESH_WAIT_S = 120.0
-#: default bound on a preempt retried while an in-place refresh claims the replica (seconds);
-#: above the balancer's claim bound (``verl_routing.REFRESH_HOLD_S``): an abandoned claim
-#: expires before the shrink gives up
-HOLD_WAIT_S = 120.0
+REFRESH_WAIT_S = DEFAULT_SHRINK_BUDGET.refresh_wait_s
+#: default bound on a preempt retried while an in-place refresh claims the replica (seconds)
+HOLD_WAIT_S = DEFAULT_SHRINK_BUDGET.hold_wait_s
 #: pause between two such retries (seconds)
 HOLD_POLL_S = 0.01
-
-
-class RefreshHoldError(ShardStateError):
-    """The load balancer refused a ``preempt``: an in-place weight refresh claims one of the
-    replicas (it read them ACTIVE and its abort has not reached them yet). Nothing changed;
-    retry once the refresh released them."""
 
 
 def _is_refresh_hold(exc: BaseException) -> bool:
@@ -215,7 +267,7 @@ class LoadBalancerShardState:
                 if loop.time() >= deadline:
                     raise PreemptionError(
                         f"replica(s) {ranks} still claimed by an in-place weight refresh after "
-                        f"{self._hold_wait_s:g}s; not preempted (retry the shrink)"
+                        f"{self._hold_wait_s:g}s; not preempted (the resize fails)"
                     ) from exc
                 await asyncio.sleep(self._poll_s)
                 continue

@@ -59,9 +59,9 @@ with :meth:`RLixRequestLoadBalancer.rlix_refresh_begin` (only those ACTIVE at th
 and claimed in one actor call) and releases them with ``rlix_refresh_end`` once its parking
 aborts reached their servers (from then on each server holds itself until its gate reopens,
 :mod:`.verl_vllm`). Meanwhile a ``preempt`` of a claimed replica is refused with
-:class:`~rlix_plugins.adapters.verl_shards.RefreshHoldError` (nothing changed), which
+:class:`~rlix_plugins.errors.RefreshHoldError` (nothing changed), which
 :class:`~rlix_plugins.adapters.verl_shards.LoadBalancerShardState` retries for a bounded time;
-a claim nobody ends expires after its ``hold_s``.
+a claim nobody ends expires after its ``hold_s``, shorter than that retry bound.
 
 Config: :meth:`RLixRequestLoadBalancer.set_migration` (a ``MigrationConfig`` or a mapping of its
 fields), ``bind_shards(..., migration=...)``, or ``RLIX_VERL_MIGRATION=off`` in the job's
@@ -87,9 +87,10 @@ from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
 from rlix_plugins.adapters.observability import router_counters_emitter
-from rlix_plugins.adapters.verl_shards import RefreshHoldError
+from rlix_plugins.adapters.verl_shards import DEFAULT_SHRINK_BUDGET
 from rlix_plugins.errors import (
     NoActiveShardError,
+    RefreshHoldError,
     SettingsError,
     ShardPreemptedError,
     ShardStateError,
@@ -134,9 +135,10 @@ UNKNOWN_BUDGET = 1 << 30
 SERVER_CALL_TIMEOUT_S = 30.0
 #: migration outcomes / steered requests remembered (bounded like veRL's sticky cache)
 _REMEMBER = 10000
-#: bound on an in-place refresh's claim of its replicas (one whose trainer died never ends it);
-#: below the shrink's retry bound (``verl_shards.HOLD_WAIT_S``), so such a claim only delays
-REFRESH_HOLD_S = 60.0
+#: default bound on an in-place refresh's claim of its replicas (one whose trainer died never
+#: ends it); below the shrink's retry bound (``verl_shards.ShrinkBudget``), so such a claim
+#: only delays a shrink. The trainer passes its controller's ``shrink_budget.claim_s``.
+REFRESH_HOLD_S = DEFAULT_SHRINK_BUDGET.claim_s
 
 
 def _now() -> float:

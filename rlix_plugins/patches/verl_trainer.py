@@ -145,8 +145,9 @@ def build_adapter(trainer: Any) -> Any:
     # each in-place refresh is recorded like the controller's own (what every active engine
     # holds). A refresh picks its replicas and claims them against a shrink in one balancer
     # call (the shard state's owner), so none is put to sleep before its abort arrives.
+    claim_s = controller.shrink_budget.claim_s
     claim = RefreshClaim(
-        begin=lambda ranks: ray.get(lb.rlix_refresh_begin.remote(ranks)),
+        begin=lambda ranks: ray.get(lb.rlix_refresh_begin.remote(ranks, claim_s)),
         end=lambda ranks: ray.get(lb.rlix_refresh_end.remote(ranks)),
     )
     for attr, ranks in (("checkpoint_manager", range(len(hybrid))),

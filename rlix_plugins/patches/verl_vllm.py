@@ -30,8 +30,9 @@ is ``rlix_take_down`` (rejecting abort), drain, ``rlix_sleep``; its expand ``rli
 load, ``rlix_resume_engine`` + ``rlix_open_gate``. So that neither undoes the other:
 
 * a refresh holds the server from its abort until its gate opens; ``rlix_sleep`` waits for
-  that (bounded, then :class:`~rlix_plugins.errors.PreemptionError`: the shard stays
-  preempted and the coordinator retries), so the engine never sleeps under a weight load;
+  that (bounded by its share of ``RLIX_RESIZE_TIMEOUT_S``, then
+  :class:`~rlix_plugins.errors.PreemptionError`: the engine stays awake and the resize fails,
+  which fences the pipeline), so the engine never sleeps under a weight load;
 * once the coordinator took the server down (until its own ``rlix_open_gate``), veRL's resume
   calls neither resume the engine nor open the gate, and a refresh's abort keeps the gate
   rejecting; on a sleeping engine it does nothing, and a version loaded meanwhile is not
@@ -274,7 +275,7 @@ class RLixvLLMHttpServer(vLLMHttpServer):  # type: ignore[misc]
             except asyncio.TimeoutError:
                 raise PreemptionError(
                     f"an in-place weight refresh still holds replica {self.replica_rank} "
-                    f"after {refresh_wait_s:g}s; not put to sleep (retry the shrink)"
+                    f"after {refresh_wait_s:g}s; not put to sleep (the resize fails)"
                 ) from None
         restorable = int(self._resolve_sleep_level())
         lvl = restorable if level is None else min(level, restorable)

@@ -273,7 +273,7 @@ def test_claim_bad_input_is_typed_and_claims_nothing(verl_env: VerlEnv) -> None:
 
 def test_shrink_gives_up_typed_when_the_claim_outlasts_its_wait(verl_env: VerlEnv) -> None:
     """A preempt still refused after ``hold_wait_s`` is a ``PreemptionError``; nothing changed
-    (the replica stays ACTIVE and awake, the coordinator retries the shrink)."""
+    (the replica stays ACTIVE and awake; the resize fails)."""
     from rlix_plugins.adapters.verl_shards import LoadBalancerShardState, VerlReplicaEngine
     from rlix_plugins.errors import PreemptionError
     from rlix_plugins.generation.preemption import ShardLifecycle
