@@ -165,9 +165,10 @@ class RayShardState:
             self._update(snap)
 
     def snapshot(self) -> ShardSnapshot:
-        """Newest snapshot this copy has seen. The first read after this copy was unpickled
-        blocks on one RPC to the owner (then the long-poll keeps the copy fresh): code on an
-        event loop uses :meth:`snapshot_async` instead, which awaits that read."""
+        """Newest snapshot this copy has seen (a copy unpickled from one that had read starts
+        with that one's). Only a view that never read anything blocks, on one RPC to the owner
+        (then the long-poll keeps the copy fresh): code on an event loop uses
+        :meth:`snapshot_async` instead, which awaits that read."""
         self._ensure_poller()
         if self._cached is None:
             # First read in this process, from a synchronous caller: one blocking RPC.
@@ -212,8 +213,14 @@ class RayShardState:
         self._poller = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # Only the handle travels: the cache and poll task belong to this process's loop.
-        return {"handle": self._handle}
+        # The poll task belongs to this process's loop and stays. The newest snapshot travels
+        # along, so the copy's first snapshot() answers at once (a synchronous reader on the
+        # copy's event loop, such as NeMo RL's shard-index hint, would otherwise block it for
+        # one round trip); the copy's long-poll starts from that version and catches up.
+        return {"handle": self._handle, "cached": self._cached}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["handle"])  # type: ignore[misc]
+        cached = state.get("cached")
+        if isinstance(cached, ShardSnapshot):
+            self._cached = cached

@@ -97,7 +97,42 @@ def test_ray_view_async_first_read_and_sync_read(ray_session: Any) -> None:
 
         snap = asyncio.run(go())
         assert (snap.version, snap.active, snap.num_shards) == (0, (), 3)
-        sync_view = pickle.loads(pickle.dumps(view))
+        sync_view = RayShardState(handle)  # never read: nothing to start from
         assert sync_view.snapshot() == snap  # outside any loop: the blocking read
+    finally:
+        ray_session.kill(handle)
+
+
+def test_copy_of_a_view_that_read_answers_snapshot_without_blocking(ray_session: Any) -> None:
+    # NeMo RL's shard-index hint and rank-load report read snapshot() synchronously on the
+    # collector's loop, from a copy unpickled there: the copy used to start empty, so its first
+    # read was a blocking ray.get on that loop. It now starts from the sender's snapshot, and
+    # its long-poll catches up with what changed after the pickling.
+    handle = ray_session.remote(num_cpus=0, max_restarts=0)(SlowSnapshotOwner).remote(
+        2, "active", "allow"
+    )
+    try:
+        view = RayShardState(handle)
+        sent = view.snapshot()  # the sender has read (RayShardState.create reads once)
+        blob = pickle.dumps(view)
+
+        async def go() -> tuple[ShardSnapshot, float, ShardSnapshot]:
+            copy = pickle.loads(blob)
+            await view.apply([1], "preempt")  # changed after the copy was made
+
+            async def read() -> ShardSnapshot:
+                snap: ShardSnapshot = copy.snapshot()
+                return snap
+
+            first, stall = await _longest_stall(read())
+            caught_up = await copy.wait_for_update(first.version, 10.0)
+            copy.close()
+            view.close()
+            return first, stall, caught_up
+
+        first, stall, caught_up = asyncio.run(go())
+        assert first == sent
+        assert stall < DELAY_S / 2, f"event loop blocked for {stall:.2f}s"
+        assert caught_up.active == (0,) and caught_up.version > sent.version
     finally:
         ray_session.kill(handle)

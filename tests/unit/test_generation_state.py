@@ -152,11 +152,15 @@ def test_snapshot_pickles_by_value() -> None:
     assert pickle.loads(pickle.dumps(snap)) == snap
 
 
-def test_ray_view_pickles_as_handle_only() -> None:
+def test_ray_view_pickles_as_handle_and_last_snapshot() -> None:
+    # the copy starts from the sender's snapshot (its first snapshot() needs no RPC); the poll
+    # task belongs to the sender's loop and stays
     view = RayShardState(handle="HANDLE")
     view._cached = ShardSnapshot.initial(2)
     copy = pickle.loads(pickle.dumps(view))
-    assert copy.handle == "HANDLE" and copy._cached is None and copy._poller is None
+    assert copy.handle == "HANDLE" and copy._cached == view._cached and copy._poller is None
+    empty = pickle.loads(pickle.dumps(RayShardState(handle="HANDLE")))
+    assert empty._cached is None
 
 
 def test_local_view_wait_is_woken_by_a_transition_from_another_thread() -> None:
