@@ -7,6 +7,7 @@ import argparse
 from dataclasses import replace
 
 from benchmarks.cluster_efficiency import run
+from rlix_plugins.sim.bounds import makespan_lower_bound
 from rlix_plugins.sim.report import Comparison, compare
 
 
@@ -42,6 +43,14 @@ def test_evaluate_judges_both_and_names_the_twin() -> None:
     note = run._idle_trace_note(full, comparisons)
     assert f"is {half.workload}" in note
     assert f"{full.get('ours').gpu_utilisation:.0%} useful" in note
+    # With the trace's makespan bound: how far ours and the baseline are above it.
+    picked_full = next(wl for kind, wl, _, _ in picked if kind == "rollmux")
+    bound = makespan_lower_bound(picked_full, run.SEED)
+    assert 0 < bound.makespan_s <= min(s.makespan_s for s in full.summaries)
+    best = 1 - bound.makespan_s / full.get("rlix_async_migr").makespan_s
+    bounded = run._idle_trace_note(full, comparisons, bound, "rlix_async_migr")
+    assert f"more than {best:.2%} of GPU-h/step ahead of rlix_async_migr" in bounded
+    assert bound.critical_job in bounded and f"is {half.workload}" in bounded
     # A missed full-cluster target carries the note; the half-GPU twin's targets do not.
     # Whether a target is missed depends on the run, so the same comparisons with the labels
     # of ours and rlix swapped (ours now behind rlix on both) make sure both cases are seen.
