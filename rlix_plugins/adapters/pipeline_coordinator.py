@@ -15,8 +15,9 @@ carry no sequence number, so an older report could be applied after a newer one.
 keep the newest report: the progress calls run in their own concurrency group of one thread
 (:data:`PROGRESS_GROUP`; they never overlap and, in the usual case, run in arrival order, but
 Ray promises no order), and a report that its own fields show to be older than the one already
-applied for its stream (:func:`is_stale`: ``current_train_step``, then ``fifo_timestamp``, then
-``completed``) is dropped, as is a late report of a step whose stream was already cleared.
+applied for its stream (:func:`is_stale`: ``fifo_timestamp``, which ROLL sets to each report's
+send time; without distinct stamps ``current_train_step``, then ``completed``) is dropped, as is
+a late report of a batch whose stream was already cleared.
 
 Keep :class:`PipelineCoordinator` undecorated; :func:`start_pipeline_coordinator` serves it (or a
 subclass) through ``ray.remote`` (Ray freezes decorated classes).
@@ -65,10 +66,11 @@ def _in_progress_group(fn: _F) -> _F:
 class StreamMark:
     """Where a progress stream stands, read from the fields ROLL sends (it sends no seq).
 
-    ``step`` is ``metrics["current_train_step"]`` (None when absent), ``fifo`` the report's
-    ``fifo_timestamp``, ``completed`` the raw completed count, ``new_batch`` the report opens a
-    batch (ROLL's ``begin_progress_batch``); ``cleared``: the stream was cleared after this
-    report.
+    ``step`` is ``metrics["current_train_step"]`` (None when absent; ROLL sends the batch's
+    step only when opening it, otherwise the reporting episode's start step), ``fifo`` the
+    report's ``fifo_timestamp`` (ROLL: its send time), ``completed`` the raw completed count,
+    ``new_batch`` the report opens a batch (ROLL's ``begin_progress_batch``); ``cleared``: the
+    stream was cleared after this report.
     """
 
     step: int | None
@@ -96,23 +98,39 @@ def stream_mark(report: ProgressReport) -> StreamMark:
 def is_stale(new: StreamMark, last: StreamMark | None) -> bool:
     """True if ``new`` is provably older than ``last`` (the stream's applied state).
 
-    Within one stream a later step is newer. Once the stream was cleared, only a later step
-    or a report opening a new batch of the same step (a batch collected again) opens it
-    again: a late bucket report of the cleared batch would bring back demand the pipeline
-    already gave up (its timestamp cannot tell: it may be the batch's start or the report's
-    own time, and the clear carries none). Within an open step a later ``fifo_timestamp`` is
-    newer; at the same (or an unknown) timestamp a report opening a batch restarts the count,
-    and otherwise a higher ``completed`` is newer (a batch's count does not go back). Without
-    a step on either side nothing orders the two (the new one is taken).
+    Checked against ROLL's source (commit 4989ec48, rlix's external/ROLL pin;
+    roll/distributed/scheduler/rollout_scheduler.py, ``GroupQueueManager``):
+
+    * The send time decides first: ROLL stamps ``fifo_timestamp`` with each report's own
+      ``time.time()`` (line 624) and one asyncio actor sends all of a stream's reports in turn,
+      so a later stamp is a later report.
+    * The step orders nothing inside a batch: only the report opening it carries the batch's
+      step (lines 1044-1046); a report sent on a trajectory's put carries that episode's START
+      step (line 770), below the batch's step under async generation. Nor does the count: a
+      filtered group (or an exited env) takes its trajectories back (lines 761-764).
+    * After a clear only a report opening a batch (``new_batch``) reopens the stream: ROLL
+      sends nothing between ``end_progress_batch`` and the next ``begin_progress_batch``
+      (lines 590, 682-698), so any other report is a late one of the cleared batch, whatever
+      its step or stamp (the clear carries neither).
+
+    Without two distinct stamps (another sender, or none) the fields order as before: a later
+    step is newer; after a clear only a later step or a new batch of the same step reopens;
+    within a step a report opening a batch restarts the count, otherwise a higher
+    ``completed`` is newer. Without a step on either side nothing orders them (the new one is
+    taken).
     """
-    if last is None or new.step is None or last.step is None:
+    if last is None:
+        return False
+    if new.fifo is not None and last.fifo is not None and new.fifo != last.fifo:
+        if new.fifo < last.fifo:
+            return True
+        return last.cleared and not new.new_batch
+    if new.step is None or last.step is None:
         return False
     if new.step != last.step:
         return new.step < last.step
     if last.cleared:
         return not new.new_batch
-    if new.fifo is not None and last.fifo is not None and new.fifo != last.fifo:
-        return new.fifo < last.fifo
     if new.new_batch:
         return False
     return new.completed < last.completed

@@ -142,3 +142,33 @@ def test_an_older_report_delivered_last_does_not_overwrite_a_newer_one(
     send(_report(pid, step=3, completed=0, new_batch=True))
     status = _status(coordinator, pid)
     assert status.demand == TARGET and status.progress_streams == 1 and not status.fenced
+
+
+def _roll_report(pid: str, *, step: int, collected: int, ts: float,
+                 new_batch: bool = False) -> ProgressReport:
+    """A report as ROLL's GroupQueueManager sends it (ROLL 4989ec48,
+    roll/distributed/scheduler/rollout_scheduler.py:621-633): raw ``collected``, the send time
+    as ``fifo_timestamp``, and as step the batch's (opening report) or the episode's start."""
+    metrics = {"mode": "train", "collected": collected, "bucket": collected * 50 // TARGET,
+               "new_batch": new_batch, "current_train_step": step, "adapter_id": None}
+    return ProgressReport(pid, TARGET, ts, metrics)
+
+
+def test_roll_reports_of_episodes_started_a_step_earlier_count(coordinator: Any) -> None:
+    """Async generation: batch 2 is filled by episodes started at step 1, whose reports carry
+    step 1. Before the fix they were dropped as older (demand stayed 8 with the batch done).
+    Once they count, a late report of the cleared batch carrying a higher step than the last
+    applied one must still not bring the demand back."""
+    pid = "ft_0rder0000003"
+    actor = _start(coordinator, pid)
+
+    def send(report: ProgressReport) -> None:
+        ray.get(actor.report_progress_from_scheduler.remote(report), timeout=60)
+
+    send(_roll_report(pid, step=2, collected=0, ts=10.0, new_batch=True))
+    send(_roll_report(pid, step=1, collected=5, ts=11.0))
+    assert _status(coordinator, pid).demand == TARGET - 5
+    send(_roll_report(pid, step=1, collected=TARGET - 1, ts=12.0))
+    ray.get(actor.clear_progress_stream.remote(mode="train", adapter_id=None), timeout=60)
+    send(_roll_report(pid, step=2, collected=TARGET, ts=13.0))  # sent before the clear
+    assert _status(coordinator, pid).progress_streams == 0
