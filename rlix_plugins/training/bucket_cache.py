@@ -77,7 +77,7 @@ from rlix_plugins.training.host_memory import (
     check_host_memory,
 )
 from rlix_plugins.training.wire import SHM_FILE_HEADER_BYTES, ShmFileHeader
-from rlix_plugins.values import is_int
+from rlix_plugins.values import as_index, enum_member, is_int
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +127,25 @@ class CacheConfig:
     stage_on_gpu: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("bucket_bytes", "segment_bytes", "ram_reserve_bytes"):
+            value = getattr(self, name)
+            index = as_index(value)
+            if index is None:
+                # a float passed every check below and failed the first allocation with a
+                # TypeError, after the collective gather had started
+                raise WeightCacheError(f"CacheConfig.{name}={value!r} must be an int (bytes)")
+            object.__setattr__(self, name, index)  # numpy ints become plain ints
+        # By value, as configs give them: the cache compares kinds by identity, so the string
+        # "pageable" built into /dev/shm files and "fletcher64" checksummed with crc32.
+        if self.storage is not None:
+            object.__setattr__(
+                self, "storage",
+                enum_member(StorageKind, self.storage, WeightCacheError, "CacheConfig.storage"),
+            )
+        object.__setattr__(
+            self, "checksum",
+            enum_member(ChecksumKind, self.checksum, WeightCacheError, "CacheConfig.checksum"),
+        )
         if self.bucket_bytes < ALIGNMENT or self.bucket_bytes % ALIGNMENT:
             raise WeightCacheError(
                 f"bucket_bytes={self.bucket_bytes} is invalid; expected a positive multiple of "
@@ -653,6 +672,14 @@ class BucketCache:
                     self._seal(current, entries, min(offset, cap), version, stage, copying)
                 )
                 current = None
+            if not n_tensors:
+                # An empty version synced "successfully": every receiver recorded it and kept
+                # its old weights (e.g. a retried build given a gather a failed build drained).
+                raise WeightCacheError(
+                    f"pipeline {self.pipeline_id!r}: the weight iterator of version {version} "
+                    "yielded no tensors; nothing was cached (is this the owner rank, and is the "
+                    "iterator fresh rather than one an earlier build consumed?)"
+                )
         except BaseException:
             for b in buckets if current is None else [*buckets, current]:
                 self._free_bucket(b)
