@@ -40,6 +40,7 @@ from rlix_plugins.coordinator.core import (
     DemandSharePlanner,
     ImmediateGrant,
     InvariantViolation,
+    PipelineSpec,
     Plan,
     RankMove,
     SchedulerState,
@@ -304,14 +305,17 @@ class SchedulerService:
             for o in self._state.owner
         ]
         self._trace.observe(holders, now)
+        self._set_gauges()
+        if self.cfg.trace_dir and now - self._last_trace_write >= _TRACE_WRITE_INTERVAL_S:
+            self._write_trace_in_background(now)
+
+    def _set_gauges(self) -> None:
         if self._metrics is not None:
             self._metrics.gauges(
                 allocated=sum(o is not None for o in self._state.owner),
                 pending=len(self._state.pending),
                 pipelines=len(self._state.pipelines),
             )
-        if self.cfg.trace_dir and now - self._last_trace_write >= _TRACE_WRITE_INTERVAL_S:
-            self._write_trace_in_background(now)
 
     def _trace_path(self) -> Path | None:
         if not self.cfg.trace_dir:
@@ -531,16 +535,21 @@ class SchedulerService:
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 return fut.result()  # granted in the same instant: keep the grant
-            if self._waiters.get(cid) is fut:
-                del self._waiters[cid]
-                self._requested_at.pop(cid, None)
-                self._state.cancel_request(cid)
+            self._withdraw(cid, fut)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise RequestTimeoutError(
                 f"request_gpus({cid}, {prio.name}) not granted within "
                 f"{self.cfg.request_timeout_s:g}s; the request was withdrawn"
             ) from None
+
+    def _withdraw(self, cid: str, fut: asyncio.Future[list[int]]) -> None:
+        """Drop a request whose caller stopped waiting (``fut`` is its answer): its waiter
+        and, while still queued, the request itself."""
+        if self._waiters.get(cid) is fut:
+            del self._waiters[cid]
+            self._requested_at.pop(cid, None)
+            self._state.cancel_request(cid)
 
     async def notify_release_gpus(
         self, *, cluster_id: str, global_step: int | None = None, pipeline_id: str | None = None
@@ -615,7 +624,15 @@ class SchedulerService:
         )
         self._release(rel)
         self._kick()
-        await self._until_durable(f"notify_release_then_request_gpus({rel})")
+        try:
+            await self._until_durable(f"notify_release_then_request_gpus({rel})")
+        except BaseException:
+            # The caller is told the call failed (or gave up): its request must not stay
+            # queued with nobody waiting (granted to nobody, and the retry refused as a
+            # duplicate). A grant made meanwhile stays; the retry is answered from it.
+            if not isinstance(got, list):
+                self._withdraw(req, got)
+            raise
         if isinstance(got, list):
             return got
         return await self._wait(req, prio, got)
@@ -760,6 +777,9 @@ class SchedulerService:
     async def _cycle(self) -> bool:
         t0 = time.perf_counter()
         async with self._lock:
+            # Every cycle (each event and tick), not only when GPUs move: registrations,
+            # requests queued or withdrawn and fencing change the pipeline and pending counts.
+            self._set_gauges()
             if self._undurable and not self._answer_undurable():
                 return False  # retried next tick; nothing new is decided meanwhile
             plan = self._planner.plan(self._state, self._now())
@@ -773,7 +793,10 @@ class SchedulerService:
             self._inflight = InflightIntent()
             if plan.shrinks:
                 self._persist()
-        failed_shrinks = await self._resize_all(plan.shrinks_by_cluster(), remove=True)
+            planned = self._planned_for(plan)
+        failed_shrinks = await self._resize_all(
+            plan.shrinks_by_cluster(), remove=True, planned=planned
+        )
         if plan.shrinks:
             # The shrinks are done: a crash from here on must restore those ranks as asleep,
             # whatever comes next (expands to send, a background commit, or only a commit).
@@ -785,16 +808,44 @@ class SchedulerService:
             m
             for m in plan.expands
             if parse_cluster_id(m.cluster_id)[0] not in self._fencing
-            and m.cluster_id in self._state.clusters
+            and not self._replaced(m.cluster_id, planned)
             and not any(g in blocked for g in m.gpus)
         )
         if self.cfg.background_expands:
-            result = await self._commit_then_expand(plan, failed_shrinks, sendable)
+            result = await self._commit_then_expand(plan, failed_shrinks, sendable, planned)
         else:
-            result = await self._expand_then_commit(plan, failed_shrinks, sendable)
+            result = await self._expand_then_commit(plan, failed_shrinks, sendable, planned)
         if self._metrics is not None:
             self._metrics.cycle(time.perf_counter() - t0)
         return bool(result.granted or result.shrunk or result.expanded or result.released)
+
+    def _planned_for(self, plan: Plan) -> dict[str, PipelineSpec | None]:
+        """The registration each pipeline in ``plan`` had when it was planned (under
+        ``_lock``): a pipeline unregistered while the plan's resizes run may be registered
+        again under the same id, and nothing planned for the old one may reach the new one."""
+        cids = {m.cluster_id for m in (*plan.shrinks, *plan.expands)}
+        cids.update(g.cluster_id for g in plan.grants)
+        cids.update(plan.completed_releases)
+        pids = {parse_cluster_id(c)[0] for c in cids}
+        return {pid: self._state.pipelines.get(pid) for pid in pids}
+
+    def _replaced(self, cid: str, planned: dict[str, PipelineSpec | None]) -> bool:
+        """Whether ``cid``'s pipeline is no longer the registration it was planned for."""
+        pid = parse_cluster_id(cid)[0]
+        return self._state.pipelines.get(pid) is not planned.get(pid)
+
+    def _still_planned(self, plan: Plan, planned: dict[str, PipelineSpec | None]) -> Plan:
+        """``plan`` less what belongs to pipelines unregistered since it was planned (the
+        core would apply it to a successor registered under the same id)."""
+        return dataclasses.replace(
+            plan,
+            shrinks=tuple(m for m in plan.shrinks if not self._replaced(m.cluster_id, planned)),
+            expands=tuple(m for m in plan.expands if not self._replaced(m.cluster_id, planned)),
+            grants=tuple(g for g in plan.grants if not self._replaced(g.cluster_id, planned)),
+            completed_releases=tuple(
+                c for c in plan.completed_releases if not self._replaced(c, planned)
+            ),
+        )
 
     def _record_inflight(
         self, plan: Plan, failed_shrinks: set[str], expands: tuple[RankMove, ...]
@@ -812,7 +863,11 @@ class SchedulerService:
         self._persist()
 
     async def _expand_then_commit(
-        self, plan: Plan, failed_shrinks: set[str], sendable: tuple[RankMove, ...]
+        self,
+        plan: Plan,
+        failed_shrinks: set[str],
+        sendable: tuple[RankMove, ...],
+        planned: dict[str, PipelineSpec | None],
     ) -> CommitResult:
         """The default cycle (as RLix's): send the expands, wait for them, then commit."""
         to_send = Plan(plan.revision, expands=sendable).expands_by_cluster()
@@ -821,11 +876,14 @@ class SchedulerService:
                 self._record_inflight(plan, failed_shrinks, sendable)
         # A failed expand leaves the shard's state unknown: the pipeline is fenced and the rank
         # is committed as active, so its GPUs stay with it until it is confirmed dead.
-        unsent = await self._resize_all(to_send, remove=False)
+        unsent = await self._resize_all(to_send, remove=False, planned=planned)
         unsent -= {c for c in unsent if parse_cluster_id(c)[0] in self._fencing}
         async with self._lock:
-            applied = dataclasses.replace(
-                plan, expands=tuple(m for m in sendable if m.cluster_id not in unsent)
+            applied = self._still_planned(
+                dataclasses.replace(
+                    plan, expands=tuple(m for m in sendable if m.cluster_id not in unsent)
+                ),
+                planned,
             )
             return self._commit(plan, applied, failed_shrinks, background=False)
 
@@ -872,7 +930,11 @@ class SchedulerService:
         return True
 
     async def _commit_then_expand(
-        self, plan: Plan, failed_shrinks: set[str], sendable: tuple[RankMove, ...]
+        self,
+        plan: Plan,
+        failed_shrinks: set[str],
+        sendable: tuple[RankMove, ...],
+        planned: dict[str, PipelineSpec | None],
     ) -> CommitResult:
         """Background expands: commit the cycle now (its shrinks are done), then start each
         cluster's expand RPC in its own task (:meth:`_expand`)."""
@@ -880,14 +942,17 @@ class SchedulerService:
             cid for cid in {m.cluster_id for m in sendable} if await self._reachable(cid)
         }
         async with self._lock:
-            applied = dataclasses.replace(
-                plan,
-                expands=tuple(
-                    m
-                    for m in sendable
-                    if m.cluster_id in reachable
-                    and parse_cluster_id(m.cluster_id)[0] not in self._fencing
+            applied = self._still_planned(
+                dataclasses.replace(
+                    plan,
+                    expands=tuple(
+                        m
+                        for m in sendable
+                        if m.cluster_id in reachable
+                        and parse_cluster_id(m.cluster_id)[0] not in self._fencing
+                    ),
                 ),
+                planned,
             )
             return self._commit(plan, applied, failed_shrinks, background=True)
 
@@ -901,7 +966,10 @@ class SchedulerService:
         pid = parse_cluster_id(cid)[0]
         if pid in self._fencing:
             return None
+        registration = self._state.pipelines.get(pid)
         handle = await self._coordinator(pid)
+        if self._state.pipelines.get(pid) is not registration:
+            return None  # unregistered meanwhile: nothing to send, nobody to fence
         if handle is None:
             if remove or pid in self._seen:
                 self._fence(pid, f"{what}: coordinator actor not found")
@@ -911,8 +979,16 @@ class SchedulerService:
         return handle
 
     def _start_expand(self, cid: str, ranks: list[int]) -> None:
+        # Only ranks still warming: a commit answered late (its save failed first) may find
+        # them given back meanwhile (released, unregistered), and an expand sent then would
+        # wake shards on GPUs counted as free.
+        ranks = [r for r in ranks if (cid, r) in self._state.warming]
+        if not ranks:
+            return
+        # The ranks are owned now: the registration they belong to.
+        expected = self._state.pipelines.get(parse_cluster_id(cid)[0])
         task = asyncio.get_running_loop().create_task(
-            self._expand(cid, ranks, self._expand_tails.get(cid))
+            self._expand(cid, ranks, self._expand_tails.get(cid), expected)
         )
         self._expand_tails[cid] = task
 
@@ -922,7 +998,13 @@ class SchedulerService:
 
         task.add_done_callback(done)
 
-    async def _expand(self, cid: str, ranks: list[int], after: asyncio.Task[None] | None) -> None:
+    async def _expand(
+        self,
+        cid: str,
+        ranks: list[int],
+        after: asyncio.Task[None] | None,
+        expected: PipelineSpec | None,
+    ) -> None:
         """One background ``resize_infer(add)``; the ranks stop warming when it returns.
 
         A call that failed, timed out or could not be sent fences the pipeline, and its ranks
@@ -931,11 +1013,15 @@ class SchedulerService:
         """
         if after is not None:
             await asyncio.wait([after])  # one resize at a time per cluster, in plan order
-        ok = await self._resize_one(cid, ranks, remove=False)
+        ok = await self._resize_one(cid, ranks, remove=False, expected=expected)
         async with self._lock:
             now = self._now()
             pid = parse_cluster_id(cid)[0]
-            if not ok:
+            if self._state.pipelines.get(pid) is not expected:
+                # Unregistered meanwhile (its warming ranks went with it); a pipeline registered
+                # since under the same id is not the one this expand was for.
+                pass
+            elif not ok:
                 # _resize_one fenced it already unless the call was never sent (the handle
                 # was resolved before the commit, so that is not expected): fence it too.
                 self._fence(pid, f"resize_infer(add={ranks}) on {cid} was not sent")
@@ -1005,7 +1091,13 @@ class SchedulerService:
                 continue  # no rank serves yet: answered when one does
             self._resolve_waiter(cid, gpus, now)
 
-    async def _resize_all(self, calls: dict[str, list[int]], *, remove: bool) -> set[str]:
+    async def _resize_all(
+        self,
+        calls: dict[str, list[int]],
+        *,
+        remove: bool,
+        planned: dict[str, PipelineSpec | None],
+    ) -> set[str]:
         """Send ``resize_infer`` per cluster concurrently; return the clusters NOT applied.
 
         For shrinks every one of them failed (and fenced its pipeline). For expands these are
@@ -1016,11 +1108,21 @@ class SchedulerService:
         if not calls:
             return set()
         results = await asyncio.gather(
-            *(self._resize_one(cid, ranks, remove=remove) for cid, ranks in calls.items())
+            *(
+                self._resize_one(
+                    cid, ranks, remove=remove, expected=planned.get(parse_cluster_id(cid)[0])
+                )
+                for cid, ranks in calls.items()
+            )
         )
         return {cid for cid, ok in zip(calls, results, strict=True) if not ok}
 
-    async def _resize_one(self, cid: str, ranks: list[int], *, remove: bool) -> bool:
+    async def _resize_one(
+        self, cid: str, ranks: list[int], *, remove: bool, expected: PipelineSpec | None
+    ) -> bool:
+        """One ``resize_infer`` for the registration ``expected`` of ``cid``'s pipeline; True
+        when applied. Not sent once that registration is gone, and a failure fences the
+        pipeline only while it is still that registration (not a successor under its id)."""
         pid = parse_cluster_id(cid)[0]
         what = f"resize_infer({'remove' if remove else 'add'}={ranks}) on {cid}"
         tail = self._expand_tails.get(cid) if remove else None
@@ -1029,28 +1131,41 @@ class SchedulerService:
             # calls in plan order (a shrink overtaking the expand of the same rank would leave
             # it awake on GPUs handed on).
             await asyncio.wait([tail])
+        if self._state.pipelines.get(pid) is not expected:
+            # Unregistered: a shrink has nothing left to do (its GPUs were given back), an
+            # expand is not sent (and not committed).
+            return remove
         handle = await self._resize_handle(cid, what, remove=remove)
+        if self._state.pipelines.get(pid) is not expected:
+            return remove
         if handle is None:
             return False
 
-        async def call() -> Any:
-            return await handle.resize_infer.remote(
+        def fence(reason: str) -> None:
+            if self._state.pipelines.get(pid) is expected:
+                self._fence(pid, reason)
+
+        try:
+            # Sent here, with no await since the check above.
+            sent = handle.resize_infer.remote(
                 dp_ranks_to_remove=ranks if remove else [],
                 dp_ranks_to_add=[] if remove else ranks,
             )
 
-        try:
+            async def call() -> Any:
+                return await sent
+
             response = await asyncio.wait_for(call(), self.cfg.resize_timeout_s)
         except asyncio.TimeoutError:
-            self._fence(pid, f"{what} timed out after {self.cfg.resize_timeout_s:g}s")
+            fence(f"{what} timed out after {self.cfg.resize_timeout_s:g}s")
             return False
         except Exception as exc:
-            self._fence(pid, f"{what} failed: {type(exc).__name__}: {exc}")
+            fence(f"{what} failed: {type(exc).__name__}: {exc}")
             return False
         ok = bool(getattr(response, "success", response is True or response is None))
         if not ok:
             msg = getattr(response, "message", None) or getattr(response, "error", None)
-            self._fence(pid, f"{what} answered success=False ({msg})")
+            fence(f"{what} answered success=False ({msg})")
         return ok
 
     async def _coordinator(self, pipeline_id: str) -> Any:
