@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 from pathlib import Path
 
 from rlix_plugins.sim.calibrate import CALIBRATION_STEPS, calibrate_lengths
@@ -126,6 +127,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _unwritable(out: Path) -> str | None:
+    """Why results cannot be written into directory ``out`` (created if missing), or None."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the comparison, print the table, save JSON and plots."""
     policies = tuple(p.strip() for p in str(args.policies).split(",") if p.strip())
@@ -134,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --policies names no deployment; expected a subset of {tuple(DEPLOYMENTS)}")
         return 2
     if bad:
-        print(f"unknown deployments {bad}; expected a subset of {tuple(DEPLOYMENTS)}")
+        print(f"error: unknown deployments {bad}; expected a subset of {tuple(DEPLOYMENTS)}")
         return 2
     if args.seed < 0:
         print(f"error: --seed must be >= 0, got {args.seed}")
@@ -192,6 +204,11 @@ def run(args: argparse.Namespace) -> int:
                 "T + 2R GPUs; drop it from --policies or leave --shared-gpus out"
             )
             return 2
+    # Checked before running: a run of minutes whose results cannot be written is lost.
+    problem = _unwritable(args.out)
+    if problem is not None:
+        print(f"error: --out {args.out}: cannot write results there ({problem})")
+        return 2
     config = EngineConfig(
         record_tenures=not args.no_plots, background_expands=args.background_expands
     )

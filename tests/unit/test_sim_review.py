@@ -207,3 +207,26 @@ def test_simulate_refuses_an_out_path_that_is_a_file_before_running(
     argv = ["--scenario", str(path), "--out", str(out), "--no-plots"]
     assert command.run(_parser().parse_args(argv)) == 2
     assert "--out" in capsys.readouterr().out
+
+
+def test_simulate_refuses_an_out_directory_it_cannot_create_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A parent that is a file: it failed with FileNotFoundError only after every simulation
+    had run, the results lost."""
+    parent = tmp_path / "file"
+    parent.write_text("")
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(one_node_scenario()))
+    argv = ["--scenario", str(path), "--out", str(parent / "results"), "--no-plots"]
+    assert command.run(_parser().parse_args(argv)) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: --out") and "cannot" in out
+
+
+def test_simulate_names_an_unknown_deployment_as_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--workload", "long-tail", "--policies", "ours,foo", "--out", str(tmp_path)]
+    assert command.run(_parser().parse_args(argv)) == 2
+    assert capsys.readouterr().out.startswith("error: unknown deployments ['foo']")
