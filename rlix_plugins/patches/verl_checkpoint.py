@@ -35,10 +35,11 @@ from typing import Any
 
 from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWithCache
 
-from rlix_plugins.errors import WeightSyncError
+from rlix_plugins.errors import WeightCacheError, WeightSyncError
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import SyncOffer
+from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +119,35 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
     async def send_weights(
         self, weights: Iterable[tuple[str, Any]], global_steps: int | None = None
     ) -> dict[str, Any]:
-        """Cache ``weights`` as version ``global_steps`` (every rank drains; rank 0 keeps)."""
-        version = int(global_steps or 0)
-        owner = _global_rank() == 0
+        """Cache ``weights`` as version ``global_steps`` (every rank drains; rank 0 keeps).
+
+        ``global_steps=None`` caches one above the newest cached version (0 when none is).
+
+        Raises:
+            WeightCacheError: ``global_steps`` is not an int >= 0, or not above the newest
+                cached version (named); the weights were drained, nothing was cached.
+        """
         # A sync generator is consumed on a thread, tensor by tensor (never materialised: its
         # tensors live on the training GPU); only an async one must be collected first.
         items = await _collect(weights) if hasattr(weights, "__aiter__") else weights
-        info = await asyncio.to_thread(self.cache.build, version, items, is_owner=owner)
+        if _global_rank() != 0:
+            # Only the owner numbers and keeps versions; this rank takes part in the gather.
+            await asyncio.to_thread(_drain, items)
+            return {}
+        newest = self._cache.latest_version if self._cache is not None else None
+        try:
+            version = resolve_version(global_steps, newest)
+            if version == newest:
+                raise WeightCacheError(
+                    f"weight version {version} is not above the newest cached version, "
+                    f"{newest}: versions are immutable (use a step above it, or None for the "
+                    "next one); nothing was cached"
+                )
+        except WeightCacheError:
+            # The other ranks block in the gather until this rank iterated to the end too.
+            await asyncio.to_thread(_drain, items)
+            raise
+        info = await asyncio.to_thread(self.cache.build, version, items, is_owner=True)
         if info is None:
             return {}
         return {"rlix/cache_version": version, "rlix/cache_bytes": int(info.total_bytes)}
@@ -269,6 +292,40 @@ def _receiver(entry: Sequence[Any]) -> RayRolloutReceiver | HybridWorkerReceiver
 async def _collect(weights: Any) -> list[tuple[str, Any]]:
     """An async weight generator, collected (the cache consumes a plain iterable)."""
     return [pair async for pair in weights]
+
+
+def _drain(items: Iterable[tuple[str, Any]]) -> None:
+    """Iterate ``items`` to the end, keeping nothing (a rank's part of a collective gather)."""
+    for _ in items:
+        pass
+
+
+def resolve_version(requested: object, newest: int | None) -> int:
+    """The weight version an update caches: veRL's ``global_steps``, or for None (veRL's
+    ``update_weights()`` without a step) one above ``newest`` (0 when nothing is cached).
+
+    Versions never go back: the shard controller's expand and ``VerlCacheSync.latest_version``
+    serve the highest cached number, and a rollout worker drops offers below the one it took,
+    so a lower number would be skipped or served as stale. The same number as ``newest`` is
+    returned (the caller decides whether that re-serves it or is an error).
+
+    Raises:
+        WeightCacheError: ``requested`` is not None or an int >= 0, or is below ``newest``.
+    """
+    if requested is None:
+        return 0 if newest is None else newest + 1
+    version = as_index(requested)
+    if version is None or version < 0:
+        raise WeightCacheError(
+            f"weight version (veRL's global_steps) must be an int >= 0 or None, got {requested!r}"
+        )
+    if newest is not None and version < newest:
+        raise WeightCacheError(
+            f"weight version {version} goes backwards: the newest cached version is {newest}, "
+            "and versions only increase (use a step >= it, or None for the next one); nothing "
+            "was cached or synced"
+        )
+    return version
 
 
 # ---------------------------------------------------------------- Megatron NCCL lifecycle
@@ -477,15 +534,6 @@ class RefreshClaim:
     end: Callable[[list[int]], None]
 
 
-def _as_claim(active: Any) -> RefreshClaim | None:
-    """``bind``'s ``active``: a :class:`RefreshClaim`, or a plain ``active()`` callable (a
-    caller without the RLix balancer, e.g. a test): read, not claimed, so a shrink may still
-    take a replica between that read and the refresh's abort."""
-    if active is None or isinstance(active, RefreshClaim):
-        return active
-    return RefreshClaim(begin=lambda ranks: set(active()) & set(ranks), end=lambda ranks: None)
-
-
 class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc]
     """veRL's checkpoint manager for replicas the coordinator owns (``rlix_cache`` backend).
 
@@ -505,7 +553,7 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
     def __init__(self, config: Any, actor_wg: Any, replicas: list[Any]) -> None:
         super().__init__(config=config, actor_wg=actor_wg, replicas=replicas)
         self.rlix_sync = VerlCacheSync.of(actor_wg, replicas)
-        self._active: Any = None
+        self._active: RefreshClaim | None = None
         self._observe: Callable[[Sequence[int], int], None] | None = None
         self._ranks: list[int] = list(range(len(replicas)))
         #: (version, ranks synced in place) per update, for observability: this manager's
@@ -514,24 +562,57 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
 
     def bind(
         self,
-        active: RefreshClaim | Callable[[], Iterable[int]],
+        active: RefreshClaim,
         ranks: Sequence[int],
         observe: Callable[[Sequence[int], int], None] | None = None,
     ) -> None:
-        """From now on refresh only the replicas ``active`` claims (a :class:`RefreshClaim`;
-        a plain ``active()`` callable is read, unclaimed); ``ranks[i]`` is the pipeline dp rank
-        of this manager's replica ``i``. ``observe(ranks, version)`` runs after each in-place
-        refresh (the shard controller's version record)."""
+        """From now on refresh only the replicas ``active`` claims; ``ranks[i]`` is the
+        pipeline dp rank of this manager's replica ``i``. ``observe(ranks, version)`` runs
+        after each in-place refresh (the shard controller's version record).
+
+        Raises:
+            TypeError: ``active`` is not a :class:`RefreshClaim` (nothing changed). A plain
+                ``active()`` callable would read the replicas without claiming them, so a
+                shrink could put one to sleep between that read and the refresh's abort.
+            ValueError: ``ranks`` does not have one entry per replica (nothing changed).
+        """
+        if not isinstance(active, RefreshClaim):
+            raise TypeError(
+                "bind needs a RefreshClaim (begin(ranks) picks and claims the ACTIVE replicas "
+                "in one call on the shard-state owner, end(ranks) releases them: the RLix load "
+                "balancer's rlix_refresh_begin / rlix_refresh_end), got "
+                f"{type(active).__name__}; a plain active() callable is not accepted: it reads "
+                "the replicas without claiming them against a shrink"
+            )
         if len(ranks) != len(self.replicas):
             raise ValueError(f"{len(ranks)} ranks for {len(self.replicas)} replicas")
-        self._active = _as_claim(active)
+        self._active = active
         self._ranks = list(ranks)
         self._observe = observe
 
     def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
-        version = int(global_steps or 0)
-        metrics = self._cache_version(version)
+        """Cache veRL's step ``global_steps`` as that weight version and refresh the replicas
+        ACTIVE now with it.
+
+        ``None`` (no step) caches one above the newest cached version (0 when none is); the
+        newest cached step again re-serves it without caching (its weights are cached).
+
+        Raises:
+            WeightCacheError: a step below the newest cached version (both named) or not an
+                int >= 0; nothing was cached or synced.
+        """
+        version, cached = self._next_version(global_steps)
+        metrics = {} if cached else self._cache_version(version)
         return self._refresh(version, metrics)
+
+    def _next_version(self, global_steps: object) -> tuple[int, bool]:
+        """(the version this update serves, whether the cache already holds it)."""
+        latest = self.rlix_sync.latest_version()
+        version = self._version_for(global_steps, latest)
+        return version, version == latest
+
+    def _version_for(self, global_steps: object, latest: int | None) -> int:
+        return resolve_version(global_steps, latest)
 
     def _cache_version(self, version: int) -> dict[str, Any]:
         """Every training rank's veRL ``update_weights(mode="rlix_cache")``: rank 0 caches."""
@@ -549,7 +630,7 @@ class RLixCheckpointEngineManager(CheckpointEngineManager):  # type: ignore[misc
 
     def _refresh(self, version: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Sync ``version`` in place to the replicas ACTIVE now (all of them until bound)."""
-        claim = _as_claim(self._active)
+        claim = self._active
         if claim is None:
             chosen = list(range(len(self.replicas)))
         else:
@@ -603,23 +684,24 @@ class RLixHybridCheckpointManager(RLixCheckpointEngineManager):
 
     Before :meth:`bind` (veRL's first sync in ``on_init_end``, after ``_setup`` put them to
     sleep) it does what veRL's naive update does for them: wake, then load (from the cache).
-    ``update_weights()`` without a step (veRL's validation) re-syncs the latest cached version.
+    ``update_weights()`` without a step (veRL's validation, after its colocated reward model
+    borrowed the GPUs: the weights did not change) re-syncs the newest cached version, or
+    caches version 0 when none is.
     """
 
     def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
-        latest = self.rlix_sync.latest_version()
-        if global_steps is None:
-            if latest is None:
-                raise WeightSyncError("update_weights() without a step before any version "
-                                      "was cached")
-            version, metrics = latest, {}
-        else:
-            version = int(global_steps)
-            # separate_async: its standalone manager cached this step's version already
-            metrics = {} if latest == version else self._cache_version(version)
+        # A step already cached (separate_async: its standalone manager cached this step's
+        # version first) is served as it is; a step below the newest is refused.
+        version, cached = self._next_version(global_steps)
+        metrics = {} if cached else self._cache_version(version)
         if self._active is None:
             _run(_gather(r.wake_up() for r in self.replicas))
         return self._refresh(version, metrics)
+
+    def _version_for(self, global_steps: object, latest: int | None) -> int:
+        if global_steps is None and latest is not None:
+            return latest  # veRL's wake-up after its colocated reward: same weights
+        return resolve_version(global_steps, latest)
 
     def _bound(self) -> bool:
         return self._active is not None

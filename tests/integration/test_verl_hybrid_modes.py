@@ -55,6 +55,7 @@ def test_colocated_modes_leave_sleep_wake_to_the_coordinator(
         verl_config,
         weights,
     )
+    from tests.support.verl_checkpoint import fake_read_claim
 
     patch = VerlPatch()
     patch.apply()
@@ -88,7 +89,7 @@ def test_colocated_modes_leave_sleep_wake_to_the_coordinator(
         sync_hooks.on_init_end(FakeTrainerState(manager, 0))
         assert loads() == [0]
         active: set[int] = {0}
-        manager.bind(lambda: set(active), [0])
+        manager.bind(fake_read_claim(lambda: active), [0])
 
         # veRL's sync-mode on_sample_end would sleep the replica: not under RLix
         sync_hooks.on_sample_end(FakeTrainerState(manager, 1))
