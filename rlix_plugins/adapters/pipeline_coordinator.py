@@ -17,7 +17,9 @@ keep the newest report: the progress calls run in their own concurrency group of
 Ray promises no order), and a report that its own fields show to be older than the one already
 applied for its stream (:func:`is_stale`: ``fifo_timestamp``, which ROLL sets to each report's
 send time; without distinct stamps ``current_train_step``, then ``completed``) is dropped, as is
-a late report of a batch whose stream was already cleared.
+a late report of a batch whose stream was already cleared. A stamp more than ``clock_step_s``
+before the applied one is the sender's clock stepping back (NTP), not a late delivery: that
+report is taken as the newer one and the stream is ordered from it on (logged as a warning).
 
 Keep :class:`PipelineCoordinator` undecorated; :func:`start_pipeline_coordinator` serves it (or a
 subclass) through ``ray.remote`` (Ray freezes decorated classes).
@@ -51,6 +53,12 @@ StreamKey = tuple[str, str | None]
 PROGRESS_GROUP = "progress"
 #: The calls a rollout scheduler makes; overrides in subclasses join the group too.
 PROGRESS_METHODS = ("report_progress_from_scheduler", "clear_progress_stream")
+#: A report stamped more than this many seconds before the stream's applied one is taken to
+#: come from a sender whose clock stepped back (an NTP step), not from a late delivery. Ray
+#: reorders calls of one sender by far less (their arguments are inline; nothing retries
+#: them), and a clock step smaller than this freezes the stream's demand for at most as long
+#: as the step (until the sender's clock passes the applied stamp again).
+CLOCK_STEP_S = 10.0
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -95,7 +103,23 @@ def stream_mark(report: ProgressReport) -> StreamMark:
                       new_batch=bool(metrics.get("new_batch", False)))
 
 
-def is_stale(new: StreamMark, last: StreamMark | None) -> bool:
+def clock_stepped_back(
+    new: StreamMark, last: StreamMark | None, clock_step_s: float = CLOCK_STEP_S
+) -> bool:
+    """Whether ``new`` is stamped more than ``clock_step_s`` before ``last``: its sender's
+    clock stepped back (the reports of one ROLL stream are sent in order, and Ray's
+    reordering of them spans far less), so the stamps no longer order the two."""
+    return (
+        last is not None
+        and new.fifo is not None
+        and last.fifo is not None
+        and last.fifo - new.fifo > clock_step_s
+    )
+
+
+def is_stale(
+    new: StreamMark, last: StreamMark | None, clock_step_s: float = CLOCK_STEP_S
+) -> bool:
     """True if ``new`` is provably older than ``last`` (the stream's applied state).
 
     Checked against ROLL's source (commit 4989ec48, rlix's external/ROLL pin;
@@ -112,6 +136,10 @@ def is_stale(new: StreamMark, last: StreamMark | None) -> bool:
       sends nothing between ``end_progress_batch`` and the next ``begin_progress_batch``
       (lines 590, 682-698), so any other report is a late one of the cleared batch, whatever
       its step or stamp (the clear carries neither).
+    * A stamp more than ``clock_step_s`` earlier (:func:`clock_stepped_back`) is a sender
+      whose wall clock stepped back, not a report sent earlier: it is taken as the later one
+      (after a clear only a ``new_batch`` still reopens), so the stream is ordered from it
+      on instead of dropping every report until the clock passes the applied stamp again.
 
     Without two distinct stamps (another sender, or none) the fields order as before: a later
     step is newer; after a clear only a later step or a new batch of the same step reopens;
@@ -122,7 +150,7 @@ def is_stale(new: StreamMark, last: StreamMark | None) -> bool:
     if last is None:
         return False
     if new.fifo is not None and last.fifo is not None and new.fifo != last.fifo:
-        if new.fifo < last.fifo:
+        if new.fifo < last.fifo and not clock_stepped_back(new, last, clock_step_s):
             return True
         return last.cleared and not new.new_batch
     if new.step is None or last.step is None:
@@ -225,12 +253,17 @@ class PipelineCoordinator:
         control_namespace: str = "rlix",
         scheduler: Any = None,
         call_timeout_s: float = 60.0,
+        clock_step_s: float = CLOCK_STEP_S,
     ) -> None:
         self.pipeline_id = validate_pipeline_id(pipeline_id)
         if not is_finite(call_timeout_s) or call_timeout_s <= 0:
             raise ProtocolError(
                 f"call_timeout_s must be finite seconds > 0, got {call_timeout_s!r}"
             )
+        if not is_finite(clock_step_s) or clock_step_s <= 0:
+            raise ProtocolError(f"clock_step_s must be finite seconds > 0, got {clock_step_s!r}")
+        #: a report stamped this much before the applied one: the sender's clock stepped back
+        self.clock_step_s = float(clock_step_s)
         #: bound on each progress call to the scheduler (it answers at once when healthy): a
         #: hung scheduler must not block the rollout scheduler, which waits for the call,
         #: with the progress lock held
@@ -312,7 +345,14 @@ class PipelineCoordinator:
         with self._progress_lock:
             # checked and applied under one lock: no report can slip in between
             last = self._marks.get(key)
-            if is_stale(mark, last):
+            if clock_stepped_back(mark, last, self.clock_step_s):
+                assert last is not None and last.fifo is not None and mark.fifo is not None
+                logger.warning(
+                    "pipeline %s stream %s: a report is stamped %.1fs before the applied one; "
+                    "the sender's clock stepped back (NTP?): ordering the stream from this "
+                    "report on", self.pipeline_id, key, last.fifo - mark.fifo,
+                )
+            if is_stale(mark, last, self.clock_step_s):
                 logger.info(
                     "pipeline %s stream %s: dropped a progress report older than the one "
                     "applied (%s < %s)", self.pipeline_id, key, mark, last,

@@ -24,6 +24,8 @@ Plan invariants
   P6  a completed release leaves its cluster with no active rank (counting the plan's expands)
   P7  nothing of a fenced pipeline moves: no grant to it, no expand or shrink of its ranks
       (its shards cannot be told to sleep; what it holds stays until it is unregistered)
+  P8  a registration token the plan carries is its pipeline's current registration (a plan
+      is checked as it is made; its commit skips a registration that ended meanwhile)
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def check_state(state: SchedulerState) -> None:
 
 
 def check_plan(state: SchedulerState, plan: Plan) -> None:
-    """Raise :class:`InvariantViolation` if applying ``plan`` to ``state`` would break P1-P7."""
+    """Raise :class:`InvariantViolation` if applying ``plan`` to ``state`` would break P1-P8."""
     owner: list[GpuOwner | None] = list(state.owner)
     moved: set[tuple[str, int]] = set()
     active_after = {c: set(r) for c, r in state.active_ranks.items()}
@@ -183,3 +185,11 @@ def check_plan(state: SchedulerState, plan: Plan) -> None:
             spec = state.clusters.get(cid)
             if spec is not None and spec.pipeline_id in state.fenced:
                 raise InvariantViolation("P7", f"plan moves {cid} of fenced {spec.pipeline_id}")
+    for entry in plan.registrations:
+        pid, token = entry
+        if state.registrations.get(pid) != token:
+            raise InvariantViolation(
+                "P8",
+                f"plan is for registration {token} of {pid!r}; current is "
+                f"{state.registrations.get(pid)}",
+            )

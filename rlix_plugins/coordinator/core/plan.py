@@ -6,6 +6,8 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass
 
+from rlix_plugins.protocol.names import parse_cluster_id
+
 
 class ShrinkReason(str, enum.Enum):
     """Why a generation rank is shrunk (kept in the trace and metrics)."""
@@ -44,10 +46,27 @@ class Plan:
     expands: tuple[RankMove, ...] = ()
     grants: tuple[Grant, ...] = ()
     completed_releases: tuple[str, ...] = ()
+    #: ``(pipeline_id, registration token)`` of each pipeline the plan touches, as when it was
+    #: planned (:meth:`SchedulerState.stamp`): the plan's resizes run outside the lock, and a
+    #: pipeline may unregister meanwhile and register again under the same id; its commit
+    #: applies nothing to that successor. A pipeline with no token here is not checked (a
+    #: plan committed as soon as it is made: recovery, the simulator's policies).
+    registrations: tuple[tuple[str, int], ...] = ()
 
     @property
     def empty(self) -> bool:
         return not (self.shrinks or self.expands or self.grants or self.completed_releases)
+
+    def cluster_ids(self) -> set[str]:
+        """Every cluster the plan shrinks, expands, grants or completes a release of."""
+        cids = {m.cluster_id for m in (*self.shrinks, *self.expands)}
+        cids.update(g.cluster_id for g in self.grants)
+        cids.update(self.completed_releases)
+        return cids
+
+    def pipeline_ids(self) -> set[str]:
+        """Every pipeline the plan touches."""
+        return {parse_cluster_id(c)[0] for c in self.cluster_ids()}
 
     def shrinks_by_cluster(self) -> dict[str, list[int]]:
         """``resize_infer(dp_ranks_to_remove=...)`` calls, one per cluster."""

@@ -442,12 +442,14 @@ class _Cycle:
                     break
 
     def build(self) -> Plan:
-        return Plan(
-            revision=self.state.revision,
-            shrinks=tuple(self.shrinks),
-            expands=tuple(self.expands),
-            grants=tuple(self.grants),
-            completed_releases=tuple(self.released),
+        return self.state.stamp(
+            Plan(
+                revision=self.state.revision,
+                shrinks=tuple(self.shrinks),
+                expands=tuple(self.expands),
+                grants=tuple(self.grants),
+                completed_releases=tuple(self.released),
+            )
         )
 
 

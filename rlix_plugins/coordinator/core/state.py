@@ -9,6 +9,7 @@ and committed one at a time, so the events that may interleave between a plan an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ class CommitResult:
     shrunk: tuple[tuple[str, int], ...] = ()
     expanded: tuple[tuple[str, int], ...] = ()
     released: tuple[str, ...] = ()
+    #: pipelines whose part of the plan was skipped: the registration it was planned for
+    #: no longer exists (unregistered, perhaps registered again under the same id)
+    stale: tuple[str, ...] = ()
 
 
 class SchedulerState:
@@ -87,6 +91,11 @@ class SchedulerState:
         #: is (nobody can shrink their shards) until they are unregistered, and nothing is
         #: planned for them (:meth:`fence`)
         self.fenced: set[str] = set()
+        #: pipeline -> token of its current registration: unique within this state's life (a
+        #: pipeline registered again under the same id gets a new one), so a plan names the
+        #: registrations it was made for (:meth:`stamp`, :attr:`Plan.registrations`)
+        self.registrations: dict[str, int] = {}
+        self._registration_seq = 0
         self.revision = 0
         self._seq = 0
 
@@ -172,6 +181,8 @@ class SchedulerState:
                     f"cluster {c.cluster_id!r} maps GPUs {bad} outside 0..{n - 1}"
                 )
         self.pipelines[spec.pipeline_id] = spec
+        self._registration_seq += 1
+        self.registrations[spec.pipeline_id] = self._registration_seq
         for c in spec.clusters:
             self.clusters[c.cluster_id] = c
             if c.is_generation:
@@ -197,6 +208,7 @@ class SchedulerState:
             if self.pending.pop(c.cluster_id, None) is not None:
                 cancelled.append(c.cluster_id)
         self.pipelines.pop(pipeline_id)
+        self.registrations.pop(pipeline_id, None)
         self.progress.pop(pipeline_id, None)
         self.estimates.pop(pipeline_id, None)
         self.fenced.discard(pipeline_id)
@@ -392,6 +404,31 @@ class SchedulerState:
         self._bump()
 
     # ------------------------------------------------------------------ commit
+    def stamp(self, plan: Plan) -> Plan:
+        """``plan`` naming the current registration of every pipeline it touches (what a
+        planner returns: its commit then applies nothing to a later registration)."""
+        pids = sorted(p for p in plan.pipeline_ids() if p in self.registrations)
+        return dataclasses.replace(
+            plan, registrations=tuple((p, self.registrations[p]) for p in pids)
+        )
+
+    def _planned_registrations(self, plan: Plan) -> dict[str, int]:
+        """The plan's registration tokens by pipeline; :class:`RequestStateError` (nothing
+        changed) for a malformed entry or a pipeline named twice."""
+        tokens: dict[str, int] = {}
+        for entry in plan.registrations:
+            pair = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+            pid, token = pair if len(pair) == 2 else (None, None)
+            if not isinstance(pid, str) or not is_int(token):
+                raise RequestStateError(
+                    f"plan registration {entry!r} is malformed; each entry must be a "
+                    "(pipeline_id: str, token: int) pair"
+                )
+            if pid in tokens:
+                raise RequestStateError(f"plan names pipeline {pid!r}'s registration twice")
+            tokens[pid] = token
+        return tokens
+
     def commit(
         self,
         plan: Plan,
@@ -408,12 +445,24 @@ class SchedulerState:
         With ``expands_pending`` the expands are committed before their RPCs run: each
         expanded rank is active (its GPUs owned) and warming until :meth:`expand_done` (or
         until it is shrunk, released or its pipeline unregistered).
+
+        Nothing is applied for a pipeline whose registration token in the plan
+        (:attr:`Plan.registrations`) is not its current one: it unregistered since (its GPUs
+        were given back then) and may be registered again under the same id; that successor
+        asked for none of it (:attr:`CommitResult.stale`). A malformed token list is refused
+        with :class:`RequestStateError` and nothing changed.
         """
+        tokens = self._planned_registrations(plan)
+        stale = {p for p, t in tokens.items() if self.registrations.get(p) != t}
+
+        def current(cid: str) -> bool:
+            return not stale or parse_cluster_id(cid)[0] not in stale
+
         failed_s = set(failed_shrinks)
         failed_e = set(failed_expands)
         shrunk: list[tuple[str, int]] = []
         for move in plan.shrinks:
-            if move.cluster_id in failed_s:
+            if move.cluster_id in failed_s or not current(move.cluster_id):
                 continue
             ranks = self.active_ranks.get(move.cluster_id)
             spec = self.clusters.get(move.cluster_id)
@@ -427,7 +476,7 @@ class SchedulerState:
         released = tuple(
             c
             for c in plan.completed_releases
-            if c in self.planned_releases and not self.active_ranks.get(c)
+            if c in self.planned_releases and not self.active_ranks.get(c) and current(c)
         )
         for c in released:
             del self.planned_releases[c]
@@ -436,6 +485,8 @@ class SchedulerState:
             req = self.pending.get(grant.cluster_id)
             spec = self.clusters.get(grant.cluster_id)
             if req is None or spec is None or any(self.owner[g] is not None for g in spec.gpus):
+                continue
+            if not current(grant.cluster_id):
                 continue
             for g in spec.gpus:
                 self.owner[g] = GpuOwner(grant.cluster_id, None, req.priority)
@@ -448,6 +499,8 @@ class SchedulerState:
             spec = self.clusters.get(move.cluster_id)
             ranks = self.active_ranks.get(move.cluster_id)
             if move.cluster_id in failed_e or spec is None or ranks is None:
+                continue
+            if not current(move.cluster_id):
                 continue
             gpus = spec.rank_gpus(move.dp_rank)
             if move.dp_rank in ranks or any(self.owner[g] is not None for g in gpus):
@@ -467,5 +520,9 @@ class SchedulerState:
                 granted[cid] = self.held_gpus(cid)
         self._bump()
         return CommitResult(
-            granted=granted, shrunk=tuple(shrunk), expanded=tuple(expanded), released=released
+            granted=granted,
+            shrunk=tuple(shrunk),
+            expanded=tuple(expanded),
+            released=released,
+            stale=tuple(sorted(stale)),
         )

@@ -40,7 +40,6 @@ from rlix_plugins.coordinator.core import (
     DemandSharePlanner,
     ImmediateGrant,
     InvariantViolation,
-    PipelineSpec,
     Plan,
     RankMove,
     SchedulerState,
@@ -545,11 +544,44 @@ class SchedulerService:
 
     def _withdraw(self, cid: str, fut: asyncio.Future[list[int]]) -> None:
         """Drop a request whose caller stopped waiting (``fut`` is its answer): its waiter
-        and, while still queued, the request itself."""
-        if self._waiters.get(cid) is fut:
-            del self._waiters[cid]
-            self._requested_at.pop(cid, None)
-            self._state.cancel_request(cid)
+        and, while still queued, the request itself; a whole-cluster grant it was never told
+        of is given back (:meth:`_give_back_unanswered`)."""
+        if self._waiters.get(cid) is not fut:
+            return
+        del self._waiters[cid]
+        self._requested_at.pop(cid, None)
+        if self._state.cancel_request(cid) or fut.done():
+            return
+        if cid in self._state.holdings:
+            self._give_back_unanswered(cid)
+
+    def _give_back_unanswered(self, cid: str) -> None:
+        """Release a whole-cluster grant whose caller stopped waiting before it was told.
+
+        A held cluster whose waiter is still unanswered was granted by a commit whose save
+        failed (its answer waits in ``_undurable``). Nobody will ever be told of it: kept, it
+        would hold its GPUs until the pipeline unregisters. It is released in the core like any
+        release (invariants S1-S6 hold, no other state is touched), with no hold time recorded
+        (it never served), and saved with the next successful save, which the deferred answer
+        also waits for: that answer then finds another (or no) waiter for ``cid`` and skips it
+        (:meth:`_after_commit`). Generation grants are not given back: their ranks were sent
+        their expand (or will be, with the answer), the pipeline's coordinator knows them, the
+        planner may still shrink them for others, and a retried request is answered from them.
+        """
+        pid = parse_cluster_id(cid)[0]
+        if pid in self._fencing:
+            return  # frozen until it is unregistered (P7); its waiters were failed already
+        now = self._now()
+        freed = self._state.release(cid)
+        logger.warning(
+            "request for %s was granted (GPUs %s) but its caller stopped waiting before the "
+            "grant was saved and answered; the grant is given back",
+            cid,
+            list(freed),
+        )
+        self._persist()
+        self._observe_trace(now)
+        self._kick()
 
     async def notify_release_gpus(
         self, *, cluster_id: str, global_step: int | None = None, pipeline_id: str | None = None
@@ -629,7 +661,8 @@ class SchedulerService:
         except BaseException:
             # The caller is told the call failed (or gave up): its request must not stay
             # queued with nobody waiting (granted to nobody, and the retry refused as a
-            # duplicate). A grant made meanwhile stays; the retry is answered from it.
+            # duplicate). A generation grant made meanwhile stays (the retry is answered from
+            # it); a whole-cluster one the caller was never told of is given back.
             if not isinstance(got, list):
                 self._withdraw(req, got)
             raise
@@ -785,6 +818,10 @@ class SchedulerService:
             plan = self._planner.plan(self._state, self._now())
             if plan.empty:
                 return False
+            if not plan.registrations:
+                # A planner that does not stamp its plans (any Planner may be configured): the
+                # registrations are the current ones, under the same lock it planned under.
+                plan = self._state.stamp(plan)
             try:
                 check_plan(self._state, plan)
             except InvariantViolation:
@@ -819,33 +856,18 @@ class SchedulerService:
             self._metrics.cycle(time.perf_counter() - t0)
         return bool(result.granted or result.shrunk or result.expanded or result.released)
 
-    def _planned_for(self, plan: Plan) -> dict[str, PipelineSpec | None]:
-        """The registration each pipeline in ``plan`` had when it was planned (under
-        ``_lock``): a pipeline unregistered while the plan's resizes run may be registered
-        again under the same id, and nothing planned for the old one may reach the new one."""
-        cids = {m.cluster_id for m in (*plan.shrinks, *plan.expands)}
-        cids.update(g.cluster_id for g in plan.grants)
-        cids.update(plan.completed_releases)
-        pids = {parse_cluster_id(c)[0] for c in cids}
-        return {pid: self._state.pipelines.get(pid) for pid in pids}
+    @staticmethod
+    def _planned_for(plan: Plan) -> dict[str, int]:
+        """The registration token each pipeline in ``plan`` had when it was planned (the
+        planner stamps them, :attr:`Plan.registrations`): a pipeline unregistered while the
+        plan's resizes run may be registered again under the same id, and nothing planned for
+        the old one may reach the new one (no RPC here; the core's commit skips it too)."""
+        return dict(plan.registrations)
 
-    def _replaced(self, cid: str, planned: dict[str, PipelineSpec | None]) -> bool:
+    def _replaced(self, cid: str, planned: dict[str, int]) -> bool:
         """Whether ``cid``'s pipeline is no longer the registration it was planned for."""
         pid = parse_cluster_id(cid)[0]
-        return self._state.pipelines.get(pid) is not planned.get(pid)
-
-    def _still_planned(self, plan: Plan, planned: dict[str, PipelineSpec | None]) -> Plan:
-        """``plan`` less what belongs to pipelines unregistered since it was planned (the
-        core would apply it to a successor registered under the same id)."""
-        return dataclasses.replace(
-            plan,
-            shrinks=tuple(m for m in plan.shrinks if not self._replaced(m.cluster_id, planned)),
-            expands=tuple(m for m in plan.expands if not self._replaced(m.cluster_id, planned)),
-            grants=tuple(g for g in plan.grants if not self._replaced(g.cluster_id, planned)),
-            completed_releases=tuple(
-                c for c in plan.completed_releases if not self._replaced(c, planned)
-            ),
-        )
+        return self._state.registrations.get(pid) != planned.get(pid)
 
     def _record_inflight(
         self, plan: Plan, failed_shrinks: set[str], expands: tuple[RankMove, ...]
@@ -867,7 +889,7 @@ class SchedulerService:
         plan: Plan,
         failed_shrinks: set[str],
         sendable: tuple[RankMove, ...],
-        planned: dict[str, PipelineSpec | None],
+        planned: dict[str, int],
     ) -> CommitResult:
         """The default cycle (as RLix's): send the expands, wait for them, then commit."""
         to_send = Plan(plan.revision, expands=sendable).expands_by_cluster()
@@ -879,11 +901,9 @@ class SchedulerService:
         unsent = await self._resize_all(to_send, remove=False, planned=planned)
         unsent -= {c for c in unsent if parse_cluster_id(c)[0] in self._fencing}
         async with self._lock:
-            applied = self._still_planned(
-                dataclasses.replace(
-                    plan, expands=tuple(m for m in sendable if m.cluster_id not in unsent)
-                ),
-                planned,
+            # What belongs to a registration that ended meanwhile is skipped by the core.
+            applied = dataclasses.replace(
+                plan, expands=tuple(m for m in sendable if m.cluster_id not in unsent)
             )
             return self._commit(plan, applied, failed_shrinks, background=False)
 
@@ -903,10 +923,19 @@ class SchedulerService:
             logger.exception("state invariant broken after commit")
         durable = self._persist()
         expanding = _by_cluster(result.expanded) if background else {}
+        # The waiters these grants answer: an answer that waits for a save must not reach a
+        # later request of the same cluster (its caller gave up and asked again meanwhile).
+        asked = {cid: self._waiters.get(cid) for cid in result.granted}
 
         def answer() -> None:
             self._after_commit(
-                plan, result.granted, result.shrunk, result.expanded, now, defer=set(expanding)
+                plan,
+                result.granted,
+                result.shrunk,
+                result.expanded,
+                now,
+                defer=set(expanding),
+                asked=asked,
             )
             self._settle_release_waiters()
             for cid, ranks in expanding.items():
@@ -934,7 +963,7 @@ class SchedulerService:
         plan: Plan,
         failed_shrinks: set[str],
         sendable: tuple[RankMove, ...],
-        planned: dict[str, PipelineSpec | None],
+        planned: dict[str, int],
     ) -> CommitResult:
         """Background expands: commit the cycle now (its shrinks are done), then start each
         cluster's expand RPC in its own task (:meth:`_expand`)."""
@@ -942,17 +971,15 @@ class SchedulerService:
             cid for cid in {m.cluster_id for m in sendable} if await self._reachable(cid)
         }
         async with self._lock:
-            applied = self._still_planned(
-                dataclasses.replace(
-                    plan,
-                    expands=tuple(
-                        m
-                        for m in sendable
-                        if m.cluster_id in reachable
-                        and parse_cluster_id(m.cluster_id)[0] not in self._fencing
-                    ),
+            # What belongs to a registration that ended meanwhile is skipped by the core.
+            applied = dataclasses.replace(
+                plan,
+                expands=tuple(
+                    m
+                    for m in sendable
+                    if m.cluster_id in reachable
+                    and parse_cluster_id(m.cluster_id)[0] not in self._fencing
                 ),
-                planned,
             )
             return self._commit(plan, applied, failed_shrinks, background=True)
 
@@ -966,9 +993,9 @@ class SchedulerService:
         pid = parse_cluster_id(cid)[0]
         if pid in self._fencing:
             return None
-        registration = self._state.pipelines.get(pid)
+        registration = self._state.registrations.get(pid)
         handle = await self._coordinator(pid)
-        if self._state.pipelines.get(pid) is not registration:
+        if self._state.registrations.get(pid) != registration:
             return None  # unregistered meanwhile: nothing to send, nobody to fence
         if handle is None:
             if remove or pid in self._seen:
@@ -986,7 +1013,7 @@ class SchedulerService:
         if not ranks:
             return
         # The ranks are owned now: the registration they belong to.
-        expected = self._state.pipelines.get(parse_cluster_id(cid)[0])
+        expected = self._state.registrations.get(parse_cluster_id(cid)[0])
         task = asyncio.get_running_loop().create_task(
             self._expand(cid, ranks, self._expand_tails.get(cid), expected)
         )
@@ -1003,7 +1030,7 @@ class SchedulerService:
         cid: str,
         ranks: list[int],
         after: asyncio.Task[None] | None,
-        expected: PipelineSpec | None,
+        expected: int | None,
     ) -> None:
         """One background ``resize_infer(add)``; the ranks stop warming when it returns.
 
@@ -1017,7 +1044,7 @@ class SchedulerService:
         async with self._lock:
             now = self._now()
             pid = parse_cluster_id(cid)[0]
-            if self._state.pipelines.get(pid) is not expected:
+            if self._state.registrations.get(pid) != expected:
                 # Unregistered meanwhile (its warming ranks went with it); a pipeline registered
                 # since under the same id is not the one this expand was for.
                 pass
@@ -1066,10 +1093,13 @@ class SchedulerService:
         expanded: tuple[tuple[str, int], ...],
         now: float,
         defer: Collection[str] = (),
+        asked: dict[str, asyncio.Future[list[int]] | None] | None = None,
     ) -> None:
         """Trace, metrics and waiters of a commit. ``defer``: clusters whose expands still run
         (background expands); a generation grant of such a cluster is answered by
-        :meth:`_settle_deferred` unless one of its ranks already serves."""
+        :meth:`_settle_deferred` unless one of its ranks already serves. ``asked``: the waiter
+        each grant answers, as at commit; a grant whose waiter has gone (withdrawn, and a
+        whole-cluster grant given back, :meth:`_withdraw`) answers nobody else."""
         reasons = {(m.cluster_id, m.dp_rank): m for m in plan.shrinks}
         for key in shrunk:
             move = reasons.get(key)
@@ -1087,6 +1117,8 @@ class SchedulerService:
             self._metrics.allocated("generation_rank", "GENERATION", len(expanded))
         self._observe_trace(now)
         for cid, gpus in granted.items():
+            if asked is not None and self._waiters.get(cid) is not asked.get(cid):
+                continue  # its caller stopped waiting; a later request is not answered by it
             if cid in defer and cid not in self._state.holdings and self._all_warming(cid):
                 continue  # no rank serves yet: answered when one does
             self._resolve_waiter(cid, gpus, now)
@@ -1096,7 +1128,7 @@ class SchedulerService:
         calls: dict[str, list[int]],
         *,
         remove: bool,
-        planned: dict[str, PipelineSpec | None],
+        planned: dict[str, int],
     ) -> set[str]:
         """Send ``resize_infer`` per cluster concurrently; return the clusters NOT applied.
 
@@ -1118,11 +1150,12 @@ class SchedulerService:
         return {cid for cid, ok in zip(calls, results, strict=True) if not ok}
 
     async def _resize_one(
-        self, cid: str, ranks: list[int], *, remove: bool, expected: PipelineSpec | None
+        self, cid: str, ranks: list[int], *, remove: bool, expected: int | None
     ) -> bool:
-        """One ``resize_infer`` for the registration ``expected`` of ``cid``'s pipeline; True
-        when applied. Not sent once that registration is gone, and a failure fences the
-        pipeline only while it is still that registration (not a successor under its id)."""
+        """One ``resize_infer`` for the registration (token) ``expected`` of ``cid``'s
+        pipeline; True when applied. Not sent once that registration is gone, and a failure
+        fences the pipeline only while it is still that registration (not a successor under
+        its id)."""
         pid = parse_cluster_id(cid)[0]
         what = f"resize_infer({'remove' if remove else 'add'}={ranks}) on {cid}"
         tail = self._expand_tails.get(cid) if remove else None
@@ -1131,18 +1164,18 @@ class SchedulerService:
             # calls in plan order (a shrink overtaking the expand of the same rank would leave
             # it awake on GPUs handed on).
             await asyncio.wait([tail])
-        if self._state.pipelines.get(pid) is not expected:
+        if self._state.registrations.get(pid) != expected:
             # Unregistered: a shrink has nothing left to do (its GPUs were given back), an
             # expand is not sent (and not committed).
             return remove
         handle = await self._resize_handle(cid, what, remove=remove)
-        if self._state.pipelines.get(pid) is not expected:
+        if self._state.registrations.get(pid) != expected:
             return remove
         if handle is None:
             return False
 
         def fence(reason: str) -> None:
-            if self._state.pipelines.get(pid) is expected:
+            if self._state.registrations.get(pid) == expected:
                 self._fence(pid, reason)
 
         try:
