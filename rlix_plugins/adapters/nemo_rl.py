@@ -23,8 +23,12 @@ Wiring (installed by :mod:`rlix_plugins.patches.nemo_rl`, nothing in NeMo RL is 
   the groups) takes the training GPUs and groups back for the save and releases them after
   (:meth:`NemoRlPipeline.hold_training` / :meth:`NemoRlPipeline.release_training`); a Megatron
   async save is finalised under that hold, before the release.
-* ``async_grpo_train`` (the patch wraps the name) calls :func:`start_run` first: the pipeline's
-  step counter starts at NeMo RL's ``grpo_save_state.current_step`` (> 0 on a resumed run).
+* ``async_grpo_train`` (the patch wraps the name) runs inside :func:`training_run`:
+  :func:`start_run` first (the pipeline's step counter starts at NeMo RL's
+  ``grpo_save_state.current_step``, > 0 on a resumed run), :func:`end_run` however it leaves.
+* ``validate`` (wrapped) reports the validation's trajectories as demand while it runs
+  (:func:`validation_demand`); ``CheckpointManager.shutdown`` (subclass) clears the demand when
+  the training loop ends (:func:`end_run`).
 * The collector reports progress (:func:`progress_tracker_for_collector`); once NeMo RL's weight
   version reaches ``grpo.max_num_steps`` it clears the pipeline's demand instead.
 * The heartbeat starts once ``register_pipeline`` has succeeded (a beat before it is refused).
@@ -32,16 +36,17 @@ Wiring (installed by :mod:`rlix_plugins.patches.nemo_rl`, nothing in NeMo RL is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
-from rlix_plugins.errors import CoordinatorUnavailableError, RegistrationError
+from rlix_plugins.errors import CoordinatorUnavailableError, ProtocolError, RegistrationError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import ShardStateView
@@ -213,6 +218,10 @@ class NemoRlPipeline:
         self._controller: NemoRlShardController | None = None
         self._registered = False
         self._closed = False
+        #: the training loop has ended (:meth:`end_run`): no demand is reported any more
+        self._run_over = False
+        #: trajectories the running validation generates (None: no validation running)
+        self._validation_target: int | None = None
 
     # registration -------------------------------------------------------------------------
     def register(self) -> None:
@@ -434,6 +443,91 @@ class NemoRlPipeline:
         self._gen_thread = threading.Thread(target=run, daemon=True, name=f"rlix-gen-{step}")
         self._gen_thread.start()
 
+    # validation ---------------------------------------------------------------------------
+    def begin_validation(self, step: object, target: object) -> None:
+        """NeMo RL's ``validate`` starts: report ``target`` trajectories (validation prompts x
+        generations per prompt) as demand of its own stream (mode :data:`VALIDATION_MODE`),
+        so the coordinator counts it as a rollout's and keeps ranks for it.
+
+        Validation generates through the driver's generation on the pipeline's inference
+        ranks; before, nothing was reported for it and the ranks it ran on could be lent away
+        mid-validation. A failed report is logged (progress is advisory: the validation
+        itself must not fail for it).
+
+        Raises:
+            ProtocolError: ``step`` or ``target`` is not an int (>= 0); nothing is sent.
+        """
+        step_i = _checked_count("step", step)
+        target_i = _checked_count("target", target)
+        if self._run_over or self._closed:
+            return
+        self._validation_target = target_i
+        self._report_validation(step_i, 0, new_batch=True)
+
+    def validation_progress(self, step: object, done: object) -> None:
+        """``done`` of the running validation's trajectories are generated (reported in 2%
+        buckets, like rollouts). No-op when no validation runs.
+
+        Raises:
+            ProtocolError: ``step`` or ``done`` is not an int >= 0; nothing is sent.
+        """
+        step_i = _checked_count("step", step)
+        done_i = _checked_count("done", done)
+        if self._validation_target is None or self._run_over or self._closed:
+            return
+        self._report_validation(step_i, min(done_i, self._validation_target), new_batch=False)
+
+    def end_validation(self, step: object) -> None:
+        """The validation ended (returned or raised): its stream reports nothing remaining.
+
+        Only that stream: the scheduler's ``clear_progress`` would also drop the collector's
+        training demand, which the collector re-sends only at its next 2% bucket.
+
+        Raises:
+            ProtocolError: ``step`` is not an int >= 0; nothing is sent, the demand stays.
+        """
+        step_i = _checked_count("step", step)
+        target = self._validation_target
+        if target is None:
+            return
+        self._validation_target = None
+        if self._run_over or self._closed:
+            return
+        self._report_validation(step_i, target, new_batch=False, target=target)
+
+    def _report_validation(self, step: int, done: int, *, new_batch: bool,
+                           target: int | None = None) -> None:
+        total = self._validation_target if target is None else target
+        assert total is not None
+        try:
+            self.hooks.report_progress(
+                step_target_trajectories=total, collected=done, current_train_step=step,
+                new_batch=new_batch, mode=VALIDATION_MODE, outstanding=total - done,
+            )
+        except Exception:
+            logger.warning("pipeline %s: validation demand (%d of %d done) not reported",
+                           self.pipeline_id, done, total, exc_info=True)
+
+    # end of the run -----------------------------------------------------------------------
+    def end_run(self) -> None:
+        """NeMo RL's training loop has ended (however: last step, early stop, timeout,
+        exception): forget the pipeline's demand now (``clear_progress``: every stream), not
+        when :meth:`shutdown` unregisters, which NeMo RL reaches only after finalising its
+        checkpoint, killing its actors and shutting its environments down (or never, on the
+        paths that return before its ``finally``). Idempotent; a failure is logged, never
+        raised (it runs while NeMo RL unwinds, maybe from an exception of its own)."""
+        if self._run_over or self._closed:
+            return
+        self._run_over = True
+        self._validation_target = None
+        try:
+            self.hooks.clear_progress()
+        except Exception:
+            logger.warning("pipeline %s: demand not cleared at the end of the run",
+                           self.pipeline_id, exc_info=True)
+        else:
+            logger.info("NeMo RL pipeline %s: run over, demand cleared", self.pipeline_id)
+
     # end of the job ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Leave the coordinator: unregister (every GPU the pipeline held is freed and a
@@ -599,6 +693,46 @@ def _attach_or_leave(pipeline: NemoRlPipeline, policy: Any) -> None:
         raise
 
 
+def end_run() -> None:
+    """NeMo RL's training loop has ended: the driver's pipeline forgets its demand
+    (:meth:`NemoRlPipeline.end_run`). No-op without a pipeline."""
+    pipeline = current_pipeline()
+    if pipeline is not None:
+        pipeline.end_run()
+
+
+@contextlib.contextmanager
+def training_run(grpo_save_state: Any) -> Iterator[None]:
+    """Around NeMo RL's ``async_grpo_train``: :func:`start_run` first, :func:`end_run`
+    however the call leaves (return or exception). The paths NeMo RL returns or raises by
+    before its loop's ``finally`` (an early stop after the initial validation, a failed
+    initial buffer fill) never reach ``policy_generation.shutdown()``; their demand used to
+    stay until the pipeline's lease lapsed."""
+    start_run(grpo_save_state)
+    try:
+        yield
+    finally:
+        end_run()
+
+
+def make_checkpoint_manager_class(base: type) -> type:
+    """``CheckpointManager`` subclass whose ``shutdown`` ends the pipeline's run first.
+
+    NeMo RL calls ``checkpointer.shutdown()`` ("Call at training exit") on every way out of
+    its training loop, right where the loop ends and before it finalises a pending
+    checkpoint, kills the collector and shuts the generation down. Clearing the demand there
+    frees the pipeline's GPUs for others while those run.
+    """
+
+    class RLixCheckpointManager(base):  # type: ignore[misc]
+        def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+            end_run()
+            return super().shutdown(*args, **kwargs)
+
+    RLixCheckpointManager.__qualname__ = f"RLix{base.__name__}"
+    return RLixCheckpointManager
+
+
 class RLixWeightSynchronizer:
     """NeMo RL ``WeightSynchronizer`` seam: the after-training half of the cycle.
 
@@ -732,6 +866,97 @@ def _max_num_steps(master_config: Any) -> int | None:
                        "demand stays until the pipeline unregisters", raw)
         return None
     return value
+
+
+#: Progress stream (``metrics["mode"]``) of NeMo RL's validation: counted by the coordinator
+#: with the collector's ``train`` stream (a pipeline's demand is the sum of its streams).
+VALIDATION_MODE = "val"
+
+
+def _checked_count(name: str, value: object) -> int:
+    """``value`` as an int >= 0, else :class:`ProtocolError` naming it."""
+    out = as_index(value)
+    if out is None or out < 0:
+        raise ProtocolError(f"validation {name}={value!r} is not valid; valid: an int >= 0")
+    return out
+
+
+def validation_size(val_dataloader: Any, master_config: Any) -> int | None:
+    """Trajectories NeMo RL's ``validate`` generates: the first
+    ``max_val_samples // val_batch_size`` batches of ``val_dataloader`` (fewer when it has
+    fewer; its dataset's length caps the prompts), each prompt
+    ``val_num_generations_per_prompt`` times (default 1). None when the config does not say
+    (the validation then reports no demand)."""
+    batch = as_index(_grpo_value(master_config, "val_batch_size"))
+    samples = as_index(_grpo_value(master_config, "max_val_samples"))
+    raw_k = _grpo_value(master_config, "val_num_generations_per_prompt")
+    per_prompt = 1 if raw_k is None else as_index(raw_k)
+    if batch is None or batch < 1 or samples is None or samples < 0 or per_prompt is None \
+            or per_prompt < 1:
+        return None
+    batches = samples // batch
+    with contextlib.suppress(TypeError, AttributeError):
+        batches = min(batches, len(val_dataloader))
+    prompts = batches * batch
+    with contextlib.suppress(TypeError, AttributeError):
+        prompts = min(prompts, len(val_dataloader.dataset))
+    return prompts * per_prompt
+
+
+class _CountedBatches:
+    """``val_dataloader`` as NeMo RL's ``validate`` iterates it, telling ``on_done`` how many
+    batches are finished: fetching batch ``i + 1`` (or the one it breaks at, or the end)
+    means batch ``i`` was generated and scored. Anything else is the loader's."""
+
+    def __init__(self, loader: Any, on_done: Callable[[int], None]) -> None:
+        self._loader = loader
+        self._on_done = on_done
+
+    def __iter__(self) -> Iterator[Any]:
+        done = 0
+        for batch in self._loader:
+            if done:
+                self._on_done(done)
+            yield batch
+            done += 1
+        if done:
+            self._on_done(done)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+@contextlib.contextmanager
+def validation_demand(val_dataloader: Any, master_config: Any, step: Any) -> Iterator[Any]:
+    """Around NeMo RL's ``validate(policy_generation, val_dataloader, ..., step, master_config)``:
+    the driver's pipeline reports the validation's trajectories as demand while it runs
+    (:meth:`NemoRlPipeline.begin_validation`), lowers it as batches finish, and reports
+    nothing remaining when it ends, also when it raises. Yields the loader ``validate`` must
+    iterate (``val_dataloader`` itself when nothing is reported: no pipeline, no loader, a
+    size the config does not give)."""
+    pipeline = current_pipeline()
+    size = None if pipeline is None or val_dataloader is None else validation_size(
+        val_dataloader, master_config)
+    step_i = as_index(step)
+    if pipeline is None or size is None or step_i is None or step_i < 0:
+        if pipeline is not None and val_dataloader is not None:
+            logger.warning("rlix: validation at step %r reports no demand (grpo.val_batch_size "
+                           "/ max_val_samples / val_num_generations_per_prompt or the step "
+                           "unknown); its ranks may be lent away", step)
+        yield val_dataloader
+        return
+    batch = as_index(_grpo_value(master_config, "val_batch_size")) or 0
+    raw_k = _grpo_value(master_config, "val_num_generations_per_prompt")
+    per_batch = batch * (1 if raw_k is None else (as_index(raw_k) or 1))
+    pipeline.begin_validation(step_i, size)
+    try:
+        yield _CountedBatches(
+            val_dataloader, lambda done: pipeline.validation_progress(step_i, done * per_batch))
+    finally:
+        pipeline.end_validation(step_i)
 
 
 #: ``rank_load`` (progress metric): requests in flight per active dp rank. The planner takes
@@ -873,6 +1098,7 @@ def begin_progress_batch(tracker: ProgressTracker, weight_version: int,
 
 # RLixVllmGeneration runs attach_generation at construction (the patch sets the class hook).
 __all__ = [
+    "VALIDATION_MODE",
     "CacheSync",
     "DetachedWeightSynchronizer",
     "NemoRlLayout",
@@ -882,10 +1108,15 @@ __all__ = [
     "attach_generation",
     "attach_policy",
     "begin_progress_batch",
+    "end_run",
+    "make_checkpoint_manager_class",
     "make_policy_class",
     "progress_tracker_for_collector",
     "router_outstanding",
     "router_rank_load",
     "start_run",
+    "training_run",
+    "validation_demand",
+    "validation_size",
     "with_rank_load",
 ]

@@ -174,6 +174,14 @@ PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
         _p("refit", f"{_GRPO}:refit_policy_generation", PlugKind.READ,
            ("policy", "policy_generation", "colocated_inference", "timer", "kv_scales"),
            why="returns early into policy_generation.weight_synchronizer.sync_weights"),
+        _p("validation", f"{_GRPO}:validate", PlugKind.ATTRIBUTE,
+           ("policy_generation", "val_dataloader", "tokenizer", "val_task_to_env", "step",
+            "master_config"),
+           why="async_grpo_train calls it by its global name: the validation reports its "
+           "trajectories as demand while it runs"),
+        _p("checkpoint manager", f"{_GRPO}:CheckpointManager", PlugKind.ATTRIBUTE,
+           why="grpo.setup builds it by its global name; its shutdown() is called on every "
+           "way out of the training loop: the pipeline's demand is cleared there"),
         _p("async GRPO loop", f"{_GRPO}:async_grpo_train", PlugKind.ATTRIBUTE,
            ("policy", "policy_generation", "grpo_save_state", "master_config",
             "max_trajectory_age_steps"),
@@ -264,7 +272,11 @@ def _apply_worker_group(patch: NemoRlPatch, module: Any) -> None:
 
 
 def _apply_grpo(patch: NemoRlPatch, module: Any) -> None:
-    from rlix_plugins.adapters.nemo_rl import attach_generation, make_policy_class
+    from rlix_plugins.adapters.nemo_rl import (
+        attach_generation,
+        make_checkpoint_manager_class,
+        make_policy_class,
+    )
     from rlix_plugins.adapters.nemo_rl_generation import RLixVllmGeneration
     from rlix_plugins.adapters.nemo_rl_placement import (
         RLixPlacementCluster,
@@ -280,26 +292,52 @@ def _apply_grpo(patch: NemoRlPatch, module: Any) -> None:
         module, "Policy", make_placed_policy_class(make_policy_class(module.Policy))
     )
     patch.set_attribute(module, "async_grpo_train", wrap_async_grpo_train(module.async_grpo_train))
+    patch.set_attribute(module, "validate", wrap_validate(module.validate))
+    patch.set_attribute(module, "CheckpointManager",
+                        make_checkpoint_manager_class(module.CheckpointManager))
 
 
 def wrap_async_grpo_train(stock: Callable[..., Any]) -> Callable[..., Any]:
     """``async_grpo_train`` that first tells the driver's pipeline the step the run starts at
-    (``grpo_save_state.current_step``, > 0 on a resume), then runs NeMo RL's loop unchanged."""
+    (``grpo_save_state.current_step``, > 0 on a resume), then runs NeMo RL's loop unchanged,
+    and clears the pipeline's demand however the loop leaves (``training_run``)."""
     signature = inspect.signature(stock)
 
     @functools.wraps(stock)
     def async_grpo_train(*args: Any, **kwargs: Any) -> Any:
-        from rlix_plugins.adapters.nemo_rl import start_run
+        from rlix_plugins.adapters.nemo_rl import training_run
 
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
             # NeMo RL raises its own error for a call that does not fit its signature.
             return stock(*args, **kwargs)
-        start_run(bound.arguments.get("grpo_save_state"))
-        return stock(*args, **kwargs)
+        with training_run(bound.arguments.get("grpo_save_state")):
+            return stock(*args, **kwargs)
 
     return async_grpo_train
+
+
+def wrap_validate(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """NeMo RL's ``validate`` with the validation's trajectories reported as the pipeline's
+    demand while it runs, cleared when it returns or raises (``validation_demand``)."""
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def validate(*args: Any, **kwargs: Any) -> Any:
+        from rlix_plugins.adapters.nemo_rl import validation_demand
+
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return stock(*args, **kwargs)
+        with validation_demand(bound.arguments.get("val_dataloader"),
+                               bound.arguments.get("master_config"),
+                               bound.arguments.get("step")) as loader:
+            bound.arguments["val_dataloader"] = loader
+            return stock(*bound.args, **bound.kwargs)
+
+    return validate
 
 
 def _apply_async(patch: NemoRlPatch, module: Any) -> None:
@@ -440,4 +478,5 @@ __all__ = [
     "NemoRlPatch",
     "factory",
     "wrap_async_grpo_train",
+    "wrap_validate",
 ]
