@@ -253,6 +253,43 @@ def test_starving_pipeline_gets_a_rank_even_from_fresh_ranks() -> None:
     assert len(active(state, "ft_b")) == 1 and "ft_b_actor_infer" in res.granted
 
 
+@pytest.mark.parametrize("idle_elsewhere", [0, 4, 60])
+def test_idle_gpus_no_span_reaches_do_not_starve_a_pipeline(idle_elsewhere: int) -> None:
+    """Both pipelines' inference spans are GPUs 0-3; the rest of the cluster is idle. The
+    targets used to split a budget counting every idle GPU, so ``ft_a`` (4 ranks) was at its
+    target and ``ft_b`` (demand, no rank) was never given one while ``ft_a``'s demand lasted."""
+    state = new_state(1, 4 + idle_elsewhere)
+    register(state, "ft_a", infer=[0, 1, 2, 3])
+    register(state, "ft_b", infer=[0, 1, 2, 3])
+    progress(state, "ft_a", 24, 0)
+    cycle(state, 0.0)
+    assert len(active(state, "ft_a")) == 4
+    progress(state, "ft_b", 8, 0)
+    for t in (100.0, 200.0):
+        cycle(state, t)
+    assert len(active(state, "ft_b")) >= 1 and len(active(state, "ft_a")) >= 2
+
+
+def test_idle_gpus_of_another_group_of_spans_do_not_starve_a_pipeline() -> None:
+    """``ft_a`` and ``ft_b`` share GPUs 0-3; ``ft_c`` alone maps 4-7 and asked for generation
+    GPUs without reporting demand (one rank), so three of its GPUs stay idle. They are no use
+    to ``ft_a`` or ``ft_b``; counted in one budget with theirs they lifted ``ft_a``'s target to
+    all four ranks and ``ft_b`` (demand, no rank) got none."""
+    state = new_state(1, 8)
+    register(state, "ft_a", infer=[0, 1, 2, 3])
+    register(state, "ft_b", infer=[0, 1, 2, 3])
+    register(state, "ft_c", infer=[4, 5, 6, 7])
+    progress(state, "ft_a", 24, 0)
+    state.submit_request("ft_c_actor_infer", GEN, now=0)
+    cycle(state, 0.0)
+    assert len(active(state, "ft_a")) == 4 and len(active(state, "ft_c")) == 1
+    progress(state, "ft_b", 8, 0)
+    for t in (100.0, 200.0):
+        cycle(state, t)
+    assert len(active(state, "ft_b")) >= 1 and len(active(state, "ft_a")) >= 2
+    assert len(active(state, "ft_c")) == 1
+
+
 def test_pipeline_without_progress_donates() -> None:
     state = new_state(1, 4)
     register(state, "ft_silent", infer=[0, 1, 2, 3])

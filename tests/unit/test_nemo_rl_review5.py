@@ -293,5 +293,6 @@ def test_the_planner_keeps_a_validating_pipelines_ranks(validating: bool) -> Non
     for t in (100.0, 200.0, 300.0):
         cycle(state, t, DemandSharePlanner())
     kept = len(state.active_ranks.get("v_actor_infer", {}))
-    # with validation: at least its share by demand (24 of 32 over 4 GPUs), else all lent
-    assert kept >= 3 if validating else kept == 0
+    # with validation: its share (each pipeline with demand is guaranteed one rank first, the
+    # other two split 24:8 by largest remainder, a tie at .5 each), else all lent
+    assert kept >= 2 if validating else kept == 0

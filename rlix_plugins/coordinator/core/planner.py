@@ -222,23 +222,62 @@ class _Cycle:
         return gens
 
     def _set_targets(self, gens: dict[str, _Gen]) -> None:
-        """Apportion the generation budget (in TP ranks) by weight x remaining demand.
+        """Apportion the generation budget (in TP ranks) by weight x remaining demand, per
+        group of clusters whose GPUs overlap (:meth:`_groups`).
+
+        A group's budget is its clusters' active ranks plus the idle GPUs they map (RLix's
+        gap ratio splits one budget counting every idle GPU of the cluster): an idle GPU no
+        cluster of the group maps would inflate its targets until no donor is above target,
+        and a pipeline with demand but no rank would never be given one.
 
         Every pipeline with a pending request or remaining demand is first guaranteed one rank
         (pending requests first, FIFO), the rest is split by largest remainder, so targets
         never add up to more than the budget.
         """
-        budget = sum(1 for o in self.owner if o is None)
-        budget += sum(len(g.active) * g.tp for g in gens.values())
+        for group, idle in self._groups(gens):
+            self._set_group_targets(group, idle)
+
+    def _groups(self, gens: dict[str, _Gen]) -> list[tuple[list[_Gen], int]]:
+        """Clusters joined by shared GPUs (transitively), each with its idle GPU count."""
+        items = list(gens.values())
+        parent = list(range(len(items)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        first = [-1] * len(self.owner)  # GPU -> first cluster mapping it
+        for i, g in enumerate(items):
+            for gpu in g.gpus:
+                j = first[gpu]
+                if j < 0:
+                    first[gpu] = i
+                else:
+                    ri, rj = find(i), find(j)
+                    if ri != rj:
+                        parent[ri] = rj
+        members: dict[int, list[_Gen]] = {}
+        for i, g in enumerate(items):
+            members.setdefault(find(i), []).append(g)
+        idle = dict.fromkeys(members, 0)
+        for gpu, o in enumerate(self.owner):
+            if o is None and (j := first[gpu]) >= 0:
+                idle[find(j)] += 1
+        return [(m, idle[root]) for root, m in members.items()]
+
+    def _set_group_targets(self, group: list[_Gen], idle: int) -> None:
+        budget = idle + sum(len(g.active) * g.tp for g in group)
         order = sorted(
-            gens.values(), key=lambda g: (g.pending_seq is None, g.pending_seq or 0, g.cluster_id)
+            group, key=lambda g: (g.pending_seq is None, g.pending_seq or 0, g.cluster_id)
         )
         for g in order:
             g.target = 0
             if (g.pending_seq is not None or g.demand > 0) and budget >= g.tp:
                 g.target = 1
                 budget -= g.tp
-        total = sum(g.weight * g.demand for g in gens.values())
+        total = sum(g.weight * g.demand for g in group)
         if total > 0:
             quotas = {g.cluster_id: g.weight * g.demand / total * budget / g.tp for g in order}
             spare = budget
