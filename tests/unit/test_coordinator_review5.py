@@ -21,7 +21,11 @@ from rlix_plugins.coordinator.core import (
     check_state,
     validate_registration,
 )
-from rlix_plugins.errors import RequestStateError, RequestTimeoutError
+from rlix_plugins.errors import (
+    CoordinatorUnavailableError,
+    RequestStateError,
+    RequestTimeoutError,
+)
 from rlix_plugins.protocol import Priority
 from tests.fixtures.scheduler_service import ServiceBuilder, register_pipeline
 from tests.unit.test_coordinator_service_failures import _failing_saves
@@ -139,6 +143,43 @@ def test_a_generation_grant_whose_caller_stopped_waiting_stays_and_answers_a_ret
             5,
         )
         assert got and INFER not in service._state.pending
+        check_state(service._state)
+        await service.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_retry_answered_from_unsaved_ranks_waits_for_a_save(
+    scheduler_service: ServiceBuilder,
+) -> None:
+    """The retry of a generation request whose ranks were activated by a commit that could not
+    be saved was answered at once from those ranks: a restart then would restore the state
+    before that commit while the pipeline generates on them. It now waits for a save (and
+    fails, typed, when none succeeds within the request timeout)."""
+
+    async def go() -> None:
+        service = scheduler_service(request_timeout_s=0.6)
+        await register_pipeline(service, PID, infer=[0, 1])
+        flag = _failing_saves(service)
+        with pytest.raises(RequestTimeoutError):
+            await service.request_gpus(
+                cluster_id=INFER, priority=Priority.GENERATION, step_target_estimate=8
+            )
+        assert service._state.active_ranks[INFER] and not service._saved
+        with pytest.raises(CoordinatorUnavailableError, match="could not save"):
+            await service.request_gpus(
+                cluster_id=INFER, priority=Priority.GENERATION, step_target_estimate=8
+            )
+        retry = asyncio.create_task(
+            service.request_gpus(
+                cluster_id=INFER, priority=Priority.GENERATION, step_target_estimate=8
+            )
+        )
+        await asyncio.sleep(0.2)
+        assert not retry.done()  # not answered while nothing is saved
+        flag["failing"] = False
+        assert await asyncio.wait_for(retry, 5)
+        assert service._saved
         check_state(service._state)
         await service.stop()
 

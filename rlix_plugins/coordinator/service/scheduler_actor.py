@@ -489,6 +489,10 @@ class SchedulerService:
     ) -> list[int]:
         got = self._submit(cid, prio, global_step, step_target_estimate, lora_name)
         if isinstance(got, list):
+            # Answered from GPUs the cluster holds already; the commit that gave them may not
+            # be saved yet (its own answer waits for a save): a restart would take them back
+            # while the caller uses them. Nothing to undo on failure: it held them before.
+            await self._until_durable(f"request_gpus({cid}, {prio.name})")
             return got
         return await self._wait(cid, prio, got)
 
