@@ -6,6 +6,7 @@ pipeline it touches and its commit applies nothing to a successor under the same
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -118,6 +119,24 @@ def test_a_late_answer_does_not_answer_the_callers_next_request(
     asyncio.run(asyncio.wait_for(go(), 60))
 
 
+def _request_generation(service: Any) -> Any:
+    """``request_gpus`` of ``PID``'s generation cluster (a coroutine)."""
+    return service.request_gpus(
+        cluster_id=INFER, priority=Priority.GENERATION, step_target_estimate=8
+    )
+
+
+async def _generation_granted_unsaved(service: Any) -> dict[str, bool]:
+    """``PID`` registered with inference GPUs 0-1, saves failing (the returned flag turns
+    them back on); its generation request timed out while its ranks were activated by a
+    commit that could not be saved."""
+    await register_pipeline(service, PID, infer=[0, 1])
+    flag = _failing_saves(service)
+    with pytest.raises(RequestTimeoutError):
+        await _request_generation(service)
+    return flag
+
+
 def test_a_generation_grant_whose_caller_stopped_waiting_stays_and_answers_a_retry(
     scheduler_service: ServiceBuilder,
 ) -> None:
@@ -127,21 +146,11 @@ def test_a_generation_grant_whose_caller_stopped_waiting_stays_and_answers_a_ret
 
     async def go() -> None:
         service = scheduler_service(request_timeout_s=0.6)
-        await register_pipeline(service, PID, infer=[0, 1])
-        flag = _failing_saves(service)
-        with pytest.raises(RequestTimeoutError):
-            await service.request_gpus(
-                cluster_id=INFER, priority=Priority.GENERATION, step_target_estimate=8
-            )
+        flag = await _generation_granted_unsaved(service)
         assert service._state.active_ranks[INFER]
         flag["failing"] = False
         await _until(lambda: not service._undurable, "the deferred answer")
-        got = await asyncio.wait_for(
-            service.request_gpus(
-                cluster_id=INFER, priority=Priority.GENERATION, step_target_estimate=8
-            ),
-            5,
-        )
+        got = await asyncio.wait_for(_request_generation(service), 5)
         assert got and INFER not in service._state.pending
         check_state(service._state)
         await service.stop()
@@ -159,22 +168,11 @@ def test_a_retry_answered_from_unsaved_ranks_waits_for_a_save(
 
     async def go() -> None:
         service = scheduler_service(request_timeout_s=0.6)
-        await register_pipeline(service, PID, infer=[0, 1])
-        flag = _failing_saves(service)
-        with pytest.raises(RequestTimeoutError):
-            await service.request_gpus(
-                cluster_id=INFER, priority=Priority.GENERATION, step_target_estimate=8
-            )
+        flag = await _generation_granted_unsaved(service)
         assert service._state.active_ranks[INFER] and not service._saved
         with pytest.raises(CoordinatorUnavailableError, match="could not save"):
-            await service.request_gpus(
-                cluster_id=INFER, priority=Priority.GENERATION, step_target_estimate=8
-            )
-        retry = asyncio.create_task(
-            service.request_gpus(
-                cluster_id=INFER, priority=Priority.GENERATION, step_target_estimate=8
-            )
-        )
+            await _request_generation(service)
+        retry = asyncio.create_task(_request_generation(service))
         await asyncio.sleep(0.2)
         assert not retry.done()  # not answered while nothing is saved
         flag["failing"] = False

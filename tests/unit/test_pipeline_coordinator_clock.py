@@ -27,6 +27,7 @@ from rlix_plugins.adapters.pipeline_coordinator import (
 from rlix_plugins.coordinator.service import rlix_compat
 from rlix_plugins.errors import ProtocolError
 from rlix_plugins.protocol.types import ProgressReport, coerce_progress_report
+from tests.support.stream_marks import apply_marks
 
 PID = "ft_c1ock0000001"
 TARGET = 8
@@ -45,22 +46,10 @@ def _mark(step: int, collected: int, ts: float, *, new_batch: bool = False) -> S
     return stream_mark(coerce_progress_report(_report(step, collected, ts, new_batch=new_batch)))
 
 
-def _apply(marks: list[StreamMark | None]) -> StreamMark | None:
-    """Apply reports (None: a clear) in arrival order as the coordinator does."""
-    last: StreamMark | None = None
-    for mark in marks:
-        if mark is None:
-            if last is not None:
-                last = StreamMark(last.step, last.fifo, last.completed, True, last.new_batch)
-        elif not is_stale(mark, last):
-            last = mark
-    return last
-
-
 def test_reports_sent_after_the_clock_stepped_back_an_hour_are_applied() -> None:
     """Mid-batch the sender's clock steps back an hour: before, every later report was
     dropped (count stuck at 3, demand 5 with the batch collected)."""
-    last = _apply([
+    last = apply_marks([
         _mark(5, 0, 10_000.0, new_batch=True),
         _mark(5, 3, 10_001.0),
         _mark(4, 6, 10_002.0 - HOUR),  # the clock stepped back before this one was sent
@@ -72,7 +61,7 @@ def test_reports_sent_after_the_clock_stepped_back_an_hour_are_applied() -> None
 def test_after_a_step_back_the_stamps_order_the_stream_again() -> None:
     """Once a report after the step is applied, a late delivery of an earlier post-step
     report is dropped as before."""
-    last = _apply([
+    last = apply_marks([
         _mark(5, 0, 10_000.0, new_batch=True),
         _mark(5, 6, 10_002.0 - HOUR),
         _mark(5, 3, 10_001.0 - HOUR),  # sent before the one applied: dropped
@@ -83,14 +72,14 @@ def test_after_a_step_back_the_stamps_order_the_stream_again() -> None:
 def test_a_batch_opened_after_a_clear_and_a_step_back_reopens_the_stream() -> None:
     """Before, the next batch's opening report (stamped before the cleared batch's last
     report) was dropped: the stream stayed closed and the new batch had no demand."""
-    last = _apply([
+    last = apply_marks([
         _mark(5, 0, 10_000.0, new_batch=True),
         _mark(5, TARGET, 10_005.0),
         None,
         _mark(5, TARGET, 10_006.0 - HOUR),  # a late report of the cleared batch: still dropped
     ])
     assert last is not None and last.cleared
-    last = _apply([
+    last = apply_marks([
         _mark(5, 0, 10_000.0, new_batch=True),
         _mark(5, TARGET, 10_005.0),
         None,

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlix_plugins.adapters.pipeline_coordinator import StreamMark, is_stale, stream_mark
+from rlix_plugins.adapters.pipeline_coordinator import StreamMark, stream_mark
 from rlix_plugins.protocol.types import ProgressReport, coerce_progress_report
+from tests.support.stream_marks import apply_marks
 
 PID = "ft_0123456789ab"
 TARGET = 8
@@ -43,24 +44,11 @@ def _roll(step: int | None, collected: int, ts: float, *, new_batch: bool = Fals
     return stream_mark(coerce_progress_report(ProgressReport(PID, TARGET, ts, metrics)))
 
 
-def _apply(marks: list[StreamMark | None]) -> StreamMark | None:
-    """Apply reports (None: a clear) in arrival order as the coordinator does; the last
-    applied mark (``cleared`` after a clear)."""
-    last: StreamMark | None = None
-    for mark in marks:
-        if mark is None:
-            if last is not None:
-                last = StreamMark(last.step, last.fifo, last.completed, True, last.new_batch)
-        elif not is_stale(mark, last):
-            last = mark
-    return last
-
-
 def test_a_report_of_an_episode_started_a_step_earlier_is_applied() -> None:
     """Async generation: batch 5 opens (step 5), then trajectories of episodes started at
     step 4 complete it. Before the fix their reports (step 4 < 5) were dropped as older, and
     the stream kept demand TARGET until a step-5 episode happened to report."""
-    last = _apply([
+    last = apply_marks([
         _roll(5, 0, 10.0, new_batch=True),
         _roll(4, 3, 11.0),
         _roll(4, TARGET, 12.0),
@@ -71,7 +59,7 @@ def test_a_report_of_an_episode_started_a_step_earlier_is_applied() -> None:
 def test_a_count_taken_back_by_a_filter_is_applied() -> None:
     """A filtered group takes its trajectories back; the lower count is the newer report,
     whichever episode's start step it carries."""
-    last = _apply([
+    last = apply_marks([
         _roll(5, 0, 10.0, new_batch=True),
         _roll(5, 6, 11.0),
         _roll(4, 2, 12.0),
@@ -82,7 +70,7 @@ def test_a_count_taken_back_by_a_filter_is_applied() -> None:
 def test_a_report_sent_earlier_is_dropped_whatever_step_it_carries() -> None:
     """Delivered out of order: the report sent at 11.0 (an older count, step 5) arrives after
     the one sent at 12.0 (step 4): the send times order them."""
-    last = _apply([
+    last = apply_marks([
         _roll(5, 0, 10.0, new_batch=True),
         _roll(4, 6, 12.0),
         _roll(5, 3, 11.0),
@@ -94,20 +82,20 @@ def test_after_a_clear_only_a_new_batch_opens_the_stream() -> None:
     """A report of the cleared batch delivered after the clear is dropped even when its step
     is above the last applied one (its episode started later) and its stamp is later (it was
     sent just before the clear); the next batch's opening report reopens the stream."""
-    last = _apply([
+    last = apply_marks([
         _roll(5, 0, 10.0, new_batch=True),
         _roll(4, 7, 11.0),
         None,
         _roll(5, TARGET, 12.0),
     ])
     assert last is not None and last.cleared and last.completed == 7
-    last = _apply([_roll(5, 0, 10.0, new_batch=True), None, _roll(6, 0, 20.0, new_batch=True)])
+    last = apply_marks([_roll(5, 0, 10.0, new_batch=True), None, _roll(6, 0, 20.0, new_batch=True)])
     assert last is not None and not last.cleared and last.step == 6
 
 
 def test_the_opening_report_of_a_cleared_batch_delivered_late_is_dropped() -> None:
     """The batch's opening report overtaken by the batch's other reports and its clear must
     not bring back the whole batch's demand (it was sent first: the earliest stamp)."""
-    last = _apply([_roll(5, 4, 11.0), _roll(5, TARGET, 12.0), None, _roll(5, 0, 10.0,
+    last = apply_marks([_roll(5, 4, 11.0), _roll(5, TARGET, 12.0), None, _roll(5, 0, 10.0,
                                                                           new_batch=True)])
     assert last is not None and last.cleared and last.completed == TARGET
