@@ -29,9 +29,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster_efficiency.run import RESULTS, _workloads, save_results  # noqa: E402
-from rlix_plugins.coordinator.core import DemandSharePlanner, Planner, SchedulerState  # noqa: E402
+from rlix_plugins.coordinator.core import DemandSharePlanner, Planner  # noqa: E402
 from rlix_plugins.coordinator.core.model import PolicyConfig  # noqa: E402
-from rlix_plugins.coordinator.core.plan import Plan  # noqa: E402
 from rlix_plugins.coordinator.core.planner import _Cycle, _Gen  # noqa: E402
 from rlix_plugins.sim.runner import run_policy  # noqa: E402
 
@@ -56,12 +55,7 @@ class _TpWeightedCycle(_Cycle):
 class TpWeightedPlanner(DemandSharePlanner):
     """Ours with RLix's ``remaining x tp`` GPU shares (a variant, not the default)."""
 
-    def plan(self, state: SchedulerState, now: float) -> Plan:
-        cycle = _TpWeightedCycle(state, now, self.config)
-        cycle.planned_releases()
-        cycle.non_generation()
-        cycle.generation()
-        return cycle.build()
+    cycle_class = _TpWeightedCycle
 
 
 VARIANTS: dict[str, Callable[[], Planner | None]] = {

@@ -887,20 +887,42 @@ def validation_size(val_dataloader: Any, master_config: Any) -> int | None:
     fewer; its dataset's length caps the prompts), each prompt
     ``val_num_generations_per_prompt`` times (default 1). None when the config does not say
     (the validation then reports no demand)."""
-    batch = as_index(_grpo_value(master_config, "val_batch_size"))
-    samples = as_index(_grpo_value(master_config, "max_val_samples"))
-    raw_k = _grpo_value(master_config, "val_num_generations_per_prompt")
-    per_prompt = 1 if raw_k is None else as_index(raw_k)
-    if batch is None or batch < 1 or samples is None or samples < 0 or per_prompt is None \
-            or per_prompt < 1:
+    shape = _ValidationShape.of(master_config)
+    if shape is None:
         return None
-    batches = samples // batch
+    batches = shape.samples // shape.batch
     with contextlib.suppress(TypeError, AttributeError):
         batches = min(batches, len(val_dataloader))
-    prompts = batches * batch
+    prompts = batches * shape.batch
     with contextlib.suppress(TypeError, AttributeError):
         prompts = min(prompts, len(val_dataloader.dataset))
-    return prompts * per_prompt
+    return prompts * shape.per_prompt
+
+
+@dataclass(frozen=True, slots=True)
+class _ValidationShape:
+    """The ``grpo`` settings that size NeMo RL's validation."""
+
+    batch: int
+    samples: int
+    per_prompt: int
+
+    @staticmethod
+    def of(master_config: Any) -> _ValidationShape | None:
+        """From ``master_config``; None when one is missing or out of range."""
+        batch = as_index(_grpo_value(master_config, "val_batch_size"))
+        samples = as_index(_grpo_value(master_config, "max_val_samples"))
+        raw_k = _grpo_value(master_config, "val_num_generations_per_prompt")
+        per_prompt = 1 if raw_k is None else as_index(raw_k)
+        if batch is None or batch < 1 or samples is None or samples < 0 or per_prompt is None \
+                or per_prompt < 1:
+            return None
+        return _ValidationShape(batch, samples, per_prompt)
+
+    @property
+    def per_batch(self) -> int:
+        """Trajectories one batch generates."""
+        return self.batch * self.per_prompt
 
 
 class _CountedBatches:
@@ -948,9 +970,9 @@ def validation_demand(val_dataloader: Any, master_config: Any, step: Any) -> Ite
                            "unknown); its ranks may be lent away", step)
         yield val_dataloader
         return
-    batch = as_index(_grpo_value(master_config, "val_batch_size")) or 0
-    raw_k = _grpo_value(master_config, "val_num_generations_per_prompt")
-    per_batch = batch * (1 if raw_k is None else (as_index(raw_k) or 1))
+    shape = _ValidationShape.of(master_config)
+    assert shape is not None  # validation_size returned a size
+    per_batch = shape.per_batch
     pipeline.begin_validation(step_i, size)
     try:
         yield _CountedBatches(

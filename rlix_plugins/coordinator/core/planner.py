@@ -495,11 +495,14 @@ class _Cycle:
 class DemandSharePlanner:
     """Our policy (see module docstring)."""
 
+    #: the per-cycle planner; a variant overrides one of its steps in a subclass
+    cycle_class: type[_Cycle] = _Cycle
+
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
 
     def plan(self, state: SchedulerState, now: float) -> Plan:
-        cycle = _Cycle(state, now, self.config)
+        cycle = self.cycle_class(state, now, self.config)
         cycle.planned_releases()
         cycle.non_generation()
         cycle.generation()
