@@ -50,6 +50,15 @@ class RequestStateError(RlixPluginsError, RuntimeError):
     """A call does not fit the cluster's current state (e.g. a second pending request)."""
 
 
+class RunOverError(RequestStateError):
+    """A pipeline asked for generation GPUs after it ended its training run (``end_run``).
+
+    Its demand is gone and its pending GENERATION request was cancelled with this error; it
+    stays registered (training requests still work) until it unregisters. Register again to
+    start another run.
+    """
+
+
 class CoordinatorUnavailableError(RlixPluginsError, RuntimeError):
     """The coordinator could not be reached or did not answer in time."""
 

@@ -88,5 +88,6 @@ def observable(state: SchedulerState) -> object:
             state.estimates,
             state.warming,
             state.fenced,
+            state.runs_over,
         )
     )

@@ -46,7 +46,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
-from rlix_plugins.errors import CoordinatorUnavailableError, ProtocolError, RegistrationError
+from rlix_plugins.errors import (
+    CoordinatorUnavailableError,
+    ProtocolError,
+    RegistrationError,
+    RunOverError,
+)
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import ShardStateView
@@ -437,6 +442,8 @@ class NemoRlPipeline:
                     cluster_id=cluster_id(self.pipeline_id, ACTOR_INFER),
                     priority=Priority.GENERATION, global_step=step,
                 ))
+            except RunOverError:
+                logger.info("generation request for step %d cancelled: the run is over", step)
             except Exception:
                 logger.exception("generation request for step %d failed", step)
 
@@ -520,8 +527,15 @@ class NemoRlPipeline:
             return
         self._run_over = True
         self._validation_target = None
+        # The coordinator's end_run also ignores the collector's later reports (it runs until
+        # NeMo RL kills it) and cancels the generation request made after the last training;
+        # hooks without it (another RLixHooks) clear the demand only.
+        end = getattr(self.hooks, "end_run", None)
         try:
-            self.hooks.clear_progress()
+            if callable(end):
+                end()
+            else:
+                self.hooks.clear_progress()
         except Exception:
             logger.warning("pipeline %s: demand not cleared at the end of the run",
                            self.pipeline_id, exc_info=True)

@@ -244,6 +244,15 @@ class CoordinatorHooks:
         self._throttles.clear()
         self._call("clear_progress", pipeline_id=self.pipeline_id)
 
+    def end_run(self) -> None:
+        """The training run is over (the pipeline stays registered to save and shut down):
+        the coordinator forgets its demand for good, ignores its later progress reports (a
+        collector still running) and cancels its waiting GENERATION request
+        (``SchedulerActor.end_run``). Not one of the four hook methods: only a host whose
+        run can end before it unregisters calls it."""
+        self._throttles.clear()
+        self._call("end_run", pipeline_id=self.pipeline_id)
+
     # ------------------------------------------------------------------ lease
     def start_heartbeat(self) -> None:
         """Beat every lease/3 from a daemon thread (from the first beat the lease applies)."""

@@ -154,11 +154,25 @@ def test_the_run_ending_by_an_exception_clears_the_demand(coordinator: Any,
     with pytest.raises(RuntimeError, match="collector stopped"), \
             nemo_rl.training_run({"current_step": 0}):
         fake_loop()
-    assert _demand(coordinator) is None  # was 2 until the lease lapsed
+    assert _demand(coordinator) == 0  # was 2 until the lease lapsed
     # a validation after the end (none happens in NeMo RL) reports nothing
     with nemo_rl.validation_demand(FakeValLoader(3, 6), VAL_CFG, 9) as batches:
         list(batches)
-    assert _demand(coordinator) is None
+    assert _demand(coordinator) == 0
+
+
+@pytest.mark.integration
+def test_the_collector_reporting_after_the_end_of_the_run_is_ignored(
+        coordinator: Any, pipeline: NemoRlPipeline) -> None:
+    """NeMo RL kills its trajectory collector only after finalising the checkpoint; until
+    then it generates and its tracker reports each 2% bucket. With ``clear_progress`` alone
+    the next report brought the demand back (4 here) until the pipeline unregistered."""
+    with nemo_rl.training_run({"current_step": 0}):
+        _train_demand(pipeline, 4)
+    # the collector's own sink (a separate actor, not the driver's hooks)
+    sink = nemo_rl.SchedulerProgressSink(coordinator.namespace, None, None)
+    sink(ProgressReport(PID, 4, None, {"mode": "train", "completed": 0, "new_batch": True}))
+    assert _demand(coordinator) == 0
 
 
 @pytest.mark.integration
@@ -178,7 +192,7 @@ def test_the_checkpointer_shutdown_ends_the_run_before_its_own_work(
     _train_demand(pipeline, 4)
     checkpointer.shutdown()  # NeMo RL: the loop's return, then its finally: twice
     checkpointer.shutdown()
-    assert checkpointer.demand_at_finalise == [None, None]  # was [4, 4]
+    assert checkpointer.demand_at_finalise == [0, 0]  # was [4, 4]
 
 
 # ------------------------------------------------------------------ no coordinator

@@ -10,6 +10,8 @@ State invariants
   S5  at most one pending request per cluster, and never for a cluster that already has it
       (a whole-cluster holding, or active ranks for a GENERATION request)
   S6  a warming rank (committed, its expand still running) is an active rank
+  S7  a pipeline whose run is over (``SchedulerState.end_run``) is registered and has no
+      progress stream and no pending GENERATION request
 
 Plan invariants
   P1  a shrink names an active rank; an expand names an inactive rank of a generation cluster;
@@ -80,7 +82,7 @@ def _expected_owners(state: SchedulerState) -> dict[int, tuple[str, int | None]]
 
 
 def check_state(state: SchedulerState) -> None:
-    """Raise :class:`InvariantViolation` if the state breaks S1-S6."""
+    """Raise :class:`InvariantViolation` if the state breaks S1-S7."""
     if len(state.owner) != state.topology.num_gpus:
         raise InvariantViolation(
             "S3",
@@ -118,6 +120,13 @@ def check_state(state: SchedulerState) -> None:
     for cid, rank in state.warming:
         if rank not in state.active_ranks.get(cid, {}):
             raise InvariantViolation("S6", f"warming rank ({cid}, {rank}) is not active")
+    for pid in state.runs_over:
+        if pid not in state.pipelines or state.progress.get(pid):
+            raise InvariantViolation("S7", f"run-over pipeline {pid} is unknown or has demand")
+        for c in state.pipelines[pid].clusters:
+            waiting = state.pending.get(c.cluster_id)
+            if waiting is not None and waiting.priority is Priority.GENERATION:
+                raise InvariantViolation("S7", f"run-over {c.cluster_id} has a GENERATION request")
 
 
 def check_plan(state: SchedulerState, plan: Plan) -> None:

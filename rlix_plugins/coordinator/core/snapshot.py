@@ -90,6 +90,7 @@ def snapshot(state: SchedulerState) -> dict[str, Any]:
         "held_since": dict(state.held_since),
         "last_hold_s": dict(state.last_hold_s),
         "fenced": sorted(state.fenced),
+        "runs_over": sorted(state.runs_over),
     }
 
 
@@ -181,6 +182,8 @@ def _restore(data: Mapping[str, Any], topology: Topology | None) -> SchedulerSta
     for pid in data.get("fenced", []):
         if pid in state.pipelines:
             state.fence(str(pid))
+    # Absent from older snapshots: those pipelines' runs count as running.
+    state.runs_over = {str(p) for p in data.get("runs_over", []) if p in state.pipelines}
     # Revisions must keep growing across a restart so a client comparing them is not fooled.
     state.revision = int(data["revision"]) + 1
     check_state(state)

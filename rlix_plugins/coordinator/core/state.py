@@ -26,6 +26,7 @@ from rlix_plugins.errors import (
     OwnershipError,
     RegistrationError,
     RequestStateError,
+    RunOverError,
     UnknownClusterError,
     UnknownPipelineError,
 )
@@ -91,6 +92,9 @@ class SchedulerState:
         #: is (nobody can shrink their shards) until they are unregistered, and nothing is
         #: planned for them (:meth:`fence`)
         self.fenced: set[str] = set()
+        #: pipelines whose training run has ended (:meth:`end_run`): no demand, their progress
+        #: reports are ignored and their GENERATION requests refused until they unregister
+        self.runs_over: set[str] = set()
         #: pipeline -> token of its current registration: unique within this state's life (a
         #: pipeline registered again under the same id gets a new one), so a plan names the
         #: registrations it was made for (:meth:`stamp`, :attr:`Plan.registrations`)
@@ -134,7 +138,10 @@ class SchedulerState:
         return tuple(g for r in sorted(ranks) for g in spec.rank_gpus(r))
 
     def demand(self, pipeline_id: str) -> int | None:
-        """Remaining trajectories of a pipeline: progress streams, else its last estimate."""
+        """Remaining trajectories of a pipeline: progress streams, else its last estimate
+        (0 once its run is over)."""
+        if pipeline_id in self.runs_over:
+            return 0
         streams = self.progress.get(pipeline_id)
         if streams:
             return sum(r.remaining for r in streams.values())
@@ -212,6 +219,7 @@ class SchedulerState:
         self.progress.pop(pipeline_id, None)
         self.estimates.pop(pipeline_id, None)
         self.fenced.discard(pipeline_id)
+        self.runs_over.discard(pipeline_id)
         self._bump()
         return tuple(sorted(freed)), tuple(cancelled)
 
@@ -234,6 +242,32 @@ class SchedulerState:
         self.progress.pop(pipeline_id, None)
         self.estimates.pop(pipeline_id, None)
         self.fenced.add(pipeline_id)
+        self._bump()
+        return tuple(cancelled)
+
+    def end_run(self, pipeline_id: str) -> tuple[str, ...]:
+        """The pipeline's training run is over (its loop ended: last step, early stop or
+        error) while it stays registered to save, shut down and unregister: forget its demand
+        and cancel its pending GENERATION requests. From now on its progress reports are
+        ignored (a trajectory collector still running until it is killed would otherwise
+        report demand again) and GENERATION requests are refused (:class:`RunOverError`).
+        Its active ranks stay until another pipeline needs them (with no demand they are the
+        first donors) or it unregisters; training requests are served as before.
+
+        Idempotent. Returns the cluster ids whose pending request was cancelled.
+        """
+        spec = self.pipeline(pipeline_id)
+        if pipeline_id in self.runs_over:
+            return ()
+        cancelled: list[str] = []
+        for c in spec.clusters:
+            req = self.pending.get(c.cluster_id)
+            if req is not None and req.priority is Priority.GENERATION:
+                del self.pending[c.cluster_id]
+                cancelled.append(c.cluster_id)
+        self.progress.pop(pipeline_id, None)
+        self.estimates.pop(pipeline_id, None)
+        self.runs_over.add(pipeline_id)
         self._bump()
         return tuple(cancelled)
 
@@ -283,6 +317,11 @@ class SchedulerState:
             raise RequestStateError(f"global_step must be an int >= 0 or None, got {global_step!r}")
         if lora_name is not None and not isinstance(lora_name, str):
             raise RequestStateError(f"lora_name must be a str or None, got {lora_name!r}")
+        if priority is Priority.GENERATION and spec.pipeline_id in self.runs_over:
+            raise RunOverError(
+                f"pipeline {spec.pipeline_id!r} ended its training run (end_run); GENERATION "
+                "requests are refused until it registers again (training requests are served)"
+            )
         if cluster_id in self.pending:
             raise RequestStateError(
                 f"cluster {cluster_id!r} already has a pending request "
@@ -387,10 +426,15 @@ class SchedulerState:
         return True
 
     # ------------------------------------------------------------------ demand
-    def report_progress(self, report: ProgressReport) -> None:
+    def report_progress(self, report: ProgressReport) -> bool:
+        """Record a progress stream's report; False (nothing recorded) once the pipeline's
+        run is over (:meth:`end_run`)."""
         self.pipeline(report.pipeline_id)
+        if report.pipeline_id in self.runs_over:
+            return False
         self.progress.setdefault(report.pipeline_id, {})[report.stream_key] = report
         self._bump()
+        return True
 
     def clear_progress(self, pipeline_id: str, stream: StreamKey | None = None) -> None:
         self.pipeline(pipeline_id)

@@ -59,6 +59,9 @@ class PipelineStatus:
     #: failed and being killed: what it holds is frozen until it is unregistered
     #: (``SchedulerState.fenced``)
     fenced: bool = False
+    #: its training run has ended (``SchedulerState.end_run``): no demand, it is saving or
+    #: shutting down and unregisters next
+    run_over: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +169,7 @@ def build_status(
                 progress_streams=len(state.progress.get(pid, {})),
                 clusters=tuple(clusters),
                 fenced=pid in state.fenced,
+                run_over=pid in state.runs_over,
             )
         )
     queue = sorted(state.pending.values(), key=lambda r: (int(r.priority), r.seq))
@@ -207,6 +211,7 @@ def format_status(status: CoordinatorStatus, *, extra: Mapping[str, str] | None 
     for p in status.pipelines:
         demand = "unknown" if p.demand is None else str(p.demand)
         fenced = "  FENCED" if p.fenced else ""
+        fenced += "  RUN OVER" if p.run_over else ""
         lines.append(
             f"  {p.pipeline_id}{fenced}  ns={p.ray_namespace}  weight={p.weight:g}  "
             f"demand={demand}  streams={p.progress_streams}"

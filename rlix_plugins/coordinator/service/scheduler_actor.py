@@ -69,6 +69,7 @@ from rlix_plugins.errors import (
     ProtocolError,
     RegistrationError,
     RequestTimeoutError,
+    RunOverError,
     UnknownPipelineError,
 )
 from rlix_plugins.protocol.names import (
@@ -719,7 +720,10 @@ class SchedulerService:
         self._check_running()
         rep = coerce_progress_report(report)
         self._check_alive(rep.pipeline_id)
-        self._state.report_progress(rep)
+        if not self._state.report_progress(rep):
+            # A collector still running after its driver ended the run: nothing to plan for.
+            logger.debug("progress of %s ignored: its run is over", rep.pipeline_id)
+            return
         self._kick()
 
     async def clear_progress(self, *, pipeline_id: str) -> None:
@@ -727,6 +731,27 @@ class SchedulerService:
         self._check_running()
         self._check_alive(pipeline_id)
         self._state.clear_progress(pipeline_id)
+        self._kick()
+
+    async def end_run(self, *, pipeline_id: str) -> None:
+        """The pipeline's training run is over while it stays registered (saving, shutting
+        down): its demand is forgotten, a waiting GENERATION request fails with
+        :class:`RunOverError`, later progress reports are ignored and later GENERATION
+        requests refused (``SchedulerState.end_run``). Idempotent."""
+        self._check_running()
+        self._check_alive(pipeline_id)
+        cancelled = self._state.end_run(pipeline_id)
+        for cid in cancelled:
+            self._requested_at.pop(cid, None)
+            fut = self._waiters.pop(cid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(RunOverError(
+                    f"pipeline {pipeline_id!r} ended its training run; its GENERATION "
+                    f"request for {cid!r} was cancelled"
+                ))
+        self._persist()
+        logger.info("pipeline %s: run over, demand forgotten%s", pipeline_id,
+                    f", cancelled {list(cancelled)}" if cancelled else "")
         self._kick()
 
     async def heartbeat(self, pipeline_id: str) -> float:
