@@ -20,6 +20,9 @@ Failure handling (unlike RLix, nothing here ever shuts Ray down): a pipeline who
 whose lease expired or whose resize failed is fenced (its waiters get
 :class:`PipelineFailedError`, its actors are killed) and, once Ray confirms it dead, unregistered
 so its GPUs return to the pool. A GPU whose shrink failed is never handed on before that.
+
+The ``resize_infer`` calls to pipeline coordinator actors are :mod:`.resizer`'s, the GPU
+timeline file is :mod:`.trace_writer`'s.
 """
 
 from __future__ import annotations
@@ -52,16 +55,13 @@ from rlix_plugins.coordinator.core.snapshot import restore, settle_inflight, sna
 from rlix_plugins.coordinator.core.status import CoordinatorStatus, DeadPipeline, build_status
 from rlix_plugins.coordinator.service import rlix_compat
 from rlix_plugins.coordinator.service.config import ServiceConfig
-from rlix_plugins.coordinator.service.liveness import (
-    Liveness,
-    kill_pipeline_actors,
-    lookup_coordinator,
-    probe,
-)
+from rlix_plugins.coordinator.service.liveness import Liveness, kill_pipeline_actors, probe
 from rlix_plugins.coordinator.service.persistence import FileStateStore, KvStateStore, StateStore
+from rlix_plugins.coordinator.service.resizer import Resizer
 from rlix_plugins.coordinator.service.resource_manager import topology_from_ray
 from rlix_plugins.coordinator.service.saved_record import InflightIntent, SavedRecord
 from rlix_plugins.coordinator.service.trace import Holder, OwnershipTrace
+from rlix_plugins.coordinator.service.trace_writer import TraceWriter
 from rlix_plugins.errors import (
     CoordinatorUnavailableError,
     CorruptStateError,
@@ -85,8 +85,6 @@ logger = logging.getLogger(__name__)
 
 #: Dead pipelines remembered for status and for answering their late calls.
 _DEAD_KEPT = 256
-#: The GPU timeline file is rewritten at most this often (and on flush_trace / stop).
-_TRACE_WRITE_INTERVAL_S = 5.0
 
 
 class SchedulerService:
@@ -124,15 +122,31 @@ class SchedulerService:
         self._stopping = False
         self._wake = asyncio.Event()
         self._liveness_wake = asyncio.Event()
-        self._last_trace_write = 0.0
         self._metrics: Any = None
         if self.cfg.metrics:
             from rlix_plugins.coordinator.service.metrics import SchedulerMetrics
 
             self._metrics = SchedulerMetrics(self.cfg.namespace)
         self._state = self._load()
+        # Built after _load, which replaces the fencing map and the seen set it shares.
+        self._resizer = Resizer(
+            self._state,
+            fencing=self._fencing,
+            handles=self._handles,
+            seen=self._seen,
+            expand_tails=self._expand_tails,
+            fence=self._fence,
+            persist=self._persist,
+            resize_timeout_s=self.cfg.resize_timeout_s,
+        )
         self._trace = OwnershipTrace(
             self._state.topology.num_gpus, t0=time.time(), label=f"rlix ({self.cfg.namespace})"
+        )
+        self._trace_writer = TraceWriter(
+            self._trace,
+            trace_dir=self.cfg.trace_dir,
+            namespace=self.cfg.namespace,
+            keep_task=self._keep_task,
         )
         self._observe_trace(time.time())
         loop = asyncio.get_running_loop()
@@ -148,9 +162,7 @@ class SchedulerService:
         for pid, _reason in list(self._fencing.items()):
             # Fenced before a crash: the kill may not have happened; make sure it does.
             spec = self._state.pipelines[pid]
-            fence = loop.create_task(self._kill_then_probe(pid, spec.ray_namespace))
-            self._side_tasks.add(fence)
-            fence.add_done_callback(self._side_tasks.discard)
+            self._keep_task(loop.create_task(self._kill_then_probe(pid, spec.ray_namespace)))
 
     # ================================================================== recovery
     def _load(self) -> SchedulerState:
@@ -276,6 +288,11 @@ class SchedulerService:
     def _kick(self) -> None:
         self._wake.set()
 
+    def _keep_task(self, task: asyncio.Task[None]) -> None:
+        """Hold a side task until it ends (the loop holds tasks weakly); stop() cancels it."""
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
     def _fail_waiters(self, pipeline_id: str, error: Exception) -> None:
         prefix = f"{pipeline_id}_"
         for cid in [c for c in self._waiters if c.startswith(prefix)]:
@@ -306,8 +323,7 @@ class SchedulerService:
         ]
         self._trace.observe(holders, now)
         self._set_gauges()
-        if self.cfg.trace_dir and now - self._last_trace_write >= _TRACE_WRITE_INTERVAL_S:
-            self._write_trace_in_background(now)
+        self._trace_writer.maybe_write(now)
 
     def _set_gauges(self) -> None:
         if self._metrics is not None:
@@ -316,45 +332,6 @@ class SchedulerService:
                 pending=len(self._state.pending),
                 pipelines=len(self._state.pipelines),
             )
-
-    def _trace_path(self) -> Path | None:
-        if not self.cfg.trace_dir:
-            return None
-        return Path(self.cfg.trace_dir) / f"rlix_gpu_timeline_{self.cfg.namespace}.json"
-
-    def _trace_snapshot(self, now: float) -> tuple[Path, dict[str, Any]] | None:
-        """The file and the timeline to write into it, taken here, on the loop (consistent)."""
-        path = self._trace_path()
-        if path is None:
-            return None
-        self._last_trace_write = now
-        return path, self._trace.to_json(now)
-
-    @staticmethod
-    def _write_trace_file(path: Path, data: dict[str, Any]) -> None:
-        try:
-            OwnershipTrace.write_json(path, data)
-        except OSError:
-            logger.exception("writing the GPU timeline to %s failed", path)
-
-    def _write_trace_in_background(self, now: float) -> None:
-        """Periodic write: serialised and written in a thread, so the event loop never waits
-        on a large file."""
-        snap = self._trace_snapshot(now)
-        if snap is None:
-            return
-        task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self._write_trace_file, *snap)
-        )
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
-
-    async def _write_trace(self, now: float) -> None:
-        """A requested or final write, awaited; also in a thread (a periodic write may hold
-        the file's lock, and serialising a long timeline takes a while)."""
-        snap = self._trace_snapshot(now)
-        if snap is not None:
-            await asyncio.to_thread(self._write_trace_file, *snap)
 
     # ================================================================== registry
     async def register_pipeline(
@@ -438,12 +415,11 @@ class SchedulerService:
             pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} failed: {reason}")
         )
         self._persist()
-        task = asyncio.get_running_loop().create_task(
-            self._kill_then_probe(pipeline_id, spec.ray_namespace)
+        self._keep_task(
+            asyncio.get_running_loop().create_task(
+                self._kill_then_probe(pipeline_id, spec.ray_namespace)
+            )
         )
-        # Keep a reference: the loop holds tasks weakly.
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
 
     async def _kill_then_probe(self, pipeline_id: str, ray_namespace: str) -> None:
         try:
@@ -786,8 +762,8 @@ class SchedulerService:
 
     async def flush_trace(self) -> str | None:
         """Write the timeline file now; returns its path (None without a trace dir)."""
-        await self._write_trace(self._now())
-        path = self._trace_path()
+        await self._trace_writer.write(self._now())
+        path = self._trace_writer.path
         return str(path) if path else None
 
     async def stop(self, *, clear_state: bool = True) -> None:
@@ -815,7 +791,7 @@ class SchedulerService:
             t.cancel()
         # Wait for them to end, so none of them touches the state or the store afterwards.
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._write_trace(self._now())
+        await self._trace_writer.write(self._now())
         if clear_state:
             self._store.clear()
 
@@ -860,7 +836,7 @@ class SchedulerService:
             if plan.shrinks:
                 self._persist()
             planned = self._planned_for(plan)
-        failed_shrinks = await self._resize_all(
+        failed_shrinks = await self._resizer.resize_all(
             plan.shrinks_by_cluster(), remove=True, planned=planned
         )
         if plan.shrinks:
@@ -927,7 +903,7 @@ class SchedulerService:
                 self._record_inflight(plan, failed_shrinks, sendable)
         # A failed expand leaves the shard's state unknown: the pipeline is fenced and the rank
         # is committed as active, so its GPUs stay with it until it is confirmed dead.
-        unsent = await self._resize_all(to_send, remove=False, planned=planned)
+        unsent = await self._resizer.resize_all(to_send, remove=False, planned=planned)
         unsent -= {c for c in unsent if parse_cluster_id(c)[0] in self._fencing}
         async with self._lock:
             # What belongs to a registration that ended meanwhile is skipped by the core.
@@ -997,7 +973,7 @@ class SchedulerService:
         """Background expands: commit the cycle now (its shrinks are done), then start each
         cluster's expand RPC in its own task (:meth:`_expand`)."""
         reachable = {
-            cid for cid in {m.cluster_id for m in sendable} if await self._reachable(cid)
+            cid for cid in {m.cluster_id for m in sendable} if await self._resizer.reachable(cid)
         }
         async with self._lock:
             # What belongs to a registration that ended meanwhile is skipped by the core.
@@ -1011,28 +987,6 @@ class SchedulerService:
                 ),
             )
             return self._commit(plan, applied, failed_shrinks, background=True)
-
-    async def _reachable(self, cid: str) -> bool:
-        """Whether an expand of ``cid`` can be sent now (see :meth:`_resize_handle`)."""
-        return await self._resize_handle(cid, f"expand of {cid}", remove=False) is not None
-
-    async def _resize_handle(self, cid: str, what: str, *, remove: bool) -> Any:
-        """The coordinator actor to send ``what`` to, or None: the pipeline is fenced, or has
-        no actor (fenced too if it had one, or if ``what`` is a shrink)."""
-        pid = parse_cluster_id(cid)[0]
-        if pid in self._fencing:
-            return None
-        registration = self._state.registrations.get(pid)
-        handle = await self._coordinator(pid)
-        if self._state.registrations.get(pid) != registration:
-            return None  # unregistered meanwhile: nothing to send, nobody to fence
-        if handle is None:
-            if remove or pid in self._seen:
-                self._fence(pid, f"{what}: coordinator actor not found")
-            else:
-                # Registered before its coordinator actor exists: not an error, just not yet.
-                logger.info("%s skipped: the pipeline has no coordinator actor yet", what)
-        return handle
 
     def _start_expand(self, cid: str, ranks: list[int]) -> None:
         # Only ranks still warming: a commit answered late (its save failed first) may find
@@ -1069,7 +1023,7 @@ class SchedulerService:
         """
         if after is not None:
             await asyncio.wait([after])  # one resize at a time per cluster, in plan order
-        ok = await self._resize_one(cid, ranks, remove=False, expected=expected)
+        ok = await self._resizer.resize_one(cid, ranks, remove=False, expected=expected)
         async with self._lock:
             now = self._now()
             pid = parse_cluster_id(cid)[0]
@@ -1078,7 +1032,7 @@ class SchedulerService:
                 # since under the same id is not the one this expand was for.
                 pass
             elif not ok:
-                # _resize_one fenced it already unless the call was never sent (the handle
+                # resize_one fenced it already unless the call was never sent (the handle
                 # was resolved before the commit, so that is not expected): fence it too.
                 self._fence(pid, f"resize_infer(add={ranks}) on {cid} was not sent")
             elif cid in self._state.clusters:
@@ -1152,97 +1106,6 @@ class SchedulerService:
                 continue  # no rank serves yet: answered when one does
             self._resolve_waiter(cid, gpus, now)
 
-    async def _resize_all(
-        self,
-        calls: dict[str, list[int]],
-        *,
-        remove: bool,
-        planned: dict[str, int],
-    ) -> set[str]:
-        """Send ``resize_infer`` per cluster concurrently; return the clusters NOT applied.
-
-        For shrinks every one of them failed (and fenced its pipeline). For expands these are
-        only the calls that were never sent (no coordinator actor yet): nothing changed on the
-        pipeline side, so they are not committed. A sent expand that failed is not in the set
-        (see :meth:`_cycle`).
-        """
-        if not calls:
-            return set()
-        results = await asyncio.gather(
-            *(
-                self._resize_one(
-                    cid, ranks, remove=remove, expected=planned.get(parse_cluster_id(cid)[0])
-                )
-                for cid, ranks in calls.items()
-            )
-        )
-        return {cid for cid, ok in zip(calls, results, strict=True) if not ok}
-
-    async def _resize_one(
-        self, cid: str, ranks: list[int], *, remove: bool, expected: int | None
-    ) -> bool:
-        """One ``resize_infer`` for the registration (token) ``expected`` of ``cid``'s
-        pipeline; True when applied. Not sent once that registration is gone, and a failure
-        fences the pipeline only while it is still that registration (not a successor under
-        its id)."""
-        pid = parse_cluster_id(cid)[0]
-        what = f"resize_infer({'remove' if remove else 'add'}={ranks}) on {cid}"
-        tail = self._expand_tails.get(cid) if remove else None
-        if tail is not None:
-            # A background expand of this cluster is still running: the pipeline must see the
-            # calls in plan order (a shrink overtaking the expand of the same rank would leave
-            # it awake on GPUs handed on).
-            await asyncio.wait([tail])
-        if self._state.registrations.get(pid) != expected:
-            # Unregistered: a shrink has nothing left to do (its GPUs were given back), an
-            # expand is not sent (and not committed).
-            return remove
-        handle = await self._resize_handle(cid, what, remove=remove)
-        if self._state.registrations.get(pid) != expected:
-            return remove
-        if handle is None:
-            return False
-
-        def fence(reason: str) -> None:
-            if self._state.registrations.get(pid) == expected:
-                self._fence(pid, reason)
-
-        try:
-            # Sent here, with no await since the check above.
-            sent = handle.resize_infer.remote(
-                dp_ranks_to_remove=ranks if remove else [],
-                dp_ranks_to_add=[] if remove else ranks,
-            )
-
-            async def call() -> Any:
-                return await sent
-
-            response = await asyncio.wait_for(call(), self.cfg.resize_timeout_s)
-        except asyncio.TimeoutError:
-            fence(f"{what} timed out after {self.cfg.resize_timeout_s:g}s")
-            return False
-        except Exception as exc:
-            fence(f"{what} failed: {type(exc).__name__}: {exc}")
-            return False
-        ok = bool(getattr(response, "success", response is True or response is None))
-        if not ok:
-            msg = getattr(response, "message", None) or getattr(response, "error", None)
-            fence(f"{what} answered success=False ({msg})")
-        return ok
-
-    async def _coordinator(self, pipeline_id: str) -> Any:
-        handle = self._handles.get(pipeline_id)
-        if handle is not None:
-            return handle
-        spec = self._state.pipelines.get(pipeline_id)
-        handle = await lookup_coordinator(pipeline_id, spec.ray_namespace if spec else None)
-        if handle is not None:
-            self._handles[pipeline_id] = handle
-            if pipeline_id not in self._seen:
-                self._seen.add(pipeline_id)
-                self._persist()
-        return handle
-
     # ================================================================== liveness
     async def _liveness_loop(self) -> None:
         while not self._stopping:
@@ -1283,7 +1146,7 @@ class SchedulerService:
                 self._declare_dead(pid, fenced, "fenced")
 
     async def _probe(self, pipeline_id: str) -> Liveness:
-        handle = await self._coordinator(pipeline_id)
+        handle = await self._resizer.coordinator(pipeline_id)
         if handle is None:
             return Liveness.DEAD if pipeline_id in self._seen else Liveness.UNKNOWN
         verdict = await probe(handle, self.cfg.probe_timeout_s)
