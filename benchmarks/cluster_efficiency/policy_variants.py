@@ -1,13 +1,16 @@
 """Planner variants measured and not kept: ours' margins with each, over seeds.
 
 docs/simulator.md lists policy changes tried against the RLix baselines and why none became
-the default. This script reproduces two of them on ``run.py``'s RollMux traces (64 GPUs and
+the default. This script reproduces three of them on ``run.py``'s RollMux traces (64 GPUs and
 the same traces on 32) and the long-tail 24-job workload, seeds 1..N: ours' GPU-h/step saving
 against ``rlix_async`` and ``rlix_async_migr`` with the default planner and with
 
 * ``tp_weighted``: GPU shares by remaining demand x TP (RLix's weighting: ranks, not GPUs,
   follow requests), the idle fill unchanged;
-* ``no_hysteresis``: ``PolicyConfig(rebalance_threshold=0, min_hold_s=0)`` (RLix has neither).
+* ``no_hysteresis``: ``PolicyConfig(rebalance_threshold=0, min_hold_s=0)`` (RLix has neither);
+* ``exact_shares``: targets capped at what each cluster reaches and split GPU by GPU where
+  spans overlap (:mod:`benchmarks.cluster_efficiency.exact_shares`: no starvation in a chain
+  of spans).
 
     python benchmarks/cluster_efficiency/policy_variants.py      # results/policy_variants.*
     python benchmarks/cluster_efficiency/policy_variants.py --seeds 1 --only rollmux_mixed
@@ -28,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.cluster_efficiency.exact_shares import ExactSharePlanner  # noqa: E402
 from benchmarks.cluster_efficiency.run import RESULTS, _workloads, save_results  # noqa: E402
 from rlix_plugins.coordinator.core import DemandSharePlanner, Planner  # noqa: E402
 from rlix_plugins.coordinator.core.model import PolicyConfig  # noqa: E402
@@ -64,6 +68,7 @@ VARIANTS: dict[str, Callable[[], Planner | None]] = {
     "no_hysteresis": lambda: DemandSharePlanner(
         PolicyConfig(rebalance_threshold=0.0, min_hold_s=0.0)
     ),
+    "exact_shares": ExactSharePlanner,
 }
 
 
