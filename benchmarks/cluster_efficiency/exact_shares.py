@@ -52,22 +52,12 @@ class ExactShareCycle(_Cycle):
     """One planning cycle of :class:`ExactSharePlanner` (only the generation targets differ)."""
 
     def _set_targets(self, gens: dict[str, _Gen]) -> None:
-        """Apportion the generation budget (in TP ranks) by weight x remaining demand, per
-        group of clusters whose GPUs overlap (:meth:`_groups`).
-
-        A group's budget is its clusters' active ranks plus the idle GPUs they map (RLix's
-        gap ratio splits one budget counting every idle GPU of the cluster): an idle GPU no
-        cluster of the group maps would inflate its targets until no donor is above target,
-        and a pipeline with demand but no rank would never be given one.
-
-        Every pipeline with a pending request or remaining demand is first guaranteed one rank
-        (pending requests first, FIFO) if it can reach one, the rest is split by water-filling
-        with caps (:meth:`_water_fill`), then shared out GPU by GPU where spans overlap
-        (:meth:`_contend`), then rounded by largest remainder into room left on each cluster's
-        own GPUs, so targets never add up to more than the budget, no target is above the
-        ranks its cluster can reach, and (first ranks aside) no set of clusters is given more
-        ranks than the GPUs they reach hold.
-        """
+        """As :meth:`_Cycle._set_targets` (one budget per group of overlapping spans, first
+        ranks guaranteed, pending requests first), but a cluster's first rank needs a rank it
+        can reach, the rest is water-filled with caps (:meth:`_water_fill`), shared out GPU by
+        GPU where spans overlap (:meth:`_contend`) and rounded into room left on each
+        cluster's own GPUs (:meth:`_round_up`): no target above what its cluster reaches and,
+        first ranks aside, no set of clusters given more ranks than their GPUs hold."""
         owner = self.owner
         # A GPU generation may use this cycle: idle, or held by a rank that may be moved
         # (not a whole-cluster holding, this cycle's grant, or a frozen pipeline's rank).

@@ -45,26 +45,25 @@ def test_idle_gpus_one_end_of_a_chain_reaches_starve_a_pipeline_only_under_the_d
         assert not active(state, "ft_b") and len(active(state, "ft_a")) == 4
 
 
-def test_quota_above_dp_size_goes_to_the_others() -> None:
-    """``ft_a`` has two ranks, ``ft_b`` eight; equal demand splits the 8 GPUs 4/4, but ``ft_a``
-    can hold only 2: the 2 ranks over its size go to ``ft_b`` (they used to be dropped, and
-    without work-conserving fill GPUs stayed idle while ``ft_b`` had demand)."""
+def _small_and_large(planner: DemandSharePlanner) -> tuple[int, int]:
+    """Ranks of ``ft_a`` (2 GPUs) and ``ft_b`` (8, the same two among them) after one cycle of
+    ``planner`` without the idle fill, both with the same demand."""
     state = new_state(1, 8)
     register(state, "ft_a", infer=[0, 1])
     register(state, "ft_b", infer=list(range(8)))
     progress(state, "ft_a", 64, 0)
     progress(state, "ft_b", 64, 0)
-    cycle(state, 0.0, ExactSharePlanner(PolicyConfig(work_conserving=False)))
-    assert (len(active(state, "ft_a")), len(active(state, "ft_b"))) == (2, 6)
-    # the default drops one of them (largest remainder hands back the other; the idle fill,
-    # on by default, hands out what is left afterwards)
-    other = new_state(1, 8)
-    register(other, "ft_a", infer=[0, 1])
-    register(other, "ft_b", infer=list(range(8)))
-    progress(other, "ft_a", 64, 0)
-    progress(other, "ft_b", 64, 0)
-    cycle(other, 0.0, DemandSharePlanner(PolicyConfig(work_conserving=False)))
-    assert (len(active(other, "ft_a")), len(active(other, "ft_b"))) == (2, 5)
+    cycle(state, 0.0, planner)
+    return len(active(state, "ft_a")), len(active(state, "ft_b"))
+
+
+def test_quota_above_dp_size_goes_to_the_others() -> None:
+    """Equal demand splits the 8 GPUs 4/4, but ``ft_a`` can hold only 2: the 2 ranks over its
+    size go to ``ft_b``. The default drops one of them (largest remainder hands back the
+    other; the idle fill, on by default, hands out what is left afterwards)."""
+    no_fill = PolicyConfig(work_conserving=False)
+    assert _small_and_large(ExactSharePlanner(no_fill)) == (2, 6)
+    assert _small_and_large(DemandSharePlanner(no_fill)) == (2, 5)
 
 
 def _random_state(seed: int) -> tuple[SchedulerState, float]:
