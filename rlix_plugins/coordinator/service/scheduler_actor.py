@@ -542,7 +542,7 @@ class SchedulerService:
         A held cluster whose waiter is still unanswered was granted by a commit whose save
         failed (its answer waits in ``_undurable``). Nobody will ever be told of it: kept, it
         would hold its GPUs until the pipeline unregisters. It is released in the core like any
-        release (invariants S1-S6 hold, no other state is touched), with no hold time recorded
+        release (invariants S1-S7 hold, no other state is touched), with no hold time recorded
         (it never served), and saved with the next successful save, which the deferred answer
         also waits for: that answer then finds another (or no) waiter for ``cid`` and skips it
         (:meth:`_after_commit`). Generation grants are not given back: their ranks were sent
