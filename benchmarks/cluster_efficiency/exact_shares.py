@@ -13,16 +13,25 @@ given more ranks than its GPUs hold (first ranks aside).
 ``tests/unit/test_bench_exact_shares.py`` pins both the starvation it fixes and those
 properties. Over seeds 1-8 it cost ours 0.8 points of GPU-h/step on long-tail 24 and 0.3-1.0
 on three RollMux traces time-shared on 32 GPUs, gained 0.1-0.2 on training-heavy, and takes
-1.4-1.6x the plan time (``policy_variants.py`` reproduces the margins), so it is not the default.
+1.3-1.7x the plan time (``policy_variants.py`` reproduces the margins; this module, run as a
+script, the plan times), so it is not the default.
+
+    python benchmarks/cluster_efficiency/exact_shares.py   # results/exact_shares_latency.json
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
+from pathlib import Path
 
-from rlix_plugins.coordinator.core.planner import DemandSharePlanner, _Cycle, _Gen
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from rlix_plugins.coordinator.core.planner import DemandSharePlanner, _Cycle, _Gen  # noqa: E402
 
 #: Slack for float shares that should be whole (3 x 0.25 x 4 ranks is not exactly 3.0).
 _EPS = 1e-9
@@ -290,3 +299,48 @@ class ExactSharePlanner(DemandSharePlanner):
 
     cycle_class = ExactShareCycle
 
+
+def main() -> int:
+    """Plan time of the variant against the default's on ``scheduler_latency``'s scales (same
+    process, same states, interleaved): medians and their ratio."""
+    from benchmarks.cluster_efficiency.run import RESULTS, save_results
+    from benchmarks.scheduler_latency.run import SCALES, measure
+
+    rows = []
+    for pipelines, gpus in SCALES:
+        base = measure(pipelines, gpus, repeats=10)
+        exact = measure(pipelines, gpus, repeats=10, planner=ExactSharePlanner())
+        ratio = exact.plan_ms_median / base.plan_ms_median
+        rows.append({"pipelines": pipelines, "gpus": gpus, "default_ms": base.plan_ms_median,
+                     "exact_shares_ms": exact.plan_ms_median, "ratio": round(ratio, 2)})
+        print(f"{pipelines:5d} x {gpus:6d}: default {base.plan_ms_median:.2f} ms, exact_shares "
+              f"{exact.plan_ms_median:.2f} ms ({ratio:.2f}x)")
+    path = RESULTS / "exact_shares_latency.json"
+    save_results({"benchmark": "exact_shares plan time", "repeats": 10, "rows": rows}, path)
+    _plot(rows, path.with_suffix(".png"))
+    return 0
+
+
+def _plot(rows: list[dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['pipelines']:g} x {r['gpus']:g}" for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, key in enumerate(("default_ms", "exact_shares_ms")):
+        ax.bar([x + 0.4 * i for x in range(len(rows))], [r[key] for r in rows], 0.4,
+               label=key.removesuffix("_ms"))
+    ax.set_xticks([x + 0.2 for x in range(len(rows))], labels)
+    ax.set_yscale("log")
+    ax.set_xlabel("pipelines x GPUs")
+    ax.set_ylabel("plan time, median (ms)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,6 +32,7 @@ from pathlib import Path
 from rlix_plugins.coordinator.core import (
     DemandSharePlanner,
     Plan,
+    Planner,
     RankMove,
     SchedulerState,
     Topology,
@@ -114,9 +115,12 @@ def build_state(pipelines: int, gpus: int, seed: int) -> SchedulerState:
     return state
 
 
-def measure(pipelines: int, gpus: int, repeats: int, seed: int = 0) -> Row:
+def measure(
+    pipelines: int, gpus: int, repeats: int, seed: int = 0, planner: Planner | None = None
+) -> Row:
+    """One scale: plan and check times of ``planner`` (ours by default) on a built state."""
     state = build_state(pipelines, gpus, seed)
-    planner = DemandSharePlanner()
+    planner = planner or DemandSharePlanner()
     active = sum(o is not None for o in state.owner) / gpus
     plan_times: list[float] = []
     wall_times: list[float] = []

@@ -902,15 +902,7 @@ def validation_size(val_dataloader: Any, master_config: Any) -> int | None:
     ``val_num_generations_per_prompt`` times (default 1). None when the config does not say
     (the validation then reports no demand)."""
     shape = _ValidationShape.of(master_config)
-    if shape is None:
-        return None
-    batches = shape.samples // shape.batch
-    with contextlib.suppress(TypeError, AttributeError):
-        batches = min(batches, len(val_dataloader))
-    prompts = batches * shape.batch
-    with contextlib.suppress(TypeError, AttributeError):
-        prompts = min(prompts, len(val_dataloader.dataset))
-    return prompts * shape.per_prompt
+    return None if shape is None else shape.size(val_dataloader)
 
 
 @dataclass(frozen=True, slots=True)
@@ -937,6 +929,17 @@ class _ValidationShape:
     def per_batch(self) -> int:
         """Trajectories one batch generates."""
         return self.batch * self.per_prompt
+
+    def size(self, val_dataloader: Any) -> int:
+        """Trajectories the validation over ``val_dataloader`` generates (see
+        :func:`validation_size`)."""
+        batches = self.samples // self.batch
+        with contextlib.suppress(TypeError, AttributeError):
+            batches = min(batches, len(val_dataloader))
+        prompts = batches * self.batch
+        with contextlib.suppress(TypeError, AttributeError):
+            prompts = min(prompts, len(val_dataloader.dataset))
+        return prompts * self.per_prompt
 
 
 class _CountedBatches:
@@ -974,20 +977,18 @@ def validation_demand(val_dataloader: Any, master_config: Any, step: Any) -> Ite
     iterate (``val_dataloader`` itself when nothing is reported: no pipeline, no loader, a
     size the config does not give)."""
     pipeline = current_pipeline()
-    size = None if pipeline is None or val_dataloader is None else validation_size(
-        val_dataloader, master_config)
+    shape = None if pipeline is None or val_dataloader is None else _ValidationShape.of(
+        master_config)
     step_i = as_index(step)
-    if pipeline is None or size is None or step_i is None or step_i < 0:
+    if pipeline is None or shape is None or step_i is None or step_i < 0:
         if pipeline is not None and val_dataloader is not None:
             logger.warning("rlix: validation at step %r reports no demand (grpo.val_batch_size "
                            "/ max_val_samples / val_num_generations_per_prompt or the step "
                            "unknown); its ranks may be lent away", step)
         yield val_dataloader
         return
-    shape = _ValidationShape.of(master_config)
-    assert shape is not None  # validation_size returned a size
     per_batch = shape.per_batch
-    pipeline.begin_validation(step_i, size)
+    pipeline.begin_validation(step_i, shape.size(val_dataloader))
     try:
         yield _CountedBatches(
             val_dataloader, lambda done: pipeline.validation_progress(step_i, done * per_batch))

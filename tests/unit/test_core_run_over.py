@@ -28,13 +28,10 @@ from rlix_plugins.errors import RequestStateError, RunOverError, UnknownPipeline
 from rlix_plugins.protocol import Priority, ProgressReport
 from tests.core_builders import cycle, new_state, observable, progress, register
 from tests.fixtures.scheduler_service import ServiceBuilder, register_pipeline
+from tests.unit.test_core_planner import active
 
 GEN = Priority.GENERATION
-A_INFER, B_INFER = "ft_a_actor_infer", "ft_b_actor_infer"
-
-
-def _active(state: Any, cid: str) -> int:
-    return len(state.active_ranks.get(cid, {}))
+A_INFER = "ft_a_actor_infer"
 
 
 def _two_on_four() -> Any:
@@ -45,7 +42,7 @@ def _two_on_four() -> Any:
     register(state, "ft_b", infer=[0, 1, 2, 3])
     progress(state, "ft_b", 64, 0)
     cycle(state, 0.0)
-    assert _active(state, B_INFER) == 4
+    assert len(active(state, "ft_b")) == 4
     return state
 
 
@@ -63,7 +60,7 @@ def test_the_request_after_the_last_training_takes_no_rank_once_the_run_is_over(
     for t in (100.0, 200.0):
         cycle(state, t)
     # before end_run (clear_progress only) the request stayed and was given a rank of ft_b's
-    assert (_active(state, A_INFER), _active(state, B_INFER)) == ((0, 4) if ended else (1, 3))
+    assert (len(active(state, "ft_a")), len(active(state, "ft_b"))) == ((0, 4) if ended else (1, 3))
     assert A_INFER not in state.pending or not ended
 
 
@@ -73,7 +70,7 @@ def test_a_collector_reporting_after_the_end_gets_no_ranks_back() -> None:
     register(state, "ft_b", infer=[0, 1, 2, 3])
     progress(state, "ft_a", 64, 0)
     cycle(state, 0.0)
-    assert _active(state, A_INFER) == 4
+    assert len(active(state, "ft_a")) == 4
     state.end_run("ft_a")
     revision = state.revision
     # the collector runs until NeMo RL kills it: its next bucket arrives after the end
@@ -83,7 +80,7 @@ def test_a_collector_reporting_after_the_end_gets_no_ranks_back() -> None:
     progress(state, "ft_b", 64, 0)
     for t in (100.0, 200.0, 300.0):
         cycle(state, t)
-    assert (_active(state, A_INFER), _active(state, B_INFER)) == (0, 4)
+    assert (len(active(state, "ft_a")), len(active(state, "ft_b"))) == (0, 4)
 
 
 def test_generation_is_refused_after_the_end_and_training_is_served() -> None:
