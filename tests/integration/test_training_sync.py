@@ -456,6 +456,10 @@ def test_cache_build_falls_back_to_host_checksums_when_the_gpu_is_full(
             assert [b.layout for b in built.buckets] == [b.layout for b in expected.buckets]
     finally:
         hog.clear()
+        # give the hog back to the driver, not only to torch's caching allocator: a process
+        # started after this test (an NCCL rank) could not create its CUDA context otherwise
+        # (seen on an H200: cudaSetDevice failed with out of memory)
+        torch.cuda.empty_cache()
         cache.close()
         ref.close()
 

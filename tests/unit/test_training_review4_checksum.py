@@ -93,3 +93,26 @@ def test_a_corrupted_word_in_the_cache_fails_the_sync_and_is_not_applied() -> No
     assert receiver.versions == []
     # nothing from the bad segment reached the target (the bias starts in it)
     assert bool((target.tensors["bias"][:16] == -1.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_gpu_path_catches_the_same_single_word_changes_as_the_host() -> None:
+    """The device path sums blocks on the GPU and combines them on the host: on the cases the
+    old combination missed it must equal the host's checksum and differ from the clean one,
+    whole and per segment (the receiver verifies CUDA IPC / NCCL buckets this way)."""
+    from rlix_plugins.training.checksum import segment_checksums_torch
+
+    zeros = np.zeros(SEG + 4104, dtype=np.uint8)  # a short last segment, a partial block
+    clean_gpu = torch.from_numpy(zeros).cuda()
+    clean = segment_checksums_torch(clean_gpu, SEG)
+    assert clean == segment_checksums(zeros, SEG, ChecksumKind.FLETCHER64)
+    for delta in (0x0000000100000001, TWO_ONES, 0xFFFFFFFFFFFFFFFF):
+        for word in (3, SEG // 8 + 5):  # first segment, and the short last one
+            bad = _changed(zeros, word, delta)
+            on_gpu = torch.from_numpy(bad).cuda()
+            assert fletcher64_torch(on_gpu) == fletcher64_numpy(bad)
+            assert fletcher64_torch(on_gpu) != fletcher64_torch(clean_gpu)
+            got = segment_checksums_torch(on_gpu, SEG)
+            assert got == segment_checksums(bad, SEG, ChecksumKind.FLETCHER64)
+            assert got[1] != clean[1]
