@@ -24,9 +24,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,41 +45,27 @@ from benchmarks.cluster_efficiency.seeds import _spread  # noqa: E402
 from rlix_plugins.sim.bounds import MakespanBound, makespan_lower_bound  # noqa: E402
 from rlix_plugins.sim.report import Comparison, compare  # noqa: E402
 from rlix_plugins.sim.runner import run_policy  # noqa: E402
-from rlix_plugins.sim.workloads import SwitchCosts, Workload  # noqa: E402
+from rlix_plugins.sim.workloads import PER_STEP_COSTS, Workload, with_switch_costs  # noqa: E402
 
 #: seeds of the spread run for every line a setting misses at seed 7 (seeds.py's)
 SPREAD_SEEDS = tuple(range(1, 9))
 #: ours against these in the spread (exclusive: the PlexRL saving target)
 SPREAD_BASES = ("exclusive", "rlix_async", "rlix_async_migr")
 
-#: the per-step costs (everything but the first model load, which exclusive pays too)
-PER_STEP = tuple(f.name for f in fields(SwitchCosts) if f.name != "init_load_s")
-
-
-def scaled(factor: float) -> Callable[[SwitchCosts], SwitchCosts]:
-    """Every per-step switch cost times ``factor`` (>= 0)."""
-    if not factor >= 0:
-        raise ValueError(f"a switch-cost factor must be >= 0, got {factor!r}")
-    return lambda c: replace(c, **{n: getattr(c, n) * factor for n in PER_STEP})
-
-
-def nccl(seconds: float) -> Callable[[SwitchCosts], SwitchCosts]:
-    """The NCCL re-init set to ``seconds`` (SwitchCosts checks the value)."""
-    return lambda c: replace(c, nccl_reinit_s=seconds)
-
-
-SETTINGS: dict[str, Callable[[SwitchCosts], SwitchCosts]] = {
-    "assumed": scaled(1.0),
-    "nccl_1s": nccl(1.0),
-    "nccl_15s": nccl(15.0),
-    "switch_x0.5": scaled(0.5),
-    "switch_x2": scaled(2.0),
+#: name -> (scale of every per-step cost, costs set afterwards): see the module docstring
+SETTINGS: dict[str, tuple[float, dict[str, float]]] = {
+    "assumed": (1.0, {}),
+    "nccl_1s": (1.0, {"nccl_reinit_s": 1.0}),
+    "nccl_15s": (1.0, {"nccl_reinit_s": 15.0}),
+    "switch_x0.5": (0.5, {}),
+    "switch_x2": (2.0, {}),
 }
 
 
-def with_costs(wl: Workload, change: Callable[[SwitchCosts], SwitchCosts]) -> Workload:
-    """``wl`` with ``change`` applied to every job's switch costs (nothing else differs)."""
-    return replace(wl, jobs=tuple(replace(j, costs=change(j.costs)) for j in wl.jobs))
+def with_setting(wl: Workload, name: str) -> Workload:
+    """``wl`` under setting ``name`` (:func:`~rlix_plugins.sim.workloads.with_switch_costs`)."""
+    scale, overrides = SETTINGS[name]
+    return with_switch_costs(wl, scale=scale, overrides=overrides)
 
 
 def _families(only: set[str] | None) -> list[tuple[str, Workload, Any, tuple[str, ...]]]:
@@ -95,7 +80,7 @@ def run_setting(name: str, only: set[str] | None) -> dict[str, Any]:
     comparisons: list[tuple[str, Comparison]] = []
     bounds: dict[str, MakespanBound] = {}
     for kind, wl, config, policies in _families(only):
-        changed = with_costs(wl, SETTINGS[name])
+        changed = with_setting(wl, name)
         comp = compare(changed, seed=SEED, out_dir=None, policies=policies,
                        config=replace(config, record_tenures=False), plot=False)
         comparisons.append((kind, comp))
@@ -138,7 +123,7 @@ def spread(name: str, workload: str) -> dict[str, Any]:
     setting ``name``, over :data:`SPREAD_SEEDS`: is a miss at seed 7 the setting's or the
     seed's?"""
     (_, wl, config, _), = _families({workload})
-    changed = with_costs(wl, SETTINGS[name])
+    changed = with_setting(wl, name)
     cfg = replace(config, record_tenures=False)
     gpu_seconds = [{p: _gpu_seconds(changed, p, seed, cfg) for p in ("ours", *SPREAD_BASES)}
                    for seed in SPREAD_SEEDS]
@@ -211,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             "assumed": "each workload's own SwitchCosts (run.py)",
             "nccl_1s": "nccl_reinit_s = 1 s (one-GPU H200 measurement, benchmarks/gpu)",
             "nccl_15s": "nccl_reinit_s = 15 s (3x assumed)",
-            "switch_x0.5": f"{', '.join(PER_STEP)} x 0.5",
-            "switch_x2": f"{', '.join(PER_STEP)} x 2",
+            "switch_x0.5": f"{', '.join(PER_STEP_COSTS)} x 0.5",
+            "switch_x2": f"{', '.join(PER_STEP_COSTS)} x 2",
         },
         "note": "targets are run.py's (evaluate) on its workloads at seed 7 (the PlexRL "
         "sweeps are not targets and are not run); seed_spread_of_missed: every workload with "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
 from rlix_plugins.sim.calibrate import CALIBRATION_STEPS, calibrate_lengths
@@ -16,11 +17,13 @@ from rlix_plugins.sim.workloads import (
     PLEXRL_TABLE2,
     ROLLMUX_RANGES,
     ROLLMUX_SIZES,
+    SwitchCosts,
     Workload,
     long_tail_agentic,
     plexrl_two_jobs,
     rollmux_trace,
     shared_on,
+    with_switch_costs,
 )
 
 log = logging.getLogger(__name__)
@@ -125,6 +128,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="our deployments' service commits a cycle once its shrinks are done and lets "
         "expands finish in the background (RLIX_BACKGROUND_EXPANDS=1); RLix's always waits",
     )
+    parser.add_argument(
+        "--switch-scale",
+        type=float,
+        default=1.0,
+        help="multiply every job's per-step switch costs (shard sleep/wake, training "
+        "onload/offload, NCCL re-init) by this; exclusive allocation pays none of them",
+    )
+    parser.add_argument(
+        "--switch-cost",
+        action="append",
+        metavar="NAME=SECONDS",
+        help="set one switch cost of every job, after --switch-scale (repeatable), e.g. "
+        "nccl_reinit_s=1.0 with your cluster's measured figure; names: "
+        + ", ".join(f.name for f in fields(SwitchCosts)),
+    )
+
+
+def parse_switch_costs(items: list[str] | None) -> dict[str, float]:
+    """``--switch-cost NAME=SECONDS`` values as a dict; ValueError naming the bad item and
+    the valid names (a repeated name: the last one counts, as argparse does for options)."""
+    names = tuple(f.name for f in fields(SwitchCosts))
+    out: dict[str, float] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in names:
+            raise ValueError(
+                f"--switch-cost expects NAME=SECONDS with NAME one of {', '.join(names)}; "
+                f"got {item!r}"
+            )
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ValueError(
+                f"--switch-cost {name}: {value!r} is not a number of seconds"
+            ) from None
+    return out
 
 
 def _unwritable(out: Path) -> str | None:
@@ -204,6 +244,13 @@ def run(args: argparse.Namespace) -> int:
                 "T + 2R GPUs; drop it from --policies or leave --shared-gpus out"
             )
             return 2
+    try:
+        overrides = parse_switch_costs(args.switch_cost)
+        if args.switch_scale != 1.0 or overrides:
+            workload = with_switch_costs(workload, scale=args.switch_scale, overrides=overrides)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
     # Checked before running: a run of minutes whose results cannot be written is lost.
     problem = _unwritable(args.out)
     if problem is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -241,6 +242,40 @@ def shared_on(workload: Workload, gpus: int) -> Workload:
             f"(the largest job's train + rollout GPUs)"
         )
     return replace(workload, name=f"{workload.name}_shared{gpus}", shared_nodes=gpus // gpn)
+
+
+#: the switch costs paid on every step (the first model load is paid once, by exclusive
+#: allocation too)
+PER_STEP_COSTS = tuple(f.name for f in fields(SwitchCosts) if f.name != "init_load_s")
+
+
+def with_switch_costs(
+    workload: Workload, *, scale: float = 1.0, overrides: Mapping[str, float] | None = None
+) -> Workload:
+    """``workload`` with every job's per-step switch costs (:data:`PER_STEP_COSTS`) times
+    ``scale``, then the costs named in ``overrides`` set to those seconds (any
+    :class:`SwitchCosts` field); the change is added to the workload's assumptions and nothing
+    else differs. Exclusive allocation pays none of the per-step costs (its shards and trainers
+    stay resident). Raises ValueError naming what is wrong: a ``scale`` that is not a finite
+    number >= 0, an unknown cost, or seconds that are not finite and >= 0."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+        math.isfinite(scale) and scale >= 0
+    ):
+        raise ValueError(f"switch-cost scale must be a finite number >= 0, got {scale!r}")
+    changes = dict(overrides or {})
+    names = tuple(f.name for f in fields(SwitchCosts))
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+        raise ValueError(f"unknown switch cost(s) {unknown}; valid: {', '.join(names)}")
+
+    def change(c: SwitchCosts) -> SwitchCosts:
+        # SwitchCosts checks every value (finite seconds >= 0) and names the field
+        return replace(c, **{**{n: getattr(c, n) * scale for n in PER_STEP_COSTS}, **changes})
+
+    jobs = tuple(replace(j, costs=change(j.costs)) for j in workload.jobs)
+    said = ", ".join(f"{n}={v} s" for n, v in sorted(changes.items()))
+    note = f"switch costs changed: per-step costs x{scale}" + (f", then {said}" if said else "")
+    return replace(workload, jobs=jobs, assumptions=(*workload.assumptions, note))
 
 
 def _pid(i: int) -> str:
