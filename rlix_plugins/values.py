@@ -40,6 +40,14 @@ def as_index(value: object) -> int | None:
         return None
 
 
+def count(value: object, error: type[Exception], what: str) -> int:
+    """``value`` as an int >= 0 (see :func:`as_index`); ``error`` naming ``what`` otherwise."""
+    out = as_index(value)
+    if out is None or out < 0:
+        raise error(f"{what}={value!r} is not valid; valid: an int >= 0")
+    return out
+
+
 def enum_member(cls: type[_E], value: object, error: type[Exception], what: str) -> _E:
     """``value`` as a member of ``cls`` (a member or its value, as configs and wire calls send
     it); ``error`` naming ``what`` and the valid values otherwise."""

@@ -55,7 +55,7 @@ from rlix_plugins.errors import (
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import ShardStateView
-from rlix_plugins.hooks.protocol import RLixHooks
+from rlix_plugins.hooks.protocol import VALIDATION_MODE, RLixHooks
 from rlix_plugins.protocol.names import (
     ACTOR_INFER,
     ACTOR_TRAIN,
@@ -67,7 +67,7 @@ from rlix_plugins.protocol.names import (
 from rlix_plugins.protocol.types import Priority, ProgressReport
 from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, settings_if_enabled
 from rlix_plugins.training.progress import OutstandingReader, ProgressTracker, with_outstanding
-from rlix_plugins.values import as_index
+from rlix_plugins.values import as_index, count
 
 logger = logging.getLogger(__name__)
 
@@ -882,17 +882,8 @@ def _max_num_steps(master_config: Any) -> int | None:
     return value
 
 
-#: Progress stream (``metrics["mode"]``) of NeMo RL's validation: counted by the coordinator
-#: with the collector's ``train`` stream (a pipeline's demand is the sum of its streams).
-VALIDATION_MODE = "val"
-
-
 def _checked_count(name: str, value: object) -> int:
-    """``value`` as an int >= 0, else :class:`ProtocolError` naming it."""
-    out = as_index(value)
-    if out is None or out < 0:
-        raise ProtocolError(f"validation {name}={value!r} is not valid; valid: an int >= 0")
-    return out
+    return count(value, ProtocolError, f"validation {name}")
 
 
 def validation_size(val_dataloader: Any, master_config: Any) -> int | None:

@@ -33,9 +33,9 @@ from rlix_plugins.adapters.verl_shards import (
     ShrinkBudget,
     VerlReplicaEngine,
 )
-from rlix_plugins.errors import RegistrationError, RlixPluginsError
+from rlix_plugins.errors import ProtocolError, RegistrationError, RlixPluginsError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
-from rlix_plugins.hooks.protocol import RLixHooks
+from rlix_plugins.hooks.protocol import VALIDATION_MODE, RLixHooks
 from rlix_plugins.protocol.names import (
     ACTOR_INFER,
     ACTOR_TRAIN,
@@ -46,9 +46,13 @@ from rlix_plugins.protocol.names import (
 )
 from rlix_plugins.protocol.types import Priority
 from rlix_plugins.settings import Settings, load_settings
-from rlix_plugins.values import is_int
+from rlix_plugins.values import count, is_int
 
 logger = logging.getLogger(__name__)
+
+
+def _count(name: str, value: object) -> int:
+    return count(value, ProtocolError, f"validation {name}")
 
 
 class AdapterNotRegisteredError(RlixPluginsError, RuntimeError):
@@ -179,6 +183,10 @@ class VerlPipelineAdapter:
         #: failed registration may be another job's)
         self._registered = False
         self._closed = False
+        #: trajectories the running validation generates (None: no validation running)
+        self._validation_target: int | None = None
+        #: the last training step is done: no further rollout demand is reported
+        self._steps_over = False
 
     @property
     def hooks(self) -> RLixHooks:
@@ -257,7 +265,10 @@ class VerlPipelineAdapter:
     def report_collected(self, collected: int, step: int,
                          outstanding: int | None = None) -> None:
         """Demand for the current step: ``collected`` of ``step_target`` trajectories, and
-        (optional) the requests in flight over every step (``outstanding`` metric)."""
+        (optional) the requests in flight over every step (``outstanding`` metric). Nothing
+        is reported after :meth:`end_steps`."""
+        if self._steps_over:
+            return
         if outstanding is None:
             self.hooks.report_progress(
                 step_target_trajectories=self.step_target, collected=collected,
@@ -268,6 +279,76 @@ class VerlPipelineAdapter:
             step_target_trajectories=self.step_target, collected=collected,
             current_train_step=step, outstanding=outstanding,
         )
+
+    # ---------------------------------------------------------------- validation
+    def begin_validation(self, step: object, target: object) -> None:
+        """veRL's ``_validate`` starts: report its ``target`` trajectories (validation prompts x
+        ``val_kwargs.n``) as demand of a stream of their own (mode :data:`VALIDATION_MODE`),
+        so the coordinator keeps ranks for them, or wakes some, as for a rollout. Before,
+        nothing was reported for a validation: its replicas could be lent away mid-validation,
+        and after the last step only the rollouts' leftover demand kept one awake.
+
+        A failed report is logged (progress is advisory: the validation must not fail for it).
+
+        Raises:
+            ProtocolError: ``step`` or ``target`` is not an int >= 0; nothing is sent.
+        """
+        step_i = _count("step", step)
+        target_i = _count("target", target)
+        if self._closed:
+            return
+        self._validation_target = target_i
+        self._report_validation(step_i, 0, target_i, new_batch=True)
+
+    def end_validation(self, step: object) -> None:
+        """The validation ended: its stream reports nothing remaining (only that stream: the
+        rollouts' demand is the progress thread's). No-op when none runs.
+
+        Raises:
+            ProtocolError: ``step`` is not an int >= 0; nothing is sent, the demand stays.
+        """
+        step_i = _count("step", step)
+        target, self._validation_target = self._validation_target, None
+        if target is None or self._closed:
+            return
+        self._report_validation(step_i, target, target, new_batch=False)
+
+    def _report_validation(self, step: int, done: int, target: int, *, new_batch: bool) -> None:
+        try:
+            self.hooks.report_progress(
+                step_target_trajectories=target, collected=done, current_train_step=step,
+                new_batch=new_batch, mode=VALIDATION_MODE, outstanding=target - done,
+            )
+        except Exception:
+            logger.warning("veRL pipeline %s: validation demand (%d of %d done) not reported",
+                           self.pipeline_id, done, target, exc_info=True)
+
+    def end_steps(self, step: object) -> None:
+        """The last training step (``step``) is done, before its release: the rollouts' stream
+        reports nothing remaining, and the progress thread's later reports are dropped. veRL's
+        rollouts keep generating for the step after the last until ``fit`` returns; that
+        demand used to outlive the release, and the coordinator's next cycle could wake a
+        replica for work nobody trains on (a hybrid replica: a model load and a sync).
+
+        Reported as a finished stream, not cleared: without a stream the scheduler falls back
+        to the step estimate of the generation requests. A validation that follows reports its
+        own stream. Idempotent; a failed report is logged (``close`` clears the demand).
+
+        Raises:
+            ProtocolError: ``step`` is not an int >= 0; nothing is sent.
+        """
+        step_i = count(step, ProtocolError, "last step")
+        if self._steps_over or self._closed:
+            return
+        self._steps_over = True
+        try:
+            self.hooks.report_progress(
+                step_target_trajectories=self.step_target, collected=self.step_target,
+                current_train_step=step_i, outstanding=0,
+            )
+        except Exception:
+            logger.warning("veRL pipeline %s: the rollouts' demand after the last step not "
+                           "reported done", self.pipeline_id, exc_info=True)
 
     def before_training(self, step: int) -> None:
         """Block until the trainer GPUs are granted (overlapping shards shrunk)."""

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+#: Progress stream (``mode`` of :meth:`RLixHooks.report_progress`) of a validation run: the
+#: coordinator counts it with the rollouts' ``train`` stream (a pipeline's demand is the sum
+#: of its streams), so a validation keeps or wakes ranks as a rollout does.
+VALIDATION_MODE = "val"
+
 
 @runtime_checkable
 class RLixHooks(Protocol):

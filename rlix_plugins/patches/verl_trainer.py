@@ -24,7 +24,10 @@ The job keeps its ``trainer.v1.trainer_mode``; the registry entry of that mode i
   consumed, block until the trainer GPUs are granted, then re-create Megatron's NCCL groups
   and rebind the groups veRL's engine holds;
 * ``on_step_end`` (after veRL's weight update, which with the ``rlix_cache`` backend fills the
-  CPU cache): destroy Megatron's NCCL groups, then release the trainer GPUs.
+  CPU cache): destroy Megatron's NCCL groups, then release the trainer GPUs; after the last
+  step, the rollouts' demand is cleared first (nothing will train on it);
+* ``on_validate_begin`` / ``on_validate_end``: the validation's trajectories are the
+  pipeline's demand while it runs (a stream of their own, like NeMo RL's validation).
 
 separate_async's own hybrid switching (remove/abort/sleep hybrid replicas, add them back) is
 disabled: the coordinator decides which replicas run, through ``resize_infer``.
@@ -35,6 +38,8 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Any
+
+from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +183,21 @@ def build_adapter(trainer: Any) -> Any:
     return adapter
 
 
+def validation_size(trainer: Any) -> int | None:
+    """Trajectories veRL's ``_validate`` generates: every prompt of ``val_dataloader``'s
+    dataset (veRL's validation loader drops no last batch) times
+    ``actor_rollout_ref.rollout.val_kwargs.n``; None when either is not readable. (A dataset
+    with a per-row ``__rollout_n__`` generates that many for its rows instead.)"""
+    try:
+        prompts = len(trainer.val_dataloader.dataset)
+        n = as_index(trainer.config.actor_rollout_ref.rollout.val_kwargs.n)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if n is None or n < 1:
+        return None
+    return prompts * n
+
+
 class RLixTrainerMixin:
     """The RLix additions; combined with a veRL trainer class by :func:`rlix_trainer_class`."""
 
@@ -231,7 +251,31 @@ class RLixTrainerMixin:
         super().on_step_end()  # type: ignore[misc]
         self._worker_call("rlix_release_parallel_state")
         if self._rlix_adapter is not None:
+            if self.global_steps >= int(getattr(self, "total_training_steps", 0) or 0) > 0:
+                # No step follows: stop reporting the rollouts' demand for one before the
+                # release, or the coordinator's next cycle may wake a replica for it.
+                self._rlix_stop_progress()
+                self._rlix_adapter.end_steps(self.global_steps)
             self._rlix_adapter.after_training(self.global_steps)
+
+    def on_validate_begin(self) -> None:
+        super().on_validate_begin()  # type: ignore[misc]
+        if self._rlix_adapter is None:
+            return
+        target = validation_size(self)
+        if target is None:
+            logger.warning("rlix: the validation at step %s reports no demand (its size is "
+                           "not readable from val_dataloader.dataset and "
+                           "actor_rollout_ref.rollout.val_kwargs.n)", self.global_steps)
+            return
+        self._rlix_adapter.begin_validation(self.global_steps, target)
+
+    def on_validate_end(self) -> None:
+        try:
+            super().on_validate_end()  # type: ignore[misc]
+        finally:
+            if self._rlix_adapter is not None:
+                self._rlix_adapter.end_validation(self.global_steps)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         # veRL's fit returns from its last step without calling on_train_end: close here too.
@@ -246,16 +290,20 @@ class RLixTrainerMixin:
 
     def _rlix_close(self) -> None:
         """Stop progress reports and the heartbeat; idempotent."""
+        self._rlix_stop_progress()
+        adapter, self._rlix_adapter = self._rlix_adapter, None
+        if adapter is not None:
+            adapter.close()
+
+    def _rlix_stop_progress(self) -> None:
+        """Stop the progress thread; idempotent (it is not restarted)."""
         if self._rlix_progress is not None:
             self._rlix_progress.set()
         thread, self._rlix_progress_thread = self._rlix_progress_thread, None
         if thread is not None and thread is not threading.current_thread():
             # A report in flight must land before the adapter clears the progress, or the
-            # coordinator keeps demand from a job that has ended.
+            # coordinator keeps demand from a step nobody trains on.
             thread.join(PROGRESS_JOIN_S)
-        adapter, self._rlix_adapter = self._rlix_adapter, None
-        if adapter is not None:
-            adapter.close()
 
     # separate_async: the coordinator owns which replicas run
     def switch_to_trainer(self) -> None:

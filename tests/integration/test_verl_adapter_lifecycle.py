@@ -33,12 +33,23 @@ class _Controller:
         self.closed = True
 
 
-def _adapter(plane: Any, pipeline_id: str, hooks_factory: Any) -> VerlPipelineAdapter:
+class _ServingController(_Controller):
+    """FAKE shard controller that accepts the coordinator's resizes (nothing runs on them)."""
+
+    def shrink(self, dp_ranks: Sequence[int]) -> None:
+        del dp_ranks
+
+    def expand(self, dp_ranks: Sequence[int]) -> None:
+        del dp_ranks
+
+
+def _adapter(plane: Any, pipeline_id: str, hooks_factory: Any,
+             controller: _Controller | None = None) -> VerlPipelineAdapter:
     settings = load_settings({"RLIX_CONTROL_PLANE": "rlix", "RLIX_NAMESPACE": plane.namespace})
     return VerlPipelineAdapter(
         settings=settings, pipeline_id=pipeline_id,
         layout=VerlLayout(train_gpus=2, tp=1, hybrid_replicas=1, standalone_replicas=1),
-        controller=_Controller(),  # type: ignore[arg-type]
+        controller=controller or _Controller(),  # type: ignore[arg-type]
         hooks_factory=hooks_factory, step_target=4,
     )
 
@@ -85,3 +96,71 @@ def test_a_registration_failing_after_register_pipeline_leaves_nothing_behind(
         adapter.register()
     assert not _registered(coordinator, pid), "a half-registered pipeline kept its GPUs"
     assert not _coordinator_actor_exists(pid)
+
+
+def _demand(plane: Any, pipeline_id: str) -> int:
+    import ray
+
+    status = ray.get(plane.scheduler.get_status.remote()).pipeline(pipeline_id)
+    return int(status.demand)
+
+
+def test_validation_is_demand_while_it_runs_and_nothing_outlives_the_last_step(
+    coordinator: Any,
+) -> None:
+    """veRL's validation reported nothing (its replicas could be lent away mid-validation),
+    and after the last step the rollouts' demand for a step nobody trains on lasted until
+    ``fit`` returned. Real coordinator and CoordinatorHooks."""
+    from rlix_plugins.hooks import make_hooks
+
+    pid = "ft_verlvalid001"
+    settings = load_settings(
+        {"RLIX_CONTROL_PLANE": "rlix", "RLIX_NAMESPACE": coordinator.namespace}
+    )
+    adapter = _adapter(coordinator, pid, lambda: make_hooks(settings, pipeline_id=pid),
+                       _ServingController())
+    adapter.register()
+    try:
+        # the step's generation request carries the step's size: the scheduler's fallback
+        # demand when the pipeline has no progress stream
+        adapter.request_generation(1)
+        adapter.report_collected(1, step=1)  # 1 of the step's 4 trajectories
+        assert _demand(coordinator, pid) == 3
+        adapter.begin_validation(1, 6)
+        assert _demand(coordinator, pid) == 9  # its own stream, on top of the rollouts'
+        adapter.end_validation(1)
+        assert _demand(coordinator, pid) == 3  # the rollouts' stream untouched
+        adapter.end_validation(1)  # none running: nothing sent
+        assert _demand(coordinator, pid) == 3
+        adapter.end_steps(1)  # the last step's end, before its release
+        assert _demand(coordinator, pid) == 0
+        adapter.report_collected(0, step=2)  # a report the progress thread had in flight
+        assert _demand(coordinator, pid) == 0
+        adapter.begin_validation(2, 5)  # the final validation still counts
+        assert _demand(coordinator, pid) == 5
+        adapter.end_validation(2)
+        assert _demand(coordinator, pid) == 0
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3", None])
+def test_bad_validation_values_are_typed_errors_before_anything_is_sent(bad: object) -> None:
+    from rlix_plugins.errors import ProtocolError
+
+    # never registered: reaching the hooks would raise AdapterNotRegisteredError instead
+    adapter = _adapter(_Plane(), "ft_verlvalid002", NoOpRLixHooks)
+    with pytest.raises(ProtocolError, match=r"validation target=.* valid: an int >= 0"):
+        adapter.begin_validation(1, bad)
+    with pytest.raises(ProtocolError, match=r"validation step=.* valid: an int >= 0"):
+        adapter.begin_validation(bad, 4)
+    with pytest.raises(ProtocolError, match="validation step="):
+        adapter.end_validation(bad)
+    with pytest.raises(ProtocolError, match="last step="):
+        adapter.end_steps(bad)
+
+
+class _Plane:
+    """What ``_adapter`` reads of a control plane, for tests that never reach it."""
+
+    namespace = "rlix-never-used"
