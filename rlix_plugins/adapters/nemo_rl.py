@@ -55,7 +55,7 @@ from rlix_plugins.errors import (
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import ShardStateView
-from rlix_plugins.hooks.protocol import VALIDATION_MODE, RLixHooks
+from rlix_plugins.hooks.protocol import VALIDATION_MODE, RLixHooks, report_validation
 from rlix_plugins.protocol.names import (
     ACTOR_INFER,
     ACTOR_TRAIN,
@@ -506,14 +506,8 @@ class NemoRlPipeline:
                            target: int | None = None) -> None:
         total = self._validation_target if target is None else target
         assert total is not None
-        try:
-            self.hooks.report_progress(
-                step_target_trajectories=total, collected=done, current_train_step=step,
-                new_batch=new_batch, mode=VALIDATION_MODE, outstanding=total - done,
-            )
-        except Exception:
-            logger.warning("pipeline %s: validation demand (%d of %d done) not reported",
-                           self.pipeline_id, done, total, exc_info=True)
+        report_validation(self.hooks, self.pipeline_id, step=step, done=done, target=total,
+                          new_batch=new_batch)
 
     # end of the run -----------------------------------------------------------------------
     def end_run(self) -> None:

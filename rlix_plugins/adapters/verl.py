@@ -35,7 +35,7 @@ from rlix_plugins.adapters.verl_shards import (
 )
 from rlix_plugins.errors import ProtocolError, RegistrationError, RlixPluginsError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
-from rlix_plugins.hooks.protocol import VALIDATION_MODE, RLixHooks
+from rlix_plugins.hooks.protocol import RLixHooks, report_validation
 from rlix_plugins.protocol.names import (
     ACTOR_INFER,
     ACTOR_TRAIN,
@@ -298,7 +298,8 @@ class VerlPipelineAdapter:
         if self._closed:
             return
         self._validation_target = target_i
-        self._report_validation(step_i, 0, target_i, new_batch=True)
+        report_validation(self.hooks, self.pipeline_id, step=step_i, done=0, target=target_i,
+                          new_batch=True)
 
     def end_validation(self, step: object) -> None:
         """The validation ended: its stream reports nothing remaining (only that stream: the
@@ -311,17 +312,8 @@ class VerlPipelineAdapter:
         target, self._validation_target = self._validation_target, None
         if target is None or self._closed:
             return
-        self._report_validation(step_i, target, target, new_batch=False)
-
-    def _report_validation(self, step: int, done: int, target: int, *, new_batch: bool) -> None:
-        try:
-            self.hooks.report_progress(
-                step_target_trajectories=target, collected=done, current_train_step=step,
-                new_batch=new_batch, mode=VALIDATION_MODE, outstanding=target - done,
-            )
-        except Exception:
-            logger.warning("veRL pipeline %s: validation demand (%d of %d done) not reported",
-                           self.pipeline_id, done, target, exc_info=True)
+        report_validation(self.hooks, self.pipeline_id, step=step_i, done=target,
+                          target=target, new_batch=False)
 
     def end_steps(self, step: object) -> None:
         """The last training step (``step``) is done, before its release: the rollouts' stream

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol, runtime_checkable
+
+logger = logging.getLogger(__name__)
 
 #: Progress stream (``mode`` of :meth:`RLixHooks.report_progress`) of a validation run: the
 #: coordinator counts it with the rollouts' ``train`` stream (a pipeline's demand is the sum
@@ -63,3 +66,19 @@ class NoOpRLixHooks:
 
     def clear_progress(self) -> None:
         return None
+
+
+def report_validation(
+    hooks: RLixHooks, pipeline_id: str, *, step: int, done: int, target: int, new_batch: bool
+) -> None:
+    """Report a validation's progress on its own stream (:data:`VALIDATION_MODE`): ``done`` of
+    ``target`` trajectories, the rest outstanding. Advisory: a failed report is logged, never
+    raised (the validation must not fail for it)."""
+    try:
+        hooks.report_progress(
+            step_target_trajectories=target, collected=done, current_train_step=step,
+            new_batch=new_batch, mode=VALIDATION_MODE, outstanding=target - done,
+        )
+    except Exception:
+        logger.warning("pipeline %s: validation demand (%d of %d done) not reported",
+                       pipeline_id, done, target, exc_info=True)
