@@ -25,7 +25,7 @@ The job keeps its ``trainer.v1.trainer_mode``; the registry entry of that mode i
   and rebind the groups veRL's engine holds;
 * ``on_step_end`` (after veRL's weight update, which with the ``rlix_cache`` backend fills the
   CPU cache): destroy Megatron's NCCL groups, then release the trainer GPUs; after the last
-  step, the rollouts' demand is cleared first (nothing will train on it);
+  step, the rollouts' stream is first reported done (nothing will train on it);
 * ``on_validate_begin`` / ``on_validate_end``: the validation's trajectories are the
   pipeline's demand while it runs (a stream of their own, like NeMo RL's validation).
 

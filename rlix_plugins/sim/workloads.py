@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
+from rlix_plugins.values import is_finite
+
 PLEXRL = "PlexRL (arXiv 2605.20863), Table 2 per-phase times; 31.36/30.10/37.58% GPU-h savings"
 ROLLMUX = "RollMux, Table 6 phase distributions (uniform, S/M/L); 300 jobs over 580 h trace"
 RLIX = "RLix RFC (NeMo RL/ROLL): ~3x rollout throughput on SWE-agent RL by time-sharing"
@@ -258,9 +260,7 @@ def with_switch_costs(
     else differs. Exclusive allocation pays none of the per-step costs (its shards and trainers
     stay resident). Raises ValueError naming what is wrong: a ``scale`` that is not a finite
     number >= 0, an unknown cost, or seconds that are not finite and >= 0."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-        math.isfinite(scale) and scale >= 0
-    ):
+    if not (is_finite(scale) and scale >= 0):
         raise ValueError(f"switch-cost scale must be a finite number >= 0, got {scale!r}")
     changes = dict(overrides or {})
     names = tuple(f.name for f in fields(SwitchCosts))
