@@ -95,6 +95,10 @@ CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
     PlugPoint("on_sample_end", f"{_TB}:PPOTrainer.on_sample_end", PlugKind.SUBCLASS, ("self",)),
     PlugPoint("on_step_end", f"{_TB}:PPOTrainer.on_step_end", PlugKind.SUBCLASS, ("self",)),
     PlugPoint("on_train_end", f"{_TB}:PPOTrainer.on_train_end", PlugKind.SUBCLASS, ("self",)),
+    PlugPoint("on_validate_begin", f"{_TB}:PPOTrainer.on_validate_begin", PlugKind.SUBCLASS,
+              ("self",), "a validation's trajectories are the pipeline's demand"),
+    PlugPoint("on_validate_end", f"{_TB}:PPOTrainer.on_validate_end", PlugKind.SUBCLASS,
+              ("self",)),
     PlugPoint("get_llm_client", f"{_TB}:PPOTrainer.get_llm_client", PlugKind.SUBCLASS,
               ("self",), "agent loops get the re-dispatching client"),
     PlugPoint("hybrid switch", "verl.trainer.ppo.v1.trainer_separate_async:"
