@@ -91,3 +91,8 @@ def observable(state: SchedulerState) -> object:
             state.runs_over,
         )
     )
+
+
+def active(state: SchedulerState, pid: str) -> set[int]:
+    """The DP ranks of ``pid``'s generation cluster that are active."""
+    return set(state.active_ranks[f"{pid}_actor_infer"])

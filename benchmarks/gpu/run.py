@@ -453,6 +453,22 @@ def plot(data: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def machine() -> dict[str, Any]:
+    """The host, the software and GPU 0 a run measured on (also used by the GPU tests that
+    save figures)."""
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),  # type: ignore[no-untyped-call]
+        "gpu": props.name,
+        "gpu_memory_bytes": int(props.total_memory),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=2048)
@@ -484,18 +500,8 @@ def main() -> None:
     ipc = _section(
         "cache and ipc", lambda: bench_cache_and_ipc(args.total_mib << 20, bucket, args.repeats)
     )
-    props = torch.cuda.get_device_properties(0)
     data = {
-        "machine": {
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),  # type: ignore[no-untyped-call]
-            "gpu": props.name,
-            "gpu_memory_bytes": int(props.total_memory),
-        },
+        "machine": machine(),
         "copies": copies,
         "checksum": checksum,
         "cache_and_ipc": ipc,

@@ -48,14 +48,18 @@ from typing import Any
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
 from rlix_plugins.errors import (
     CoordinatorUnavailableError,
-    ProtocolError,
     RegistrationError,
     RunOverError,
 )
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
 from rlix_plugins.generation.state_store import ShardStateView
-from rlix_plugins.hooks.protocol import VALIDATION_MODE, RLixHooks, report_validation
+from rlix_plugins.hooks.protocol import (
+    VALIDATION_MODE,
+    RLixHooks,
+    report_validation,
+    validation_count,
+)
 from rlix_plugins.protocol.names import (
     ACTOR_INFER,
     ACTOR_TRAIN,
@@ -67,7 +71,7 @@ from rlix_plugins.protocol.names import (
 from rlix_plugins.protocol.types import Priority, ProgressReport
 from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, settings_if_enabled
 from rlix_plugins.training.progress import OutstandingReader, ProgressTracker, with_outstanding
-from rlix_plugins.values import as_index, count
+from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
 
@@ -464,8 +468,8 @@ class NemoRlPipeline:
         Raises:
             ProtocolError: ``step`` or ``target`` is not an int (>= 0); nothing is sent.
         """
-        step_i = _checked_count("step", step)
-        target_i = _checked_count("target", target)
+        step_i = validation_count("step", step)
+        target_i = validation_count("target", target)
         if self._run_over or self._closed:
             return
         self._validation_target = target_i
@@ -478,8 +482,8 @@ class NemoRlPipeline:
         Raises:
             ProtocolError: ``step`` or ``done`` is not an int >= 0; nothing is sent.
         """
-        step_i = _checked_count("step", step)
-        done_i = _checked_count("done", done)
+        step_i = validation_count("step", step)
+        done_i = validation_count("done", done)
         if self._validation_target is None or self._run_over or self._closed:
             return
         self._report_validation(step_i, min(done_i, self._validation_target), new_batch=False)
@@ -493,7 +497,7 @@ class NemoRlPipeline:
         Raises:
             ProtocolError: ``step`` is not an int >= 0; nothing is sent, the demand stays.
         """
-        step_i = _checked_count("step", step)
+        step_i = validation_count("step", step)
         target = self._validation_target
         if target is None:
             return
@@ -874,10 +878,6 @@ def _max_num_steps(master_config: Any) -> int | None:
                        "demand stays until the pipeline unregisters", raw)
         return None
     return value
-
-
-def _checked_count(name: str, value: object) -> int:
-    return count(value, ProtocolError, f"validation {name}")
 
 
 def validation_size(val_dataloader: Any, master_config: Any) -> int | None:

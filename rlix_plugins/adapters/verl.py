@@ -35,7 +35,7 @@ from rlix_plugins.adapters.verl_shards import (
 )
 from rlix_plugins.errors import ProtocolError, RegistrationError, RlixPluginsError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
-from rlix_plugins.hooks.protocol import RLixHooks, report_validation
+from rlix_plugins.hooks.protocol import RLixHooks, report_validation, validation_count
 from rlix_plugins.protocol.names import (
     ACTOR_INFER,
     ACTOR_TRAIN,
@@ -49,10 +49,6 @@ from rlix_plugins.settings import Settings, load_settings
 from rlix_plugins.values import count, is_int
 
 logger = logging.getLogger(__name__)
-
-
-def _count(name: str, value: object) -> int:
-    return count(value, ProtocolError, f"validation {name}")
 
 
 class AdapterNotRegisteredError(RlixPluginsError, RuntimeError):
@@ -293,8 +289,8 @@ class VerlPipelineAdapter:
         Raises:
             ProtocolError: ``step`` or ``target`` is not an int >= 0; nothing is sent.
         """
-        step_i = _count("step", step)
-        target_i = _count("target", target)
+        step_i = validation_count("step", step)
+        target_i = validation_count("target", target)
         if self._closed:
             return
         self._validation_target = target_i
@@ -308,7 +304,7 @@ class VerlPipelineAdapter:
         Raises:
             ProtocolError: ``step`` is not an int >= 0; nothing is sent, the demand stays.
         """
-        step_i = _count("step", step)
+        step_i = validation_count("step", step)
         target, self._validation_target = self._validation_target, None
         if target is None or self._closed:
             return

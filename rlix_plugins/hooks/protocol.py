@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Protocol, runtime_checkable
 
+from rlix_plugins.errors import ProtocolError
+from rlix_plugins.values import count
+
 logger = logging.getLogger(__name__)
 
 #: Progress stream (``mode`` of :meth:`RLixHooks.report_progress`) of a validation run: the
@@ -66,6 +69,12 @@ class NoOpRLixHooks:
 
     def clear_progress(self) -> None:
         return None
+
+
+def validation_count(name: str, value: object) -> int:
+    """A validation's step or trajectory count as an int >= 0, else :class:`ProtocolError`
+    naming it (checked before anything is sent)."""
+    return count(value, ProtocolError, f"validation {name}")
 
 
 def report_validation(

@@ -39,7 +39,7 @@ import logging
 import threading
 from typing import Any
 
-from rlix_plugins.values import as_index
+from rlix_plugins.values import as_index, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class RLixTrainerMixin:
         super().on_step_end()  # type: ignore[misc]
         self._worker_call("rlix_release_parallel_state")
         if self._rlix_adapter is not None:
-            if self.global_steps >= int(getattr(self, "total_training_steps", 0) or 0) > 0:
+            if self._rlix_last_step():
                 # No step follows: stop reporting the rollouts' demand for one before the
                 # release, or the coordinator's next cycle may wake a replica for it.
                 self._rlix_stop_progress()
@@ -294,6 +294,12 @@ class RLixTrainerMixin:
         adapter, self._rlix_adapter = self._rlix_adapter, None
         if adapter is not None:
             adapter.close()
+
+    def _rlix_last_step(self) -> bool:
+        """This step is the run's last (veRL's own test in ``fit``: ``global_steps >=
+        total_training_steps``)."""
+        total = getattr(self, "total_training_steps", None)
+        return is_int(total) and total > 0 and self.global_steps >= total
 
     def _rlix_stop_progress(self) -> None:
         """Stop the progress thread; idempotent (it is not restarted)."""

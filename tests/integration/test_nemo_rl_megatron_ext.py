@@ -12,29 +12,14 @@ and MegatronParallelLifecycle.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.fixtures.distributed import run_world
+from tests.support.megatron_host import FakeMegatronHostWorker
 
 pytestmark = pytest.mark.integration
-
-
-class FakeMegatronHostWorker:
-    """Stands in for MegatronPolicyWorkerImpl (megatron-bridge cannot be installed here)."""
-
-    def _iter_params_with_optional_kv_scales(
-        self, kv_scales: dict[str, float] | None = None
-    ) -> Iterator[tuple[str, Any]]:
-        import torch
-        import torch.distributed as dist
-
-        for i in range(3):
-            t = torch.full((64, 32), float(dist.get_rank() + i), dtype=torch.bfloat16)
-            dist.all_reduce(t)  # collective: every rank must iterate
-            yield f"model.layers.{i}.weight", t
 
 
 def _rank(rank: int, world_size: int) -> dict[str, Any]:

@@ -9,12 +9,15 @@ torch's NCCL process groups and the extension's lifecycle are real.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.fixtures.distributed import run_world
-from tests.integration.test_nemo_rl_megatron_ext import FakeMegatronHostWorker
+from tests.support.megatron_host import FakeMegatronHostWorker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -30,10 +33,12 @@ def _used() -> int:
 
 
 def _cycles(rank: int, world_size: int) -> dict[str, Any]:
+    import megatron.core
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from benchmarks.gpu.run import machine
     from rlix_plugins.patches.megatron import RLixMegatronWorkerMixin
 
     class Worker(RLixMegatronWorkerMixin, FakeMegatronHostWorker):
@@ -44,7 +49,10 @@ def _cycles(rank: int, world_size: int) -> dict[str, Any]:
     w = Worker()
     w.model = torch.nn.Module()
     w.model.dp_group = ps.get_data_parallel_group()
-    out: dict[str, Any] = {"cycles": []}
+    out: dict[str, Any] = {
+        "machine": {**machine(), "megatron_core": megatron.core.__version__},
+        "cycles": [],
+    }
     for _ in range(CYCLES):
         # Megatron's groups in use (DDP's all-reduce), then NeMo RL's own, built lazily on
         # first use (_get_replica_group) and used once
@@ -68,13 +76,10 @@ def _cycles(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def test_the_lazily_built_nemo_rl_group_frees_its_nccl_memory_every_cycle(
-    record_property: Any,
-) -> None:
-    cycles = run_world(_cycles, 1, backend="nccl", timeout_s=300)[0]["cycles"]
-    for i, c in enumerate(cycles):
-        for key, value in c.items():
-            record_property(f"cycle{i}_{key}", value)
+def test_the_lazily_built_nemo_rl_group_frees_its_nccl_memory_every_cycle() -> None:
+    measured = run_world(_cycles, 1, backend="nccl", timeout_s=300)[0]
+    _save(measured)
+    cycles = measured["cycles"]
     first = cycles[0]
     # a communicator holds GPU memory of its own (NCCL buffers): the lazy group costs some
     assert first["lazy_group_bytes"] > 0
@@ -85,3 +90,25 @@ def test_the_lazily_built_nemo_rl_group_frees_its_nccl_memory_every_cycle(
         # and nothing accumulates over the cycles (not even half a lazy group's worth)
         drift = c["used_after_destroy_bytes"] - first["used_after_destroy_bytes"]
         assert drift <= first["lazy_group_bytes"] // 2
+
+
+def _save(measured: dict[str, Any]) -> None:
+    """The figures as JSON in ``$RLIX_GPU_RESULTS`` when set (how
+    ``benchmarks/gpu/results/nemo_rl_lazy_group_h200.json`` was made)."""
+    out_dir = os.environ.get("RLIX_GPU_RESULTS")
+    if not out_dir:
+        return
+    path = Path(out_dir) / "nemo_rl_lazy_group.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        **measured,
+        "command": "RLIX_GPU_RESULTS=DIR pytest -m gpu "
+        "tests/integration/test_nemo_rl_megatron_ext_gpu.py",
+        "layout": "world of one rank (one GPU, NCCL), tensor_model_parallel_size=1; FAKE host "
+        "worker (NeMo RL's MegatronPolicyWorkerImpl needs megatron-bridge); real "
+        "parallel_state, NCCL groups and the extension's rlix_destroy_parallel_state / "
+        "rlix_reinit_parallel_state",
+        "method": "device memory in use (cudaMemGetInfo, whole GPU, this process alone) before "
+        "and after NeMo RL's lazily built group (new_group + one all_reduce), and after "
+        "rlix_destroy_parallel_state()",
+    }, indent=2) + "\n")

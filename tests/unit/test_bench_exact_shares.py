@@ -14,8 +14,7 @@ from rlix_plugins.coordinator.core import DemandSharePlanner, SchedulerState
 from rlix_plugins.coordinator.core.model import PolicyConfig
 from rlix_plugins.coordinator.core.planner import _Gen
 from rlix_plugins.protocol import Priority
-from tests.core_builders import cycle, new_state, progress, register
-from tests.unit.test_core_planner import active
+from tests.core_builders import active, cycle, new_state, progress, register
 
 GEN = Priority.GENERATION
 

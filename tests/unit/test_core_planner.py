@@ -25,13 +25,9 @@ from rlix_plugins.errors import (
     UnknownClusterError,
 )
 from rlix_plugins.protocol import OUTSTANDING_METRIC, Priority, ProgressReport
-from tests.core_builders import cycle, new_state, observable, progress, register
+from tests.core_builders import active, cycle, new_state, observable, progress, register
 
 GEN = Priority.GENERATION
-
-
-def active(state: SchedulerState, pid: str) -> set[int]:
-    return set(state.active_ranks[f"{pid}_actor_infer"])
 
 
 def test_generation_grant_then_training_preempts_overlap_only() -> None:

@@ -26,9 +26,8 @@ from rlix_plugins.coordinator.core.snapshot import restore, snapshot
 from rlix_plugins.coordinator.core.status import build_status, format_status
 from rlix_plugins.errors import RequestStateError, RunOverError, UnknownPipelineError
 from rlix_plugins.protocol import Priority, ProgressReport
-from tests.core_builders import cycle, new_state, observable, progress, register
+from tests.core_builders import active, cycle, new_state, observable, progress, register
 from tests.fixtures.scheduler_service import ServiceBuilder, register_pipeline
-from tests.unit.test_core_planner import active
 
 GEN = Priority.GENERATION
 A_INFER = "ft_a_actor_infer"
