@@ -516,12 +516,19 @@ def test_a_warming_rank_is_no_rebalance_donor_but_yields_to_training() -> None:
     progress(state, "ft_a", 64, 0)
     progress(state, "ft_b", 64, 0)
     assert DemandSharePlanner().plan(state, 100).shrinks == ()
-    # Rank 1 serves: its hold time starts now, and the starving ft_b may take it (not rank 0).
+    # Rank 1 serves: its hold time starts now. Rank 0 still wakes, so moves between ft_a and
+    # ft_b wait (pace_moves_by_wakes); unpaced, the starving ft_b takes rank 1 (not rank 0).
     assert state.expand_done("ft_a_actor_infer", 1, now=100)
     assert state.active_ranks["ft_a_actor_infer"][1] == 100
-    plan = DemandSharePlanner().plan(state, 100)
-    assert [(m.cluster_id, m.dp_rank, m.reason) for m in plan.shrinks] == [
+    assert DemandSharePlanner().plan(state, 100).shrinks == ()
+    unpaced = DemandSharePlanner(PolicyConfig(pace_moves_by_wakes=False))
+    assert [(m.cluster_id, m.dp_rank, m.reason) for m in unpaced.plan(state, 100).shrinks] == [
         ("ft_a_actor_infer", 1, ShrinkReason.REBALANCE)
+    ]
+    # Both serve: the paced planner moves a rank too (the most recently activated one).
+    assert state.expand_done("ft_a_actor_infer", 0, now=103)
+    assert [(m.cluster_id, m.reason) for m in DemandSharePlanner().plan(state, 103).shrinks] == [
+        ("ft_a_actor_infer", ShrinkReason.REBALANCE)
     ]
     # Training preempts a warming rank (the service's shrink waits for the wake).
     state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=107)
@@ -529,6 +536,41 @@ def test_a_warming_rank_is_no_rebalance_donor_but_yields_to_training() -> None:
     assert ("ft_a_actor_infer", 0, ShrinkReason.PREEMPT) in {
         (m.cluster_id, m.dp_rank, m.reason) for m in plan.shrinks
     }
+
+
+def test_moves_wait_for_wakes_only_in_their_own_group_of_spans() -> None:
+    """``pace_moves_by_wakes``: while ft_a's rank wakes, ft_b (same GPUs) gets no rank moved
+    to it but still gets an idle GPU of its span; ft_c / ft_d on other GPUs rebalance as
+    usual; a training request is granted whatever wakes."""
+    state = new_state(1, 8)
+    register(state, "ft_a", train=[0, 1], infer=[0, 1])
+    register(state, "ft_b", infer=[0, 1, 2])
+    register(state, "ft_c", infer=[4, 5])
+    register(state, "ft_d", infer=[4, 5])
+    for pid in ("ft_a", "ft_c"):
+        state.submit_request(f"{pid}_actor_infer", GEN, now=0, step_target_estimate=64)
+    plan = DemandSharePlanner().plan(state, 0)
+    check_plan(state, plan)
+    state.commit(plan, now=0, expands_pending=True)
+    assert active(state, "ft_a") == {0, 1} and active(state, "ft_c") == {0, 1}
+    assert state.expand_done("ft_a_actor_infer", 1, now=1)
+    for rank in (0, 1):
+        assert state.expand_done("ft_c_actor_infer", rank, now=1)
+    assert state.warming == {("ft_a_actor_infer", 0)}
+    for pid in ("ft_b", "ft_d"):  # starving: a pending request and no rank
+        state.submit_request(f"{pid}_actor_infer", GEN, now=100, step_target_estimate=64)
+    for pid in ("ft_a", "ft_b", "ft_c", "ft_d"):
+        progress(state, pid, 64, 0)
+    plan = DemandSharePlanner().plan(state, 100)
+    check_plan(state, plan)
+    moved = {(m.cluster_id, m.reason) for m in plan.shrinks}
+    assert moved == {("ft_c_actor_infer", ShrinkReason.REBALANCE)}  # ft_a's group waits
+    grown = {(m.cluster_id, m.gpus) for m in plan.expands}
+    assert ("ft_b_actor_infer", (2,)) in grown  # an idle GPU is still given
+    assert any(cid == "ft_d_actor_infer" for cid, _ in grown)
+    state.submit_request("ft_a_actor_train", Priority.ACTOR_TRAINING, now=100)
+    plan = DemandSharePlanner().plan(state, 100)
+    assert [g.cluster_id for g in plan.grants] == ["ft_a_actor_train"]
 
 
 def test_check_state_catches_a_warming_rank_that_is_not_active() -> None:

@@ -128,6 +128,13 @@ class PolicyConfig:
     #: A lower-ranked request may still take reserved GPUs when its expected holding (its
     #: cluster's last one) ends before the reserving request may start (EASY backfilling).
     backfill: bool = True
+    #: While a rank of a group of overlapping generation clusters is still waking (background
+    #: expands, ``SchedulerState.warming``), no rank is moved between that group's pipelines:
+    #: moves wait for the wakes, as they do when every cycle awaits its expands, so rebalancing
+    #: does not act on shares that are still changing. Idle GPUs and non-generation requests
+    #: are still granted, and other groups are not held. No effect when cycles await their
+    #: expands (nothing is warming when a cycle plans).
+    pace_moves_by_wakes: bool = True
 
     def __post_init__(self) -> None:
         # Written as "not (valid)" so NaN, which fails every comparison, is refused too.
