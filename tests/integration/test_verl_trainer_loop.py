@@ -27,6 +27,8 @@ subclass of it, as the patched role mapping installs): its rollout is fed by
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -189,6 +191,66 @@ class Recorder:
         self._log("released")
 
 
+#: the validation of test_real_fit_loop_reports_validation_demand_while_it_runs
+VAL_PROMPTS = 3
+VAL_N = 2
+
+
+def coordinator_view(plane: Any, pipeline_id: str) -> tuple[dict[str, int], tuple[int, ...]]:
+    """What the coordinator holds for the pipeline: remaining trajectories per progress
+    stream mode, and the generation ranks that serve (active, not still waking)."""
+    import ray
+
+    def streams(actor: Any, pid: str) -> dict[str, int]:
+        return {mode: r.remaining for (mode, _), r in actor._state.progress.get(pid, {}).items()}
+
+    by_mode = ray.get(plane.scheduler.__ray_call__.remote(streams, pipeline_id))
+    status = ray.get(plane.scheduler.get_status.remote()).pipeline(pipeline_id)
+    infer = next(c for c in status.clusters if c.name == "actor_infer")
+    return by_mode, tuple(r for r in infer.active_ranks if r not in infer.warming_ranks)
+
+
+class FakeValidation:
+    """FAKE ``_validate``: veRL's decodes with the tokenizer and scores with reward workers,
+    which this CPU run has neither of. veRL's real ``fit`` calls it between its
+    ``on_validate_begin`` / ``on_validate_end`` hooks (the RLix mixin's, logged here); it
+    records what the coordinator holds while it runs (waiting up to 120 s for a generation
+    rank that serves), and again when the first step begins."""
+
+    global_steps: int
+    plane: Any
+    seen: list[tuple[str, dict[str, int], tuple[int, ...]]]
+    _log: Any  # Recorder's (this class comes before it in the trainer's bases)
+
+    def _see(self, when: str, wait_for_rank: bool) -> None:
+        import os
+
+        deadline = time.time() + 120.0
+        while True:
+            by_mode, serving = coordinator_view(self.plane, os.environ["PIPELINE_ID"])
+            if serving or not wait_for_rank or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        self.seen.append((when, by_mode, serving))
+
+    def on_validate_begin(self) -> None:
+        self._log("validate_begin")
+        super().on_validate_begin()  # type: ignore[misc]
+
+    def _validate(self) -> dict[str, float]:
+        self._log("validate")
+        self._see("validate", wait_for_rank=True)
+        return {"val-core/fake/reward/mean@1": 0.0}
+
+    def on_validate_end(self) -> None:
+        super().on_validate_end()  # type: ignore[misc]
+        self._log("validate_end")
+
+    def on_step_begin(self) -> None:
+        self._see(f"step_begin {self.global_steps}", wait_for_rank=False)
+        super().on_step_begin()  # type: ignore[misc]
+
+
 @dataclass
 class FakeAgentLoopManager:
     """Stands in for veRL's AgentLoopManagerTQ: per prompt, ``n`` sessions through the client
@@ -211,11 +273,16 @@ class FakeAgentLoopManager:
     async def _run_prompt(self, uid: str, prompt_ids: list[int], steps: int) -> None:
         import transfer_queue as tq
 
-        await asyncio.to_thread(tq.kv_put, key=uid, partition_id="train",
-                                tag={"status": "running"})
-        await asyncio.gather(*(self._session(uid, s, prompt_ids, steps) for s in range(N)))
-        await asyncio.to_thread(tq.kv_put, key=uid, partition_id="train",
-                                tag={"status": "finished"})
+        try:
+            await asyncio.to_thread(tq.kv_put, key=uid, partition_id="train",
+                                    tag={"status": "running"})
+            await asyncio.gather(*(self._session(uid, s, prompt_ids, steps) for s in range(N)))
+            await asyncio.to_thread(tq.kv_put, key=uid, partition_id="train",
+                                    tag={"status": "finished"})
+        except BaseException:
+            # the loop thread's future is never awaited: log it, or a hang hides the cause
+            logging.getLogger(__name__).exception("prompt %s of step %s failed", uid, steps)
+            raise
 
     async def _session(self, uid: str, session: int, prompt_ids: list[int], steps: int) -> None:
         import transfer_queue as tq
@@ -268,8 +335,8 @@ class CpuServerManager:
 
 
 # ------------------------------------------------------------------ setup
-def verl_config(total_steps: int) -> Any:
-    """veRL's own ppo_trainer.yaml (Hydra), sized for the CPU run."""
+def verl_config(total_steps: int, overrides: tuple[str, ...] = ()) -> Any:
+    """veRL's own ppo_trainer.yaml (Hydra), sized for the CPU run (``overrides`` last)."""
     import os.path
 
     import verl
@@ -305,6 +372,7 @@ def verl_config(total_steps: int) -> Any:
             "trainer.device=cpu",
             "transfer_queue.enable=true",
             "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+            *overrides,
         ])
 
 
@@ -368,12 +436,39 @@ def coordinator_2gpu(
     stop_coordinator(cfg.namespace)
 
 
-def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
-    verl_env: VerlEnv, verl_ray: Any, verl_servers: VerlServers, coordinator_2gpu: Any
-) -> None:
+@dataclass
+class Fitted:
+    """A finished ``fit``: the parts, the coordinator's trace and when ``fit`` ran."""
+
+    run: Run
+    trace: Any
+    t_fit: float
+    t_end: float
+
+
+@contextlib.contextmanager
+def fit_under_rlix(
+    verl_ray: Any,
+    verl_servers: VerlServers,
+    plane: Any,
+    *,
+    steps: int = STEPS,
+    overrides: tuple[str, ...] = (),
+    mixins: tuple[type, ...] = (),
+    prepare: Any = None,
+) -> Iterator[Fitted]:
+    """Build veRL's separate_async trainer as the patch installs it (``mixins`` first in its
+    bases, ``prepare(trainer)`` before ``fit``), run veRL's real ``fit`` for ``steps`` and
+    yield the result; on exit its worker groups are removed."""
     import os
 
     import transfer_queue as tq
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import (
+        PlacementGroup,
+        placement_group_table,
+        remove_placement_group,
+    )
     from verl.checkpoint_engine.base import CheckpointEngineManager
     from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
     from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode
@@ -381,20 +476,20 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
     from verl.workers.rollout.replica import RolloutReplicaRegistry
     from verl.workers.rollout.router import get_router_handle
 
-    from rlix_plugins.gates.timeline import intervals_from_trace
     from rlix_plugins.generation.loop_thread import LoopThread
     from rlix_plugins.patches.verl import VerlPatch
     from tests.integration.test_verl_checkpoint import _rollout_worker_group
 
+    placed = set(placement_group_table())
     patch = VerlPatch()
     patch.apply()
-    config = verl_config(STEPS)
+    config = verl_config(steps, overrides)
     tq.init(config.transfer_queue)
     loop = LoopThread()
     try:
         base = get_trainer_cls("separate_async")
         assert base.__name__ == "RLixPPOTrainerSeparateAsync"
-        trainer_cls = type("RecordedTrainer", (Recorder, FakeDataPath, base), {})
+        trainer_cls = type("RecordedTrainer", (*mixins, Recorder, FakeDataPath, base), {})
         trainer = trainer_cls(config)  # veRL's own __init__ (replay buffer, checks)
         trainer.events = []
 
@@ -426,23 +521,85 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
         trainer.train_dataloader = prompts()
         trainer.train_dataloader_it = None
         trainer.steps_per_epoch = 100
-        trainer.total_training_steps = STEPS
+        trainer.total_training_steps = steps
         trainer._load_checkpoint()  # resume_mode=disable: global_steps = 0
         trainer.on_init_end()  # veRL's first sync, then the RLix adapter registers
         assert type(trainer.checkpoint_manager).__name__ == "RLixHybridCheckpointManager"
+        if prepare is not None:
+            prepare(trainer)
 
         agent = FakeAgentLoopManager(trainer.get_llm_client(), loop)
         t_fit = time.time()
         trainer.fit(agent)  # veRL's real step loop
         t_end = time.time()
         pipeline_id = os.environ["PIPELINE_ID"]
-        trace = verl_ray.get(coordinator_2gpu.scheduler.get_trace.remote())
-        run = Run(trainer, wg, lb, receivers, agent, coordinator_2gpu, pipeline_id, servers)
-        _check(run, trace, t_fit, t_end, intervals_from_trace)
+        trace = verl_ray.get(plane.scheduler.get_trace.remote())
+        run = Run(trainer, wg, lb, receivers, agent, plane, pipeline_id, servers)
+        yield Fitted(run, trace, t_fit, t_end)
     finally:
         loop.close()
         tq.close()
         patch.revert()
+        # The worker groups' placement groups (one logical CPU each, with their actors) would
+        # otherwise stay reserved for the session and starve the next run's worker groups.
+        for pg_id, info in placement_group_table().items():
+            if pg_id not in placed and info["state"] != "REMOVED":
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+        # The session's servers as the next run expects them, awake, generating and routable:
+        # the run's end took its ranks down (closed gate, asleep), and only an expand of the
+        # coordinator (this pipeline's, now gone) opens them again. Done as that expand does.
+        for _, handle in verl_servers.servers:
+            if verl_ray.get(handle.rlix_is_sleeping.remote(), timeout=120):
+                verl_ray.get(handle.rlix_wake_up.remote(), timeout=120)
+            verl_ray.get(handle.rlix_resume_engine.remote(), timeout=120)
+            verl_ray.get(handle.rlix_open_gate.remote(), timeout=120)
+
+
+def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
+    verl_env: VerlEnv, verl_ray: Any, verl_servers: VerlServers, coordinator_2gpu: Any
+) -> None:
+    from rlix_plugins.gates.timeline import intervals_from_trace
+
+    with fit_under_rlix(verl_ray, verl_servers, coordinator_2gpu) as done:
+        _check(done.run, done.trace, done.t_fit, done.t_end, intervals_from_trace)
+
+
+def test_real_fit_loop_reports_validation_demand_while_it_runs(
+    verl_env: VerlEnv, verl_ray: Any, verl_servers: VerlServers, coordinator_2gpu: Any
+) -> None:
+    """veRL's real ``fit`` with ``val_before_train``: its ``on_validate_begin`` hook (the RLix
+    mixin's) reports the validation's trajectories (validation prompts x ``val_kwargs.n``) as
+    a ``val`` progress stream of the pipeline, the coordinator gives it a generation rank that
+    serves while ``_validate`` (FAKE) runs, and ``on_validate_end`` reports the stream done
+    before the first step asks for its rollouts."""
+    from torch.utils.data import DataLoader
+
+    def prepare(trainer: Any) -> None:
+        # only its dataset's size is read (by the RLix mixin; the FAKE _validate iterates
+        # nothing)
+        trainer.val_dataloader = DataLoader(list(range(VAL_PROMPTS)))
+        trainer.plane = coordinator_2gpu
+        trainer.seen = []
+
+    with fit_under_rlix(
+        verl_ray, verl_servers, coordinator_2gpu, steps=1,
+        overrides=("trainer.val_before_train=true",
+                   f"actor_rollout_ref.rollout.val_kwargs.n={VAL_N}"),
+        mixins=(FakeValidation,), prepare=prepare,
+    ) as done:
+        trainer = done.run.trainer
+        agent = done.run.agent
+    events = [(name, step) for name, step, _ in trainer.events]
+    assert events == [("validate_begin", 0), ("validate", 0), ("validate_end", 0),
+                      ("step_begin", 1), ("sample_end", 1), ("training_granted", 1),
+                      ("train", 1), ("step_end", 1), ("released", 1)], events
+    (when, during, serving), (when1, at_step, _) = trainer.seen
+    assert when == "validate" and during.get("val") == VAL_PROMPTS * VAL_N, trainer.seen
+    assert serving, trainer.seen  # a generation rank served the validation
+    assert when1 == "step_begin 1" and at_step.get("val") == 0, trainer.seen
+    # nothing lost: every rollout trajectory the step generated was counted
+    served = {(s, uid) for s, uid in agent.served}
+    assert len(agent.served) == len(served) * N
 
 
 def _check(run: Run, trace: Any, t_fit: float, t_end: float, intervals_from_trace: Any) -> None:
