@@ -15,7 +15,8 @@ One cycle:
      target number of TP ranks proportional to ``weight x remaining demand`` over the GPUs
      generation may use (idle + its active ranks). Pipelines furthest below target pick first.
      A pipeline with a pending request and no active rank always gets one rank if any can be
-     made free (no starvation). Ranks are moved from pipelines above target only outside a
+     made free (no starvation; one taken from another pipeline waits for the wakes of its
+     group, see below). Ranks are moved from pipelines above target only outside a
      hysteresis band and never when activated less than ``min_hold_s`` ago, so shards do not
      flip-flop; a rank still waking (``state.warming``) is never moved to another pipeline,
      and while one is, no rank is moved between the pipelines of its group of overlapping
