@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 
 from rlix_plugins.sim.calibrate import CALIBRATION_STEPS, calibrate_lengths
@@ -17,7 +16,7 @@ from rlix_plugins.sim.workloads import (
     PLEXRL_TABLE2,
     ROLLMUX_RANGES,
     ROLLMUX_SIZES,
-    SwitchCosts,
+    SWITCH_COSTS,
     Workload,
     long_tail_agentic,
     plexrl_two_jobs,
@@ -141,21 +140,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=SECONDS",
         help="set one switch cost of every job, after --switch-scale (repeatable), e.g. "
         "nccl_reinit_s=1.0 with your cluster's measured figure; names: "
-        + ", ".join(f.name for f in fields(SwitchCosts)),
+        + ", ".join(SWITCH_COSTS),
     )
 
 
 def parse_switch_costs(items: list[str] | None) -> dict[str, float]:
     """``--switch-cost NAME=SECONDS`` values as a dict; ValueError naming the bad item and
     the valid names (a repeated name: the last one counts, as argparse does for options)."""
-    names = tuple(f.name for f in fields(SwitchCosts))
     out: dict[str, float] = {}
     for item in items or []:
         name, sep, value = item.partition("=")
         name = name.strip()
-        if not sep or name not in names:
+        if not sep or name not in SWITCH_COSTS:
             raise ValueError(
-                f"--switch-cost expects NAME=SECONDS with NAME one of {', '.join(names)}; "
+                f"--switch-cost expects NAME=SECONDS with NAME one of {', '.join(SWITCH_COSTS)}; "
                 f"got {item!r}"
             )
         try:

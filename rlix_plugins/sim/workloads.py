@@ -246,9 +246,11 @@ def shared_on(workload: Workload, gpus: int) -> Workload:
     return replace(workload, name=f"{workload.name}_shared{gpus}", shared_nodes=gpus // gpn)
 
 
+#: every switch cost a job has (the names ``with_switch_costs`` and ``--switch-cost`` take)
+SWITCH_COSTS = tuple(f.name for f in fields(SwitchCosts))
 #: the switch costs paid on every step (the first model load is paid once, by exclusive
 #: allocation too)
-PER_STEP_COSTS = tuple(f.name for f in fields(SwitchCosts) if f.name != "init_load_s")
+PER_STEP_COSTS = tuple(n for n in SWITCH_COSTS if n != "init_load_s")
 
 
 def with_switch_costs(
@@ -263,10 +265,9 @@ def with_switch_costs(
     if not (is_finite(scale) and scale >= 0):
         raise ValueError(f"switch-cost scale must be a finite number >= 0, got {scale!r}")
     changes = dict(overrides or {})
-    names = tuple(f.name for f in fields(SwitchCosts))
-    unknown = sorted(set(changes) - set(names))
+    unknown = sorted(set(changes) - set(SWITCH_COSTS))
     if unknown:
-        raise ValueError(f"unknown switch cost(s) {unknown}; valid: {', '.join(names)}")
+        raise ValueError(f"unknown switch cost(s) {unknown}; valid: {', '.join(SWITCH_COSTS)}")
 
     def change(c: SwitchCosts) -> SwitchCosts:
         # SwitchCosts checks every value (finite seconds >= 0) and names the field

@@ -463,7 +463,7 @@ def fit_under_rlix(
     import os
 
     import transfer_queue as tq
-    from ray._raylet import PlacementGroupID
+    from ray import PlacementGroupID
     from ray.util.placement_group import (
         PlacementGroup,
         placement_group_table,
