@@ -16,7 +16,7 @@ from rlix_plugins.coordinator.core import (
     check_state,
     validate_registration,
 )
-from rlix_plugins.protocol import ProgressReport
+from rlix_plugins.protocol import Priority, ProgressReport
 
 
 def register(
@@ -72,6 +72,23 @@ def cycle(
 
 def new_state(num_nodes: int = 1, gpus_per_node: int = 8) -> SchedulerState:
     return SchedulerState(Topology(num_nodes, gpus_per_node))
+
+
+def chain_of_spans(planner: Planner, now: float = 0.0) -> SchedulerState:
+    """A chain of spans on 12 GPUs after one cycle of ``planner``: ``ft_a`` and ``ft_b`` share
+    GPUs 0-3, ``ft_c`` maps 3-11 (so the three form one group) and holds one rank without
+    demand. ``ft_a`` (demand 24) holds all four of GPUs 0-3; ``ft_b`` has not reported yet.
+    The idle GPUs 5-11 only ``ft_c`` reaches count in the group's budget, so ``ft_a``'s target
+    is all four ranks: a donor never above its target (docs/coordinator.md)."""
+    state = new_state(1, 12)
+    register(state, "ft_a", infer=[0, 1, 2, 3])
+    register(state, "ft_b", infer=[0, 1, 2, 3])
+    register(state, "ft_c", infer=list(range(3, 12)))
+    progress(state, "ft_a", 24, 0)
+    state.submit_request("ft_c_actor_infer", Priority.GENERATION, now=now)  # no estimate
+    cycle(state, now, planner)
+    assert len(active(state, "ft_a")) == 4 and len(active(state, "ft_c")) == 1
+    return state
 
 
 def observable(state: SchedulerState) -> object:

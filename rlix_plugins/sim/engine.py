@@ -124,6 +124,7 @@ class _CycleCounters:
     grants: int = 0
     plan_wall_s_total: float = 0.0
     plan_wall_s_max: float = 0.0
+    starvation_shrinks: int = 0
 
 
 class _Series:
@@ -365,6 +366,8 @@ class SimCluster:
         for m in plan.shrinks:
             if m.reason is ShrinkReason.REBALANCE:
                 stats.rebalance_shrinks += 1
+            elif m.reason is ShrinkReason.STARVATION:
+                stats.starvation_shrinks += 1
             elif m.reason is ShrinkReason.PLANNED_RELEASE:
                 stats.planned_shrinks += 1
             else:

@@ -42,6 +42,8 @@ class Summary:
     cycles: int
     plan_ms_mean: float
     plan_ms_max: float
+    #: generation ranks the starvation guard moved (``PolicyConfig.starve_after_s``)
+    starvation_moves: int = 0
 
 
 def jain(values: list[float]) -> float:
@@ -102,6 +104,7 @@ def summarize(policy: str, result: RunResult, isolated: dict[str, float]) -> Sum
         cycles=c.cycles,
         plan_ms_mean=1000.0 * c.plan_wall_s_total / max(1, c.cycles),
         plan_ms_max=1000.0 * c.plan_wall_s_max,
+        starvation_moves=c.starvation_shrinks,
     )
 
 

@@ -61,3 +61,5 @@ class CycleStats:
     grants: int
     plan_wall_s_total: float
     plan_wall_s_max: float
+    #: shrinks by the planner's starvation guard (``PolicyConfig.starve_after_s``)
+    starvation_shrinks: int = 0

@@ -201,11 +201,8 @@ def coordinator_view(plane: Any, pipeline_id: str) -> tuple[dict[str, int], tupl
     stream mode, and the generation ranks that serve (active, not still waking)."""
     import ray
 
-    def streams(actor: Any, pid: str) -> dict[str, int]:
-        return {mode: r.remaining for (mode, _), r in actor._state.progress.get(pid, {}).items()}
-
-    by_mode = ray.get(plane.scheduler.__ray_call__.remote(streams, pipeline_id))
     status = ray.get(plane.scheduler.get_status.remote()).pipeline(pipeline_id)
+    by_mode = {s.mode: s.remaining for s in status.streams}
     infer = next(c for c in status.clusters if c.name == "actor_infer")
     return by_mode, tuple(r for r in infer.active_ranks if r not in infer.warming_ranks)
 

@@ -14,26 +14,19 @@ from rlix_plugins.coordinator.core import DemandSharePlanner, SchedulerState
 from rlix_plugins.coordinator.core.model import PolicyConfig
 from rlix_plugins.coordinator.core.planner import _Gen
 from rlix_plugins.protocol import Priority
-from tests.core_builders import active, cycle, new_state, progress, register
+from tests.core_builders import active, chain_of_spans, cycle, new_state, progress, register
 
 GEN = Priority.GENERATION
 
 @pytest.mark.parametrize("exact", [False, True])
 def test_idle_gpus_one_end_of_a_chain_reaches_starve_a_pipeline_only_under_the_default(
         exact: bool) -> None:
-    """A chain of spans: ``ft_a`` and ``ft_b`` share GPUs 0-3, ``ft_c`` maps 3-11 (so all three
-    form one group) and holds one rank without demand, leaving GPUs 5-11 idle. Only ``ft_c``
-    reaches them; counted in the budget ``ft_a``'s quota came from they lifted ``ft_a``'s target
-    to all four ranks, ``ft_a`` was never above target and ``ft_b`` (demand, no rank) waited."""
-    state = new_state(1, 12)
-    register(state, "ft_a", infer=[0, 1, 2, 3])
-    register(state, "ft_b", infer=[0, 1, 2, 3])
-    register(state, "ft_c", infer=list(range(3, 12)))
-    progress(state, "ft_a", 24, 0)
-    state.submit_request("ft_c_actor_infer", GEN, now=0)  # no estimate: one rank, no demand
+    """:func:`chain_of_spans`: the idle GPUs only ``ft_c`` reaches, counted in the budget
+    ``ft_a``'s quota came from, lift ``ft_a``'s target to all four ranks, so ``ft_a`` is never
+    above target and ``ft_b`` (demand, no rank) waits: under the default until its starvation
+    guard (``starve_after_s``) forces one rank, under the variant not at all."""
     planner = ExactSharePlanner() if exact else DemandSharePlanner()
-    cycle(state, 0.0, planner)
-    assert len(active(state, "ft_a")) == 4 and len(active(state, "ft_c")) == 1
+    state = chain_of_spans(planner)
     progress(state, "ft_b", 8, 0)
     for t in (100.0, 200.0):
         cycle(state, t, planner)
@@ -42,6 +35,9 @@ def test_idle_gpus_one_end_of_a_chain_reaches_starve_a_pipeline_only_under_the_d
         assert len(active(state, "ft_a")) + len(active(state, "ft_b")) == 4
     else:  # the default planner's known limitation (docs/coordinator.md)
         assert not active(state, "ft_b") and len(active(state, "ft_a")) == 4
+        assert state.starving_since["ft_b_actor_infer"] == 100.0
+        cycle(state, 100.0 + planner.config.starve_after_s, planner)
+        assert len(active(state, "ft_b")) == 1 and len(active(state, "ft_a")) == 3
 
 
 def _small_and_large(planner: DemandSharePlanner) -> tuple[int, int]:

@@ -11,7 +11,6 @@ taken as a clock step (warned), while Ray's short reorderings are still dropped.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 import pytest
@@ -24,10 +23,12 @@ from rlix_plugins.adapters.pipeline_coordinator import (
     is_stale,
     stream_mark,
 )
-from rlix_plugins.coordinator.service import rlix_compat
 from rlix_plugins.errors import ProtocolError
 from rlix_plugins.protocol.types import ProgressReport, coerce_progress_report
 from tests.support.stream_marks import apply_marks
+
+# the coordinators built here install the ``rlix`` stand-in process-wide
+pytestmark = pytest.mark.usefixtures("no_rlix_shim_left")
 
 PID = "ft_c1ock0000001"
 TARGET = 8
@@ -101,14 +102,6 @@ def test_a_reordering_within_the_bound_is_still_dropped() -> None:
     assert not is_stale(StreamMark(5, 100.0 - 20.0, 3), last, clock_step_s=15.0)
     assert not clock_stepped_back(StreamMark(5, None, 3), last)
     assert not clock_stepped_back(StreamMark(5, 0.0, 3), None)
-
-
-@pytest.fixture(autouse=True)
-def _undo_rlix_shim(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The coordinator installs the ``rlix`` stand-in import finder (once per process, as in
-    its actor); undo it afterwards for the tests that check the stand-in itself."""
-    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    monkeypatch.setattr(rlix_compat, "_installed", rlix_compat._installed)
 
 
 class _FakeSchedulerLinkCoordinator(PipelineCoordinator):

@@ -70,6 +70,7 @@ def test_stream_mark_reads_step_time_and_raw_count() -> None:
     assert stream_mark(ProgressReport("ft_a", 4)) == StreamMark(None, None, 0)
 
 
+@pytest.mark.usefixtures("no_rlix_shim_left")  # the coordinator installs the stand-in
 @pytest.mark.parametrize("step", [True, -1, 2.5, "3"])
 def test_a_malformed_step_is_refused_and_changes_nothing(step: object) -> None:
     coord = PipelineCoordinator("ft_a", lambda pid: None)  # type: ignore[arg-type,return-value]

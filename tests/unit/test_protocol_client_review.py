@@ -7,7 +7,6 @@ demand further down the wire), or a valid input the code mis-read.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -16,7 +15,6 @@ import pytest
 from rlix_plugins.adapters.observability import ObservationWriter
 from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
-from rlix_plugins.coordinator.service import rlix_compat
 from rlix_plugins.errors import ProtocolError, ShardStateError
 from rlix_plugins.generation import ShardLifecycle
 from rlix_plugins.generation.loop_thread import LoopThread
@@ -60,19 +58,6 @@ def test_a_report_with_a_bool_or_non_finite_fifo_timestamp_is_refused(fifo: obje
 # ----------------------------------------------------------------------------- coordinator
 
 
-@pytest.fixture
-def no_shim_left() -> Iterator[None]:
-    """PipelineCoordinator installs the rlix stand-in process-wide; take it out again so the
-    shim's own tests (which expect a process without it) see a clean process."""
-    finder, installed = list(sys.meta_path), rlix_compat._installed
-    modules = {m for m in sys.modules if m == "rlix" or m.startswith("rlix.")}
-    yield
-    sys.meta_path[:] = finder
-    rlix_compat._installed = installed
-    for name in [m for m in sys.modules if m == "rlix" or m.startswith("rlix.")]:
-        if name not in modules:
-            del sys.modules[name]
-
 
 class FakeShardsByClass:
     """FAKE shard controller (the real router needs vLLM engines), passed as a CLASS: the
@@ -91,7 +76,7 @@ class FakeShardsByClass:
         self.calls.append(("expand", list(dp_ranks)))
 
 
-@pytest.mark.usefixtures("no_shim_left")
+@pytest.mark.usefixtures("no_rlix_shim_left")
 def test_a_shard_controller_class_is_used_as_a_factory_not_as_the_controller() -> None:
     # A class has ``shrink``/``expand`` attributes, so the runtime Protocol check took the
     # class itself for a controller: every resize then failed (unbound method) and the

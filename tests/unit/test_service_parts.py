@@ -21,6 +21,8 @@ from rlix_plugins.hooks.coordinator_hooks import ProgressThrottle
 from rlix_plugins.protocol import ProgressReport, coerce_priority, coerce_progress_report
 from rlix_plugins.settings import load_settings
 
+# the coordinators built here install the ``rlix`` stand-in process-wide
+pytestmark = pytest.mark.usefixtures("no_rlix_shim_left")
 
 def test_trace_slices_follow_ownership_changes() -> None:
     trace = OwnershipTrace(2, t0=100.0)

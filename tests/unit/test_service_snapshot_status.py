@@ -8,9 +8,14 @@ import pytest
 
 from rlix_plugins.coordinator.core import SchedulerState, Topology, check_state
 from rlix_plugins.coordinator.core.snapshot import restore, settle_inflight, snapshot
-from rlix_plugins.coordinator.core.status import DeadPipeline, build_status, format_status
+from rlix_plugins.coordinator.core.status import (
+    DeadPipeline,
+    StreamStatus,
+    build_status,
+    format_status,
+)
 from rlix_plugins.errors import ProtocolError
-from rlix_plugins.protocol import Priority
+from rlix_plugins.protocol import OUTSTANDING_METRIC, Priority, ProgressReport
 from tests.core_builders import cycle, new_state, progress, register
 
 GEN = Priority.GENERATION
@@ -99,6 +104,7 @@ def test_status_view_lists_owners_stages_demand_and_queue() -> None:
     assert by_gpu[6].dp_rank == 1
     a = status.pipeline("ft_a")
     assert a is not None and a.demand == 90 and a.weight == 2.0
+    assert a.streams == (StreamStatus("train", None, 100, 10, 90),)
     train = next(c for c in a.clusters if c.name == "actor_train")
     assert train.held_at == "OLD_LOG_PROBS" and train.held_gpus == (0, 1)
     [waiting] = status.wait_queue
@@ -106,7 +112,8 @@ def test_status_view_lists_owners_stages_demand_and_queue() -> None:
     assert waiting.waited_s == pytest.approx(10.0)
     assert set(status.idle_gpus) == {g for g, o in enumerate(state.owner) if o is None}
     text = format_status(status)
-    for needle in ("ft_a_actor_train", "OLD_LOG_PROBS", "WAIT QUEUE", "lease expired"):
+    for needle in ("ft_a_actor_train", "OLD_LOG_PROBS", "WAIT QUEUE", "lease expired",
+                   "stream train        10/100 done  remaining=90"):
         assert needle in text
     with pytest.raises(AttributeError):
         status.revision = 5  # type: ignore[misc]
@@ -166,3 +173,28 @@ def test_bad_request_fields_are_refused_and_leave_state_unchanged() -> None:
     with pytest.raises(UnknownPipelineError, match="pipeline 'ft_zz' is not registered"):
         state.pipeline("ft_zz")
     assert observable(state) == before
+
+
+def test_status_lists_each_progress_stream_with_its_outstanding_requests() -> None:
+    """Demand is the sum over a pipeline's streams; the view shows each one (a validation
+    stream next to training, a LoRA adapter's) and ignores a malformed ``outstanding``."""
+    state = new_state(1, 4)
+    register(state, "ft_a", infer=[0, 1, 2, 3])
+    metrics: list[dict[str, object]] = [
+        {"completed": 3, "mode": "train", OUTSTANDING_METRIC: 9},
+        {"completed": 0, "mode": "val"},
+        {"completed": 1, "mode": "train", "adapter_id": "lora_1", OUTSTANDING_METRIC: -2},
+    ]
+    for target, m in zip((8, 6, 4), metrics, strict=True):
+        state.report_progress(ProgressReport("ft_a", target, None, m))
+    a = build_status(state, now=0.0).pipeline("ft_a")
+    assert a is not None and a.demand == 5 + 6 + 3 and a.progress_streams == 3
+    assert a.streams == (
+        StreamStatus("train", None, 8, 3, 5, 9),
+        StreamStatus("train", "lora_1", 4, 1, 3, None),
+        StreamStatus("val", None, 6, 0, 6, None),
+    )
+    text = format_status(build_status(state, now=0.0))
+    assert "stream train/lora_1 1/4 done  remaining=3\n" in text
+    assert "stream val          0/6 done  remaining=6" in text
+    assert "remaining=5 outstanding=9" in text

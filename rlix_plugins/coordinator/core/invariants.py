@@ -12,6 +12,8 @@ State invariants
   S6  a warming rank (committed, its expand still running) is an active rank
   S7  a pipeline whose run is over (``SchedulerState.end_run``) is registered and has no
       progress stream and no pending GENERATION request
+  S8  a cluster recorded as starving (``SchedulerState.starving_since``) is a registered
+      generation cluster with no active rank
 
 Plan invariants
   P1  a shrink names an active rank; an expand names an inactive rank of a generation cluster;
@@ -82,7 +84,7 @@ def _expected_owners(state: SchedulerState) -> dict[int, tuple[str, int | None]]
 
 
 def check_state(state: SchedulerState) -> None:
-    """Raise :class:`InvariantViolation` if the state breaks S1-S7."""
+    """Raise :class:`InvariantViolation` if the state breaks S1-S8."""
     if len(state.owner) != state.topology.num_gpus:
         raise InvariantViolation(
             "S3",
@@ -127,6 +129,12 @@ def check_state(state: SchedulerState) -> None:
             waiting = state.pending.get(c.cluster_id)
             if waiting is not None and waiting.priority is Priority.GENERATION:
                 raise InvariantViolation("S7", f"run-over {c.cluster_id} has a GENERATION request")
+    for cid in state.starving_since:
+        ranks = state.active_ranks.get(cid)  # None: not a registered generation cluster
+        if ranks is None or ranks:
+            raise InvariantViolation(
+                "S8", f"{cid} is recorded as starving but is not a rank-less generation cluster"
+            )
 
 
 def check_plan(state: SchedulerState, plan: Plan) -> None:

@@ -135,6 +135,13 @@ class PolicyConfig:
     #: are still granted, and other groups are not held. No effect when cycles await their
     #: expands (nothing is warming when a cycle plans).
     pace_moves_by_wakes: bool = True
+    #: A generation cluster that has wanted ranks and had none for ``starve_after_s``
+    #: (``SchedulerState.starving_since``) takes its one guaranteed rank from a pipeline at or
+    #: below its target, as long as that pipeline keeps a rank of its own. Shares alone can
+    #: leave it waiting as long as its neighbour's demand lasts: in a chain of overlapping
+    #: spans, idle GPUs only one end reaches inflate the other end's targets, so no donor is
+    #: ever above target (docs/coordinator.md, "Generation shares"). ``math.inf`` turns it off.
+    starve_after_s: float = 300.0
 
     def __post_init__(self) -> None:
         # Written as "not (valid)" so NaN, which fails every comparison, is refused too.
@@ -143,8 +150,9 @@ class PolicyConfig:
             and self.min_hold_s >= 0
             and 0 <= self.rebalance_threshold <= 1
             and self.reserve_after_s >= 0
+            and self.starve_after_s >= 0
         ):
             raise SettingsError(
                 "PolicyConfig needs aging_s > 0, min_hold_s >= 0, 0 <= rebalance_threshold <= 1, "
-                f"reserve_after_s >= 0; got {self!r}"
+                f"reserve_after_s >= 0, starve_after_s >= 0; got {self!r}"
             )

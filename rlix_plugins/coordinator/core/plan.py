@@ -15,6 +15,9 @@ class ShrinkReason(str, enum.Enum):
     PLANNED_RELEASE = "planned_release"  # await_release_gpus
     PREEMPT = "preempt"  # its GPUs go to a non-generation grant in this plan
     REBALANCE = "rebalance"  # its GPUs go to another pipeline's generation rank
+    #: its GPUs go to a pipeline that has had no rank for ``PolicyConfig.starve_after_s``
+    #: although its pipeline was not above its target (the planner's starvation guard)
+    STARVATION = "starvation"
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,14 +77,6 @@ class _Gen:
         return (self.target - len(self.active)) / self.target if self.target else 0.0
 
 
-def _collecting(state: SchedulerState, pipeline_id: str) -> bool:
-    """The pipeline reported remaining demand for its step: it is generating even when every
-    rank it had was preempted (no pending request then), so it must stay eligible or it would
-    wait forever for ranks nobody plans to give it."""
-    streams = state.progress.get(pipeline_id) or {}
-    return any(r.remaining > 0 for r in streams.values())
-
-
 class _Cycle:
     def __init__(self, state: SchedulerState, now: float, config: PolicyConfig) -> None:
         self.state = state
@@ -213,7 +205,9 @@ class _Cycle:
                 pending.seq if pending and pending.priority is Priority.GENERATION else None
             )
             spec = state.clusters[cid]
-            if pending_seq is None and not active and not _collecting(state, spec.pipeline_id):
+            # A pipeline still collecting must stay eligible after every rank it had was
+            # preempted (no pending request then), or it would wait for ranks nobody plans.
+            if pending_seq is None and not active and not state.collecting(spec.pipeline_id):
                 continue
             demand = state.demand(spec.pipeline_id) or 0
             if self.config.count_outstanding:
@@ -329,6 +323,7 @@ class _Cycle:
         if not g.may_rebalance:
             return None
         starving = not g.active
+        forced = starving and self._starved_long(g)
         best: tuple[int, list[GpuOwner]] | None = None
         best_key: tuple[int, float, float] | None = None
         owner = self.owner
@@ -343,10 +338,14 @@ class _Cycle:
                 if o is None:
                     continue
                 # Cheap filters first: a whole-cluster holding (or this cycle's grant), or a
-                # rank of a pipeline that is not above its target, can never be taken.
+                # rank of a pipeline that is not above its target, can never be taken (nor,
+                # for a receiver starved too long, a pipeline's last rank).
                 r = o.dp_rank
                 d = gens.get(o.cluster_id) if r is not None else None
-                if r is None or d is None or len(d.active) <= d.target or r in d.fresh:
+                if r is None or d is None or r in d.fresh:
+                    blocked = True
+                    break
+                if len(d.active) <= (min(d.target, 1) if forced else d.target):
                     blocked = True
                     break
                 donors[(o.cluster_id, r)] = o
@@ -354,7 +353,7 @@ class _Cycle:
                 continue
             key = (len(donors), *self._donor_cost(donors.values()))
             if (best_key is None or key < best_key) and self._donors_allowed(
-                list(donors.values()), gens, starving
+                list(donors.values()), gens, starving, forced
             ):
                 best, best_key = (rank, list(donors.values())), key
                 if key[:2] == (1, 0.0) and self.config.prefer_idle_donors:
@@ -397,8 +396,14 @@ class _Cycle:
         self._hints[cluster_id] = hints
         return hints
 
+    def _starved_long(self, g: _Gen) -> bool:
+        """``g`` has wanted ranks and had none for ``starve_after_s``: its guaranteed rank may
+        come from a pipeline at or below its target (``PolicyConfig.starve_after_s``)."""
+        since = self.state.starving_since.get(g.cluster_id)
+        return since is not None and self.now - since >= self.config.starve_after_s
+
     def _donors_allowed(
-        self, donors: list[GpuOwner], gens: dict[str, _Gen], starving: bool
+        self, donors: list[GpuOwner], gens: dict[str, _Gen], starving: bool, forced: bool = False
     ) -> bool:
         per_cluster: dict[str, int] = {}
         for o in donors:
@@ -418,7 +423,10 @@ class _Cycle:
         for cid, n in per_cluster.items():
             d = gens[cid]
             floor = 1 if d.demand > 0 and not starving else 0
-            if len(d.active) - n < max(d.target, floor):
+            keep = max(d.target, floor)
+            if forced:  # starved too long: every donor keeps one rank, not its share
+                keep = min(keep, 1)
+            if len(d.active) - n < keep:
                 return False
         return True
 
@@ -446,7 +454,9 @@ class _Cycle:
             for g in order
             if len(g.active) < g.target
         ]
-        if not any(len(g.active) > g.target for g in gens.values()):
+        if not any(len(g.active) > g.target for g in gens.values()) and not any(
+            not g.active and self._starved_long(g) for g in order
+        ):
             heap = []  # nobody has a rank to give
         heapq.heapify(heap)
         while heap:
@@ -456,9 +466,15 @@ class _Cycle:
             if found is None:
                 continue
             rank, donors = found
+            # Only the starvation guard takes from a pipeline that is not above its target.
+            reason = (
+                ShrinkReason.STARVATION
+                if any(len(gens[o.cluster_id].active) <= gens[o.cluster_id].target for o in donors)
+                else ShrinkReason.REBALANCE
+            )
             for o in donors:
                 assert o.dp_rank is not None
-                self._shrink(o.cluster_id, o.dp_rank, ShrinkReason.REBALANCE, cid)
+                self._shrink(o.cluster_id, o.dp_rank, reason, cid)
             self._grow(g, rank)
             if len(g.active) < g.target:
                 heapq.heappush(heap, (True, -g.gap, g.pending_seq or 0, cid))

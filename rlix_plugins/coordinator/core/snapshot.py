@@ -91,6 +91,8 @@ def snapshot(state: SchedulerState) -> dict[str, Any]:
         "last_hold_s": dict(state.last_hold_s),
         "fenced": sorted(state.fenced),
         "runs_over": sorted(state.runs_over),
+        # A restart must not reset how long a pipeline has starved (the planner's guard).
+        "starving_since": dict(state.starving_since),
     }
 
 
@@ -184,6 +186,12 @@ def _restore(data: Mapping[str, Any], topology: Topology | None) -> SchedulerSta
             state.fence(str(pid))
     # Absent from older snapshots: those pipelines' runs count as running.
     state.runs_over = {str(p) for p in data.get("runs_over", []) if p in state.pipelines}
+    # Absent from older snapshots: the next commit starts their clocks again.
+    state.starving_since = {
+        str(c): float(t)
+        for c, t in data.get("starving_since", {}).items()
+        if c in state.active_ranks and not state.active_ranks[c]
+    }
     # Revisions must keep growing across a restart so a client comparing them is not fooled.
     state.revision = int(data["revision"]) + 1
     check_state(state)

@@ -99,6 +99,11 @@ class SchedulerState:
         #: pipeline registered again under the same id gets a new one), so a plan names the
         #: registrations it was made for (:meth:`stamp`, :attr:`Plan.registrations`)
         self.registrations: dict[str, int] = {}
+        #: generation cluster -> the first commit at which it wanted ranks (a pending GENERATION
+        #: request or remaining demand) and had none; updated by :meth:`note_starving`. The
+        #: planner forces such a cluster's guaranteed rank once it has waited
+        #: ``PolicyConfig.starve_after_s`` (a starvation guard for shares that never move).
+        self.starving_since: dict[str, float] = {}
         self._registration_seq = 0
         self.revision = 0
         self._seq = 0
@@ -149,6 +154,12 @@ class SchedulerState:
         if pending is not None and pending.step_target_estimate is not None:
             return pending.step_target_estimate
         return self.estimates.get(pipeline_id)
+
+    def collecting(self, pipeline_id: str) -> bool:
+        """The pipeline reported remaining demand for its step: it is generating even when
+        every rank it had was preempted (no pending request then)."""
+        streams = self.progress.get(pipeline_id) or {}
+        return any(r.remaining > 0 for r in streams.values())
 
     def outstanding(self, pipeline_id: str) -> int | None:
         """Requests a pipeline has admitted and not finished, over every step its staleness
@@ -207,6 +218,7 @@ class SchedulerState:
                 self.owner[g] = None
             self.clusters.pop(c.cluster_id, None)
             self.active_ranks.pop(c.cluster_id, None)
+            self.starving_since.pop(c.cluster_id, None)
             self._forget_warming(c.cluster_id)
             self.holdings.pop(c.cluster_id, None)
             self.held_since.pop(c.cluster_id, None)
@@ -448,6 +460,24 @@ class SchedulerState:
         self._bump()
 
     # ------------------------------------------------------------------ commit
+    def note_starving(self, now: float) -> None:
+        """Record since when each generation cluster wants ranks and has none (kept while it
+        starves, dropped once it has a rank or wants none). Every :meth:`commit` calls it; a
+        service that skips the commit of an empty plan calls it instead."""
+        for cid, ranks in self.active_ranks.items():
+            spec = self.clusters[cid]
+            pid = spec.pipeline_id
+            req = self.pending.get(cid)
+            wants = (req is not None and req.priority is Priority.GENERATION) or self.collecting(
+                pid
+            )
+            # A fenced pipeline is frozen, a holding or a planned release is not short of GPUs.
+            frozen = pid in self.fenced or cid in self.holdings or cid in self.planned_releases
+            if ranks or not wants or frozen:
+                self.starving_since.pop(cid, None)
+            else:
+                self.starving_since.setdefault(cid, now)
+
     def stamp(self, plan: Plan) -> Plan:
         """``plan`` naming the current registration of every pipeline it touches (what a
         planner returns: its commit then applies nothing to a later registration)."""
@@ -562,6 +592,7 @@ class SchedulerState:
                 if req.step_target_estimate is not None:
                     self.estimates[spec.pipeline_id] = req.step_target_estimate
                 granted[cid] = self.held_gpus(cid)
+        self.note_starving(now)
         self._bump()
         return CommitResult(
             granted=granted,

@@ -6,10 +6,13 @@ are frozen dataclasses so they pickle across Ray and cannot be mutated by a call
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from rlix_plugins.coordinator.core.state import SchedulerState
+from rlix_plugins.protocol.types import OUTSTANDING_METRIC
+from rlix_plugins.values import is_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,23 @@ class ClusterStatus:
     #: active ranks whose background expand (wake + weight sync) has not finished: their GPUs
     #: are owned but they do not serve yet (``SchedulerState.warming``)
     warming_ranks: tuple[int, ...] = ()
+    #: generation clusters only: seconds it has wanted ranks and had none
+    #: (``SchedulerState.starving_since``); None when it is not starving
+    starving_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    """One progress stream of a pipeline (``(mode, adapter_id)``: train, val, a LoRA ...)."""
+
+    mode: str
+    adapter_id: str | None
+    step_target: int
+    completed: int
+    remaining: int
+    #: requests admitted and not finished over every step its staleness bound lets it
+    #: generate (the optional ``outstanding`` metric); None when not reported
+    outstanding: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +82,8 @@ class PipelineStatus:
     #: its training run has ended (``SchedulerState.end_run``): no demand, it is saving or
     #: shutting down and unregisters next
     run_over: bool = False
+    #: its progress streams, sorted by (mode, adapter): what ``demand`` adds up
+    streams: tuple[StreamStatus, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +180,11 @@ def build_status(
                     warming_ranks=tuple(
                         sorted(r for cid, r in state.warming if cid == c.cluster_id)
                     ),
+                    starving_s=(
+                        None
+                        if (since := state.starving_since.get(c.cluster_id)) is None
+                        else max(0.0, now - since)
+                    ),
                 )
             )
         pipelines.append(
@@ -170,6 +197,7 @@ def build_status(
                 clusters=tuple(clusters),
                 fenced=pid in state.fenced,
                 run_over=pid in state.runs_over,
+                streams=_streams(state, pid),
             )
         )
     queue = sorted(state.pending.values(), key=lambda r: (int(r.priority), r.seq))
@@ -196,6 +224,26 @@ def build_status(
     )
 
 
+def _streams(state: SchedulerState, pipeline_id: str) -> tuple[StreamStatus, ...]:
+    reports = state.progress.get(pipeline_id) or {}
+    out = []
+    for (mode, adapter), r in sorted(reports.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+        raw = (r.metrics or {}).get(OUTSTANDING_METRIC)
+        # the planner ignores a malformed value; so does the view
+        outstanding = int(raw) if is_number(raw) and 0 <= raw < math.inf else None
+        out.append(
+            StreamStatus(
+                mode=mode,
+                adapter_id=adapter,
+                step_target=r.step_target_trajectories,
+                completed=r.completed,
+                remaining=r.remaining,
+                outstanding=outstanding,
+            )
+        )
+    return tuple(out)
+
+
 def format_status(status: CoordinatorStatus, *, extra: Mapping[str, str] | None = None) -> str:
     """Render a status as the plain-text tables ``rlix-plugins status`` prints."""
     lines = [
@@ -216,6 +264,13 @@ def format_status(status: CoordinatorStatus, *, extra: Mapping[str, str] | None 
             f"  {p.pipeline_id}{fenced}  ns={p.ray_namespace}  weight={p.weight:g}  "
             f"demand={demand}  streams={p.progress_streams}"
         )
+        for s in p.streams:
+            name = s.mode if s.adapter_id is None else f"{s.mode}/{s.adapter_id}"
+            more = "" if s.outstanding is None else f" outstanding={s.outstanding}"
+            lines.append(
+                f"    stream {name:<12} {s.completed}/{s.step_target} done  "
+                f"remaining={s.remaining}{more}"
+            )
         for c in p.clusters:
             state = []
             if c.held_at:
@@ -226,6 +281,8 @@ def format_status(status: CoordinatorStatus, *, extra: Mapping[str, str] | None 
                 state.append(f"warming ranks {list(c.warming_ranks)}")
             if c.pending:
                 state.append(f"waiting@{c.pending}")
+            if c.starving_s is not None:
+                state.append(f"no rank for {c.starving_s:.0f}s")
             lines.append(
                 f"    {c.name:<12} tp={c.tp} gpus={list(c.gpus)} holds={list(c.held_gpus)} "
                 f"{' '.join(state) or 'idle'}"

@@ -820,8 +820,12 @@ class SchedulerService:
             self._set_gauges()
             if self._undurable and not self._answer_undurable():
                 return False  # retried next tick; nothing new is decided meanwhile
-            plan = self._planner.plan(self._state, self._now())
+            now = self._now()
+            plan = self._planner.plan(self._state, now)
             if plan.empty:
+                # Nothing to commit, but how long a pipeline has waited for a rank still counts
+                # (the planner's starvation guard); saved with the next commit.
+                self._state.note_starving(now)
                 return False
             if not plan.registrations:
                 # A planner that does not stamp its plans (any Planner may be configured): the

@@ -1,0 +1,136 @@
+"""The planner's starvation guard (``PolicyConfig.starve_after_s``) and the state it reads
+(``SchedulerState.starving_since``): a generation cluster that wanted ranks and had none for
+that long takes one rank from a pipeline at or below its target, never a pipeline's last."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rlix_plugins.coordinator.core import (
+    DemandSharePlanner,
+    InvariantViolation,
+    PolicyConfig,
+    ShrinkReason,
+    check_state,
+)
+from rlix_plugins.coordinator.core.snapshot import restore, snapshot
+from rlix_plugins.coordinator.core.status import build_status, format_status
+from rlix_plugins.errors import SettingsError
+from rlix_plugins.protocol import Priority
+from tests.core_builders import active, chain_of_spans, cycle, new_state, progress, register
+
+GEN = Priority.GENERATION
+B = "ft_b_actor_infer"
+
+
+def test_a_starved_pipeline_takes_one_rank_once_it_has_waited_starve_after_s() -> None:
+    planner = DemandSharePlanner(PolicyConfig(starve_after_s=50.0))
+    state = chain_of_spans(planner)
+    progress(state, "ft_b", 8, 0)
+    cycle(state, 10.0, planner)
+    assert state.starving_since == {B: 10.0}
+    plan, _ = cycle(state, 59.0, planner)
+    assert plan.empty and not active(state, "ft_b")
+    plan, _ = cycle(state, 60.0, planner)
+    assert [(m.cluster_id, m.reason, m.beneficiary) for m in plan.shrinks] == [
+        ("ft_a_actor_infer", ShrinkReason.STARVATION, B)
+    ]
+    assert len(active(state, "ft_b")) == 1 and len(active(state, "ft_a")) == 3
+    assert B not in state.starving_since
+    # One rank, not a share: ft_a is still at or below its (inflated) target, so nothing more
+    # moves while ft_b holds a rank.
+    for t in (100.0, 1000.0):
+        plan, _ = cycle(state, t, planner)
+        assert plan.empty
+    assert len(active(state, "ft_b")) == 1 and len(active(state, "ft_a")) == 3
+
+
+def test_the_guard_is_off_with_an_infinite_bound() -> None:
+    planner = DemandSharePlanner(PolicyConfig(starve_after_s=math.inf))
+    state = chain_of_spans(planner)
+    progress(state, "ft_b", 8, 0)
+    for t in (10.0, 1e6):
+        cycle(state, t, planner)
+    assert not active(state, "ft_b") and state.starving_since == {B: 10.0}
+
+
+def test_the_guard_never_takes_a_pipelines_last_rank() -> None:
+    """GPUs 0 and 2 are held by a training cluster, so the pair of spans on GPUs 0-1 and 1-2
+    has one rank to share; ``ft_a`` holds it, ``ft_b`` starves (a capacity limit the guard
+    does not turn into a flip-flop)."""
+    state = new_state(1, 3)
+    register(state, "ft_x", train=[0, 2])
+    register(state, "ft_a", infer=[0, 1])
+    register(state, "ft_b", infer=[1, 2])
+    planner = DemandSharePlanner(PolicyConfig(starve_after_s=1.0))
+    state.submit_request("ft_x_actor_train", Priority.ACTOR_TRAINING, now=0)
+    progress(state, "ft_a", 100, 0)
+    cycle(state, 0.0, planner)
+    assert active(state, "ft_a") == {1}
+    progress(state, "ft_b", 100, 0)
+    for t in (1.0, 10.0, 1000.0):
+        plan, _ = cycle(state, t, planner)
+        assert plan.empty
+    assert active(state, "ft_a") == {1} and state.starving_since == {B: 1.0}
+
+
+def test_starving_since_follows_want_and_ranks() -> None:
+    state = chain_of_spans(DemandSharePlanner())
+    assert state.starving_since == {}  # ft_b wants nothing yet
+    state.submit_request(B, GEN, now=5.0)
+    cycle(state, 5.0, DemandSharePlanner(PolicyConfig(starve_after_s=math.inf)))
+    assert state.starving_since == {B: 5.0}
+    cycle(state, 7.0, DemandSharePlanner(PolicyConfig(starve_after_s=math.inf)))
+    assert state.starving_since == {B: 5.0}  # the first commit it starved at is kept
+    state.cancel_request(B)
+    cycle(state, 8.0)
+    assert state.starving_since == {}  # wants nothing any more
+    progress(state, "ft_b", 8, 0)
+    cycle(state, 9.0, DemandSharePlanner(PolicyConfig(starve_after_s=math.inf)))
+    assert state.starving_since == {B: 9.0}
+    state.fence("ft_b")
+    cycle(state, 10.0)
+    assert state.starving_since == {}  # a fenced pipeline is frozen, not starving
+    state.unregister("ft_b")
+    register(state, "ft_b", infer=[0, 1, 2, 3])
+    progress(state, "ft_b", 8, 0)
+    cycle(state, 11.0, DemandSharePlanner(PolicyConfig(starve_after_s=math.inf)))
+    assert state.starving_since == {B: 11.0}
+    state.unregister("ft_b")
+    assert state.starving_since == {}
+    check_state(state)
+
+
+def test_starving_since_survives_a_snapshot_and_shows_in_the_status() -> None:
+    planner = DemandSharePlanner(PolicyConfig(starve_after_s=math.inf))
+    state = chain_of_spans(planner)
+    progress(state, "ft_b", 8, 0)
+    cycle(state, 10.0, planner)
+    data = json.loads(json.dumps(snapshot(state)))
+    assert restore(data).starving_since == {B: 10.0}
+    del data["starving_since"]  # written before the guard existed
+    assert restore(data).starving_since == {}
+    status = build_status(state, now=70.0)
+    clusters = {c.cluster_id: c for p in status.pipelines for c in p.clusters}
+    assert clusters[B].starving_s == 60.0 and clusters["ft_a_actor_infer"].starving_s is None
+    assert "no rank for 60s" in format_status(status)
+
+
+def test_check_state_catches_a_starving_record_of_a_cluster_with_ranks() -> None:
+    state = chain_of_spans(DemandSharePlanner())
+    state.starving_since["ft_a_actor_infer"] = 0.0
+    with pytest.raises(InvariantViolation, match="S8"):
+        check_state(state)
+    del state.starving_since["ft_a_actor_infer"]
+    state.starving_since["ft_z_actor_infer"] = 0.0
+    with pytest.raises(InvariantViolation, match="S8"):
+        check_state(state)
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan])
+def test_a_negative_or_nan_bound_is_refused(bad: float) -> None:
+    with pytest.raises(SettingsError, match="starve_after_s"):
+        PolicyConfig(starve_after_s=bad)
