@@ -20,6 +20,7 @@ from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
 from rlix_plugins.hooks import make_hooks
 from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
+from rlix_plugins.protocol import ProgressReport
 from rlix_plugins.settings import load_settings
 from tests.support.roll_pipeline import register_pipeline, wait_until
 
@@ -51,10 +52,13 @@ def test_cli_start_status_stop(
         ray.get(sched.request_gpus.remote(cluster_id="ft_cli000000001_actor_train", priority=3))
         waiting = sched.request_gpus.remote(cluster_id="ft_cli000000001_critic", priority=2)
         wait_until(lambda: len(_status(plane).wait_queue) == 1, 10)
+        val = ProgressReport("ft_cli000000001", 10, None, {"completed": 4, "mode": "val"})
+        ray.get(sched.report_progress.remote(val))
         assert cli.main(["status", "--namespace", ns]) == 0
         out = capsys.readouterr().out
         assert "ft_cli000000001_actor_train" in out and "OLD_LOG_PROBS" in out
         assert "WAIT QUEUE" in out and "CRITIC_TRAINING" in out
+        assert "demand=6  streams=1" in out and "stream val          4/10 done  remaining=6" in out
         # The real entry point, in another process, on this Ray cluster.
         address = ray.get_runtime_context().gcs_address
         proc = subprocess.run(
@@ -78,6 +82,8 @@ def test_cli_start_status_stop(
         record = json.loads(proc.stdout)
         assert record["gpus"][0]["owner_cluster"] == "ft_cli000000001_actor_train"
         assert record["wait_queue"][0]["cluster_id"] == "ft_cli000000001_critic"
+        [stream] = record["pipelines"][0]["streams"]
+        assert (stream["mode"], stream["completed"], stream["remaining"]) == ("val", 4, 6)
         assert json.loads(json.dumps(dataclasses.asdict(_status(plane))))["gpus"] == record["gpus"]
         ray.get(sched.notify_release_gpus.remote(cluster_id="ft_cli000000001_actor_train"))
         assert ray.get(waiting, timeout=10) == [1]
