@@ -13,8 +13,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from rlix_plugins.coordinator.core import (
     DemandSharePlanner,
+    Plan,
     PolicyConfig,
     SchedulerState,
+    ShrinkReason,
     Topology,
     check_plan,
     check_state,
@@ -42,7 +44,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.state = SchedulerState(TOPO)
-        self.planner = DemandSharePlanner(PolicyConfig(aging_s=5, min_hold_s=1))
+        # starve_after_s within a few cycles' reach: wherever a random run engages the guard
+        # (rarely: no move in 200 runs of 40 steps; the chain case is tested on its own, in
+        # test_core_starvation_guard.py), _check_starvation_moves checks what it took
+        self.planner = DemandSharePlanner(PolicyConfig(aging_s=5, min_hold_s=1, starve_after_s=8))
         self.now = 0.0
 
     def guarded(self, fn: object, *args: object, **kwargs: object) -> None:
@@ -55,6 +60,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # As in the service, an accepted event triggers a scheduling cycle.
         plan = self.planner.plan(self.state, self.now)
         check_plan(self.state, plan)
+        self._check_starvation_moves(plan)
         self.state.commit(plan, now=self.now)
 
     @initialize(data=st.data())
@@ -132,6 +138,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.now += dt
             plan = self.planner.plan(self.state, self.now)
             check_plan(self.state, plan)
+            self._check_starvation_moves(plan)
             failed_expands = fail if fail_expand else []
             self.state.commit(
                 plan,
@@ -141,6 +148,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                 expands_pending=background,
             )
             fail = []
+
+    def _check_starvation_moves(self, plan: Plan) -> None:
+        """The guard takes one rank for a cluster that starved ``starve_after_s``, and never
+        a donor's last one."""
+        for m in plan.shrinks:
+            if m.reason is not ShrinkReason.STARVATION:
+                continue
+            assert m.beneficiary is not None
+            since = self.state.starving_since[m.beneficiary]
+            assert self.now - since >= self.planner.config.starve_after_s
+            left = set(self.state.active_ranks[m.cluster_id]) - {
+                s.dp_rank for s in plan.shrinks if s.cluster_id == m.cluster_id
+            }
+            assert left, f"the guard took {m.cluster_id}'s last rank"
 
     @rule(data=st.data())
     def expand_returns(self, data: st.DataObject) -> None:
