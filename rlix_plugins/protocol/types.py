@@ -17,7 +17,7 @@ from typing import Any
 
 from rlix_plugins.errors import ProtocolError
 from rlix_plugins.protocol.names import validate_pipeline_id
-from rlix_plugins.values import is_finite, is_int
+from rlix_plugins.values import is_finite, is_int, is_number
 
 #: Progress is reported in 2% steps: bucket 0..50.
 PROGRESS_BUCKETS = 50
@@ -96,6 +96,15 @@ class ProgressReport:
     @property
     def remaining(self) -> int:
         return self.step_target_trajectories - self.completed
+
+    @property
+    def outstanding(self) -> int | None:
+        """The optional ``outstanding`` metric (requests admitted and not finished over every
+        step the staleness bound lets the pipeline generate); None when it is absent or
+        malformed (not a number, negative, NaN or infinite): a bad value is ignored, never an
+        error."""
+        raw = (self.metrics or {}).get(OUTSTANDING_METRIC)
+        return int(raw) if is_number(raw) and 0 <= raw < math.inf else None
 
     @property
     def stream_key(self) -> tuple[str, str | None]:

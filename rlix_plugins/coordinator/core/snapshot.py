@@ -3,8 +3,8 @@
 Pure: plain JSON-able dicts in and out; no Ray, no clock, no I/O. What is kept: the registry,
 who holds which GPUs (whole-cluster holdings and active generation ranks), demand (progress
 streams and estimates), what the planner's timed rules read (holding durations, since when a
-generation cluster has had no rank) and the revision. What is NOT kept: pending requests and planned
-releases. Their callers were blocked in the actor that died; Ray retries those calls on the
+generation cluster has had no rank) and the revision. What is NOT kept: pending requests and
+planned releases. Their callers were blocked in the actor that died; Ray retries those calls on the
 restarted actor (or the client retries them), so restoring them would make the retry collide
 with a ghost of itself.
 

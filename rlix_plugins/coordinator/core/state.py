@@ -10,7 +10,6 @@ and committed one at a time, so the events that may interleave between a plan an
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -31,8 +30,8 @@ from rlix_plugins.errors import (
     UnknownPipelineError,
 )
 from rlix_plugins.protocol.names import parse_cluster_id, validate_pipeline_id
-from rlix_plugins.protocol.types import OUTSTANDING_METRIC, Priority, ProgressReport
-from rlix_plugins.values import is_int, is_number
+from rlix_plugins.protocol.types import Priority, ProgressReport
+from rlix_plugins.values import is_int
 
 StreamKey = tuple[str, str | None]
 
@@ -170,12 +169,8 @@ class SchedulerState:
         """
         total: int | None = None
         for report in (self.progress.get(pipeline_id) or {}).values():
-            raw = (report.metrics or {}).get(OUTSTANDING_METRIC)
-            if not is_number(raw):
-                continue
-            if not 0 <= raw < math.inf:  # negative, NaN or infinite
-                continue
-            total = (total or 0) + int(raw)
+            if (n := report.outstanding) is not None:
+                total = (total or 0) + n
         return total
 
     def idle_gpus(self) -> list[int]:

@@ -6,13 +6,10 @@ are frozen dataclasses so they pickle across Ray and cannot be mutated by a call
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from rlix_plugins.coordinator.core.state import SchedulerState
-from rlix_plugins.protocol.types import OUTSTANDING_METRIC
-from rlix_plugins.values import is_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,9 +225,6 @@ def _streams(state: SchedulerState, pipeline_id: str) -> tuple[StreamStatus, ...
     reports = state.progress.get(pipeline_id) or {}
     out = []
     for (mode, adapter), r in sorted(reports.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
-        raw = (r.metrics or {}).get(OUTSTANDING_METRIC)
-        # the planner ignores a malformed value; so does the view
-        outstanding = int(raw) if is_number(raw) and 0 <= raw < math.inf else None
         out.append(
             StreamStatus(
                 mode=mode,
@@ -238,7 +232,7 @@ def _streams(state: SchedulerState, pipeline_id: str) -> tuple[StreamStatus, ...
                 step_target=r.step_target_trajectories,
                 completed=r.completed,
                 remaining=r.remaining,
-                outstanding=outstanding,
+                outstanding=r.outstanding,
             )
         )
     return tuple(out)
