@@ -5,7 +5,9 @@ that never move shows in the status as starving and gets one rank after ``starve
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 from rlix_plugins.coordinator.core import PolicyConfig, Topology
 from rlix_plugins.coordinator.core.status import CoordinatorStatus
@@ -27,10 +29,19 @@ def _infer(status: CoordinatorStatus, pid: str) -> tuple[tuple[int, ...], float 
 
 
 def test_a_pipeline_starved_by_a_chain_of_spans_gets_a_rank_after_starve_after_s(
-    scheduler_service: ServiceBuilder, fake_coordinators: dict[str, FakePipelineCoordinator]
+    scheduler_service: ServiceBuilder,
+    fake_coordinators: dict[str, FakePipelineCoordinator],
+    tmp_path: Path,
 ) -> None:
     """The chain of ``tests.core_builders.chain_of_spans``: A and B share GPUs 0-3, C maps
-    3-11 and holds one rank; the idle GPUs only C reaches keep A at its target."""
+    3-11 and holds one rank; the idle GPUs only C reaches keep A at its target. Noted on
+    cycles with nothing to commit, B's starving record is saved at once (a restart must not
+    restart its clock)."""
+
+    def saved_starving() -> dict[str, float]:
+        record = json.loads((tmp_path / "scheduler_state.json").read_text())
+        starving: dict[str, float] = record["state"]["starving_since"]
+        return starving
 
     async def go() -> None:
         service = scheduler_service(
@@ -47,6 +58,7 @@ def test_a_pipeline_starved_by_a_chain_of_spans_gets_a_rank_after_starve_after_s
         await asyncio.sleep(0.3)
         ranks, starving = _infer(await service.get_status(), B)
         assert ranks == () and starving is not None and 0 < starving < 1.0
+        assert list(saved_starving()) == [f"{B}_actor_infer"]
         deadline = time.monotonic() + 10
         while not _infer(await service.get_status(), B)[0]:
             assert time.monotonic() < deadline, "the starved pipeline never got a rank"
@@ -58,6 +70,7 @@ def test_a_pipeline_starved_by_a_chain_of_spans_gets_a_rank_after_starve_after_s
         assert fake_coordinators[A].calls[-1] == shrink
         names = [e["name"] for e in (await service.get_trace())["traceEvents"]]
         assert f"starvation: {A}_actor_infer[{rank}]" in names
+        assert saved_starving() == {}
         await service.stop()
 
     asyncio.run(asyncio.wait_for(go(), 60))

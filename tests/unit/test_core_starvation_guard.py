@@ -85,7 +85,9 @@ def test_starving_since_follows_want_and_ranks() -> None:
     assert state.starving_since == {B: 5.0}
     cycle(state, 7.0, DemandSharePlanner(PolicyConfig(starve_after_s=math.inf)))
     assert state.starving_since == {B: 5.0}  # the first commit it starved at is kept
+    assert not state.note_starving(7.5)  # nothing changed (the service saves on True)
     state.cancel_request(B)
+    assert state.note_starving(7.5) and state.starving_since == {}
     cycle(state, 8.0)
     assert state.starving_since == {}  # wants nothing any more
     progress(state, "ft_b", 8, 0)

@@ -455,10 +455,12 @@ class SchedulerState:
         self._bump()
 
     # ------------------------------------------------------------------ commit
-    def note_starving(self, now: float) -> None:
+    def note_starving(self, now: float) -> bool:
         """Record since when each generation cluster wants ranks and has none (kept while it
-        starves, dropped once it has a rank or wants none). Every :meth:`commit` calls it; a
-        service that skips the commit of an empty plan calls it instead."""
+        starves, dropped once it has a rank or wants none); True if a record changed. Every
+        :meth:`commit` calls it; a service that skips the commit of an empty plan calls it
+        instead (and saves the state when it returns True)."""
+        changed = False
         for cid, ranks in self.active_ranks.items():
             spec = self.clusters[cid]
             pid = spec.pipeline_id
@@ -469,9 +471,11 @@ class SchedulerState:
             # A fenced pipeline is frozen, a holding or a planned release is not short of GPUs.
             frozen = pid in self.fenced or cid in self.holdings or cid in self.planned_releases
             if ranks or not wants or frozen:
-                self.starving_since.pop(cid, None)
-            else:
-                self.starving_since.setdefault(cid, now)
+                changed |= self.starving_since.pop(cid, None) is not None
+            elif cid not in self.starving_since:
+                self.starving_since[cid] = now
+                changed = True
+        return changed
 
     def stamp(self, plan: Plan) -> Plan:
         """``plan`` naming the current registration of every pipeline it touches (what a

@@ -824,8 +824,10 @@ class SchedulerService:
             plan = self._planner.plan(self._state, now)
             if plan.empty:
                 # Nothing to commit, but how long a pipeline has waited for a rank still counts
-                # (the planner's starvation guard); saved with the next commit.
-                self._state.note_starving(now)
+                # (the planner's starvation guard): a restart must neither restart that clock
+                # nor restore one that had stopped.
+                if self._state.note_starving(now):
+                    self._persist()
                 return False
             if not plan.registrations:
                 # A planner that does not stamp its plans (any Planner may be configured): the
