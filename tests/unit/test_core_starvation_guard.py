@@ -58,23 +58,26 @@ def test_the_guard_is_off_with_an_infinite_bound() -> None:
 
 
 def test_the_guard_never_takes_a_pipelines_last_rank() -> None:
-    """GPUs 0 and 2 are held by a training cluster, so the pair of spans on GPUs 0-1 and 1-2
-    has one rank to share; ``ft_a`` holds it, ``ft_b`` starves (a capacity limit the guard
-    does not turn into a flip-flop)."""
+    """``ft_b``'s only rank is GPU 0, where ``ft_a`` holds its one rank (its other GPU is
+    held by training). The group's budget counts ``ft_c``'s rank on GPU 2, which only
+    ``ft_c`` reaches, so both ``ft_a`` and ``ft_b`` get a target of one: ``ft_a`` is at its
+    target, and only the guard could move its rank. It does not: a donor keeps one rank."""
     state = new_state(1, 3)
-    register(state, "ft_x", train=[0, 2])
+    register(state, "ft_x", train=[1])
     register(state, "ft_a", infer=[0, 1])
-    register(state, "ft_b", infer=[1, 2])
+    register(state, "ft_b", infer=[0])
+    register(state, "ft_c", infer=[1, 2])
     planner = DemandSharePlanner(PolicyConfig(starve_after_s=1.0))
     state.submit_request("ft_x_actor_train", Priority.ACTOR_TRAINING, now=0)
     progress(state, "ft_a", 100, 0)
+    state.submit_request("ft_c_actor_infer", GEN, now=0)  # no estimate: one rank, no demand
     cycle(state, 0.0, planner)
-    assert active(state, "ft_a") == {1}
+    assert active(state, "ft_a") == {0} and active(state, "ft_c") == {1}
     progress(state, "ft_b", 100, 0)
     for t in (1.0, 10.0, 1000.0):
         plan, _ = cycle(state, t, planner)
         assert plan.empty
-    assert active(state, "ft_a") == {1} and state.starving_since == {B: 1.0}
+    assert active(state, "ft_a") == {0} and state.starving_since == {B: 1.0}
 
 
 def test_starving_since_follows_want_and_ranks() -> None:

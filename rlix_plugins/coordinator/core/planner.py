@@ -342,10 +342,12 @@ class _Cycle:
                 # for a receiver starved too long, a pipeline's last rank).
                 r = o.dp_rank
                 d = gens.get(o.cluster_id) if r is not None else None
-                if r is None or d is None or r in d.fresh:
-                    blocked = True
-                    break
-                if len(d.active) <= (min(d.target, 1) if forced else d.target):
+                if (
+                    r is None
+                    or d is None
+                    or r in d.fresh
+                    or len(d.active) <= (min(d.target, 1) if forced else d.target)
+                ):
                     blocked = True
                     break
                 donors[(o.cluster_id, r)] = o

@@ -465,9 +465,8 @@ class SchedulerState:
             spec = self.clusters[cid]
             pid = spec.pipeline_id
             req = self.pending.get(cid)
-            wants = (req is not None and req.priority is Priority.GENERATION) or self.collecting(
-                pid
-            )
+            asked = req is not None and req.priority is Priority.GENERATION
+            wants = asked or self.collecting(pid)
             # A fenced pipeline is frozen, a holding or a planned release is not short of GPUs.
             frozen = pid in self.fenced or cid in self.holdings or cid in self.planned_releases
             if ranks or not wants or frozen:
