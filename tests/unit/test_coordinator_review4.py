@@ -147,13 +147,13 @@ def test_the_gauges_follow_registrations_and_waiting_requests(
     async def go() -> None:
         service = scheduler_service(metrics=True, request_timeout_s=1.0)
         seen: list[dict[str, int]] = []
-        real = service._metrics.gauges
+        real = service._observer.metrics.gauges
 
         def spy(**values: int) -> None:
             seen.append(values)
             real(**values)
 
-        service._metrics.gauges = spy
+        service._observer.metrics.gauges = spy
         other = "ft_review400004"
         await register_pipeline(service, PID, train=[0, 1])
         await asyncio.sleep(0.2)
@@ -198,10 +198,10 @@ def test_an_expand_answered_late_is_not_sent_for_ranks_given_back_meanwhile(
             )
         )
         for _ in range(100):  # committed in memory; its answer and expand wait for a save
-            if service._undurable:
+            if service._durable.held:
                 break
             await asyncio.sleep(0.02)
-        assert service._undurable and fake.calls == []
+        assert service._durable.held and fake.calls == []
         with pytest.raises(CoordinatorUnavailableError):
             if drop == "unregister":
                 await service.unregister_pipeline(PID)
@@ -211,7 +211,7 @@ def test_an_expand_answered_late_is_not_sent_for_ranks_given_back_meanwhile(
             await request
         flag["failing"] = False
         await asyncio.sleep(0.3)  # a save succeeds, the waiting answers run
-        assert not service._undurable
+        assert not service._durable.held
         assert fake.calls == [], "an expand was sent for ranks the scheduler counts as free"
         await service.stop()
 

@@ -62,7 +62,7 @@ def test_a_grant_whose_caller_stopped_waiting_before_it_was_saved_is_given_back(
         request = asyncio.create_task(
             service.request_gpus(cluster_id=TRAIN, priority=Priority.ACTOR_TRAINING)
         )
-        await _until(lambda: bool(service._undurable), "a commit whose save failed")
+        await _until(lambda: bool(service._durable.held), "a commit whose save failed")
         assert TRAIN in service._state.holdings and not request.done()
         if how == "timeout":
             with pytest.raises(RequestTimeoutError, match="withdrawn"):
@@ -109,7 +109,7 @@ def test_a_late_answer_does_not_answer_the_callers_next_request(
         assert TRAIN in service._state.pending
         flag["failing"] = False
         assert await asyncio.wait_for(retry, 5) == [0, 1]
-        assert TRAIN in service._state.holdings and not service._undurable
+        assert TRAIN in service._state.holdings and not service._durable.held
         assert TRAIN not in service._waiters
         # The saved state has exactly this grant (what a restart restores).
         saved = service._store.load()
@@ -149,7 +149,7 @@ def test_a_generation_grant_whose_caller_stopped_waiting_stays_and_answers_a_ret
         flag = await _generation_granted_unsaved(service)
         assert service._state.active_ranks[INFER]
         flag["failing"] = False
-        await _until(lambda: not service._undurable, "the deferred answer")
+        await _until(lambda: not service._durable.held, "the deferred answer")
         got = await asyncio.wait_for(_request_generation(service), 5)
         assert got and INFER not in service._state.pending
         check_state(service._state)
@@ -169,7 +169,7 @@ def test_a_retry_answered_from_unsaved_ranks_waits_for_a_save(
     async def go() -> None:
         service = scheduler_service(request_timeout_s=0.6)
         flag = await _generation_granted_unsaved(service)
-        assert service._state.active_ranks[INFER] and not service._saved
+        assert service._state.active_ranks[INFER] and not service._durable.saved
         with pytest.raises(CoordinatorUnavailableError, match="could not save"):
             await _request_generation(service)
         retry = asyncio.create_task(_request_generation(service))
@@ -177,7 +177,7 @@ def test_a_retry_answered_from_unsaved_ranks_waits_for_a_save(
         assert not retry.done()  # not answered while nothing is saved
         flag["failing"] = False
         assert await asyncio.wait_for(retry, 5)
-        assert service._saved
+        assert service._durable.saved
         check_state(service._state)
         await service.stop()
 

@@ -22,7 +22,8 @@ whose lease expired or whose resize failed is fenced (its waiters get
 so its GPUs return to the pool. A GPU whose shrink failed is never handed on before that.
 
 The ``resize_infer`` calls to pipeline coordinator actors are :mod:`.resizer`'s, the GPU
-timeline file is :mod:`.trace_writer`'s.
+timeline and metrics are :mod:`.observer`'s, the waiting callers are kept by :mod:`.waiters`, and
+saving the state (holding back answers a restart would not restore) is :mod:`.durability`'s.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,14 @@ from rlix_plugins.coordinator.core.snapshot import restore, settle_inflight, sna
 from rlix_plugins.coordinator.core.status import CoordinatorStatus, DeadPipeline, build_status
 from rlix_plugins.coordinator.service import rlix_compat
 from rlix_plugins.coordinator.service.config import ServiceConfig
+from rlix_plugins.coordinator.service.durability import Durability
 from rlix_plugins.coordinator.service.liveness import Liveness, kill_pipeline_actors, probe
+from rlix_plugins.coordinator.service.observer import Observer
 from rlix_plugins.coordinator.service.persistence import FileStateStore, KvStateStore, StateStore
 from rlix_plugins.coordinator.service.resizer import Resizer
 from rlix_plugins.coordinator.service.resource_manager import topology_from_ray
 from rlix_plugins.coordinator.service.saved_record import InflightIntent, SavedRecord
-from rlix_plugins.coordinator.service.trace import Holder, OwnershipTrace
-from rlix_plugins.coordinator.service.trace_writer import TraceWriter
+from rlix_plugins.coordinator.service.waiters import Waiters
 from rlix_plugins.errors import (
     CoordinatorUnavailableError,
     CorruptStateError,
@@ -100,20 +102,18 @@ class SchedulerService:
             if self.cfg.state_file
             else KvStateStore(self.cfg.namespace)
         )
+        self._durable = Durability(
+            self._store,
+            self._record,
+            namespace=self.cfg.namespace,
+            timeout_s=self.cfg.request_timeout_s,
+        )
         self._lock = asyncio.Lock()
-        self._waiters: dict[str, asyncio.Future[list[int]]] = {}
-        self._release_waiters: dict[str, list[asyncio.Future[None]]] = {}
-        self._requested_at: dict[str, float] = {}
+        self._waiters = Waiters()
         self._handles: dict[str, Any] = {}
         self._seen: set[str] = set()
         self._beats: dict[str, float] = {}
         self._fencing: dict[str, str] = {}
-        #: answers (waiters, release waiters, background expands) of commits whose save failed:
-        #: nobody may learn of or act on a decision a restart would not restore, so they wait
-        #: until a save succeeds (retried each cycle), in commit order
-        self._undurable: list[Callable[[], None]] = []
-        #: whether the last save succeeded (answers to releases and registrations wait for one)
-        self._saved = True
         self._dead: OrderedDict[str, DeadPipeline] = OrderedDict()
         self._inflight: InflightIntent | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
@@ -122,11 +122,6 @@ class SchedulerService:
         self._stopping = False
         self._wake = asyncio.Event()
         self._liveness_wake = asyncio.Event()
-        self._metrics: Any = None
-        if self.cfg.metrics:
-            from rlix_plugins.coordinator.service.metrics import SchedulerMetrics
-
-            self._metrics = SchedulerMetrics(self.cfg.namespace)
         self._state = self._load()
         # Built after _load, which replaces the fencing map and the seen set it shares.
         self._resizer = Resizer(
@@ -136,19 +131,18 @@ class SchedulerService:
             seen=self._seen,
             expand_tails=self._expand_tails,
             fence=self._fence,
-            persist=self._persist,
+            persist=self._durable.save,
             resize_timeout_s=self.cfg.resize_timeout_s,
         )
-        self._trace = OwnershipTrace(
-            self._state.topology.num_gpus, t0=time.time(), label=f"rlix ({self.cfg.namespace})"
-        )
-        self._trace_writer = TraceWriter(
-            self._trace,
-            trace_dir=self.cfg.trace_dir,
+        self._observer = Observer(
+            self._state.topology.num_gpus,
             namespace=self.cfg.namespace,
+            t0=time.time(),
+            trace_dir=self.cfg.trace_dir,
+            metrics=self.cfg.metrics,
             keep_task=self._keep_task,
         )
-        self._observe_trace(time.time())
+        self._observer.observe(self._state, time.time())
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._cycle_loop()),
@@ -207,13 +201,12 @@ class SchedulerService:
         self._liveness_wake.set()
         return state
 
-    def _persist(self) -> bool:
-        """Save state (+ in-flight intent) before anyone learns of what it decided; False
-        when the save failed (logged)."""
+    def _record(self) -> dict[str, Any]:
+        """What a restarted scheduler restores: state, in-flight intent and registry."""
         # After stop() (which may have cleared the store) a late save would bring back a
         # state that no scheduler serves any more.
         self._check_running()
-        record = {
+        return {
             "state": snapshot(self._state),
             "inflight": self._inflight.to_json() if self._inflight is not None else None,
             "dead": [dataclasses.asdict(d) for d in self._dead.values()],
@@ -221,36 +214,6 @@ class SchedulerService:
             "leased": sorted(self._beats),
             "fencing": dict(self._fencing),
         }
-        try:
-            self._store.save(record)
-        except Exception:
-            # Never let it take the scheduler down; but nobody may act on what was not saved:
-            # a commit's answers wait for a successful save (:meth:`_commit`), and so do the
-            # answers to releases and (un)registrations (:meth:`_until_durable`).
-            logger.exception("scheduler %s: persisting state failed", self.cfg.namespace)
-            self._saved = False
-            return False
-        self._saved = True
-        return True
-
-    async def _until_durable(self, what: str) -> None:
-        """Return once the state as it is now has been saved. A release or (un)registration
-        answered before its save would be undone by a restart while its caller acts on it
-        (a released cluster still holding its GPUs, a registered pipeline unknown). Retried
-        with backoff up to ``request_timeout_s``, then a typed error (the event stays applied
-        in memory and is saved with the next successful save)."""
-        if self._saved:
-            return
-        deadline = time.monotonic() + self.cfg.request_timeout_s
-        delay = 0.05
-        while not self._persist():
-            if time.monotonic() >= deadline:
-                raise CoordinatorUnavailableError(
-                    f"{what}: the coordinator could not save its state for "
-                    f"{self.cfg.request_timeout_s:g}s (see its log); retry the call"
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
 
     # ================================================================== helpers
     def _now(self) -> float:
@@ -293,45 +256,9 @@ class SchedulerService:
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
 
-    def _fail_waiters(self, pipeline_id: str, error: Exception) -> None:
-        prefix = f"{pipeline_id}_"
-        for cid in [c for c in self._waiters if c.startswith(prefix)]:
-            if parse_cluster_id(cid)[0] != pipeline_id:
-                continue
-            fut = self._waiters.pop(cid)
-            if not fut.done():
-                fut.set_exception(error)
-        for cid in [c for c in self._release_waiters if c.startswith(prefix)]:
-            if parse_cluster_id(cid)[0] != pipeline_id:
-                continue
-            for rfut in self._release_waiters.pop(cid):
-                if not rfut.done():
-                    rfut.set_exception(error)
-
-    def _settle_release_waiters(self) -> None:
-        for cid in list(self._release_waiters):
-            if cid in self._state.planned_releases and self._state.active_ranks.get(cid):
-                continue
-            for fut in self._release_waiters.pop(cid):
-                if not fut.done():
-                    fut.set_result(None)
-
-    def _observe_trace(self, now: float) -> None:
-        holders: list[Holder | None] = [
-            None if o is None else Holder(o.cluster_id, o.priority.name, o.dp_rank)
-            for o in self._state.owner
-        ]
-        self._trace.observe(holders, now)
-        self._set_gauges()
-        self._trace_writer.maybe_write(now)
-
-    def _set_gauges(self) -> None:
-        if self._metrics is not None:
-            self._metrics.gauges(
-                allocated=sum(o is not None for o in self._state.owner),
-                pending=len(self._state.pending),
-                pipelines=len(self._state.pipelines),
-            )
+    def _still_releasing(self, cid: str) -> bool:
+        """A planned release of ``cid`` still has ranks to shrink (its waiters keep waiting)."""
+        return cid in self._state.planned_releases and bool(self._state.active_ranks.get(cid))
 
     # ================================================================== registry
     async def register_pipeline(
@@ -361,9 +288,9 @@ class SchedulerService:
                 f"({self._dead[spec.pipeline_id].reason}); register under a new pipeline id"
             )
         self._state.register(spec)
-        self._persist()
+        self._durable.save()
         logger.info("registered %s: %s", spec.pipeline_id, [c.cluster_id for c in spec.clusters])
-        await self._until_durable(f"register_pipeline({spec.pipeline_id})")
+        await self._durable.until_saved(f"register_pipeline({spec.pipeline_id})")
 
     async def admit_pipeline(self, *, pipeline_id: str) -> None:
         """Check the pipeline is registered and alive (the orchestrator hands out our handle)."""
@@ -378,7 +305,7 @@ class SchedulerService:
             pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered")
         )
         self._kick()
-        await self._until_durable(f"unregister_pipeline({pipeline_id})")
+        await self._durable.until_saved(f"unregister_pipeline({pipeline_id})")
         return freed
 
     async def kill_pipeline(self, pipeline_id: str) -> None:
@@ -388,16 +315,14 @@ class SchedulerService:
         self._fence(pipeline_id, "killed by request")
 
     def _drop(self, pipeline_id: str, error: Exception) -> tuple[int, ...]:
-        freed, cancelled = self._state.unregister(pipeline_id)
-        for cid in cancelled:
-            self._requested_at.pop(cid, None)
-        self._fail_waiters(pipeline_id, error)
+        freed, _cancelled = self._state.unregister(pipeline_id)
+        self._waiters.fail_pipeline(pipeline_id, error)
         self._handles.pop(pipeline_id, None)
         self._seen.discard(pipeline_id)
         self._beats.pop(pipeline_id, None)
         self._fencing.pop(pipeline_id, None)
-        self._persist()
-        self._observe_trace(self._now())
+        self._durable.save()
+        self._observer.observe(self._state, self._now())
         logger.info("unregistered %s, freed GPUs %s", pipeline_id, list(freed))
         return freed
 
@@ -409,12 +334,11 @@ class SchedulerService:
         self._fencing[pipeline_id] = reason
         spec = self._state.pipelines[pipeline_id]
         # Frozen in the core too (P7): nothing is planned for it, nobody's rank moves for it.
-        for cid in self._state.fence(pipeline_id):
-            self._requested_at.pop(cid, None)
-        self._fail_waiters(
+        self._state.fence(pipeline_id)
+        self._waiters.fail_pipeline(
             pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} failed: {reason}")
         )
-        self._persist()
+        self._durable.save()
         self._keep_task(
             asyncio.get_running_loop().create_task(
                 self._kill_then_probe(pipeline_id, spec.ray_namespace)
@@ -433,8 +357,7 @@ class SchedulerService:
         self._dead[pipeline_id] = DeadPipeline(pipeline_id, reason, self._now())
         while len(self._dead) > _DEAD_KEPT:
             self._dead.popitem(last=False)
-        if self._metrics is not None:
-            self._metrics.failed(cause)
+        self._observer.failed(cause)
         logger.warning("pipeline %s declared dead: %s", pipeline_id, reason)
         self._drop(pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} is dead: {reason}"))
         self._kick()
@@ -469,7 +392,7 @@ class SchedulerService:
             # Answered from GPUs the cluster holds already; the commit that gave them may not
             # be saved yet (its own answer waits for a save): a restart would take them back
             # while the caller uses them. Nothing to undo on failure: it held them before.
-            await self._until_durable(f"request_gpus({cid}, {prio.name})")
+            await self._durable.until_saved(f"request_gpus({cid}, {prio.name})")
             return got
         return await self._wait(cid, prio, got)
 
@@ -493,19 +416,16 @@ class SchedulerService:
         )
         if isinstance(res, ImmediateGrant):
             if not (prio is Priority.GENERATION and self._all_warming(cid)):
-                self._persist()
-                self._observe_trace(now)
-                if self._metrics is not None:
-                    self._metrics.waited(prio.name, 0.0)
+                self._durable.save()
+                self._observer.observe(self._state, now)
+                self._observer.answered_at_once(prio.name)
                 return list(res.gpus)
             # Every rank still wakes (background expands): answered by _settle_deferred once
             # one serves; the same request again (retried after a restart) shares the wait.
             waiting = self._waiters.get(cid)
             if waiting is not None and not waiting.done():
                 return waiting
-        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
-        self._waiters[cid] = fut
-        self._requested_at[cid] = now
+        fut = self._waiters.open(cid, now)
         self._kick()
         return fut
 
@@ -527,10 +447,8 @@ class SchedulerService:
         """Drop a request whose caller stopped waiting (``fut`` is its answer): its waiter
         and, while still queued, the request itself; a whole-cluster grant it was never told
         of is given back (:meth:`_give_back_unanswered`)."""
-        if self._waiters.get(cid) is not fut:
+        if not self._waiters.withdraw(cid, fut):
             return
-        del self._waiters[cid]
-        self._requested_at.pop(cid, None)
         if self._state.cancel_request(cid) or fut.done():
             return
         if cid in self._state.holdings:
@@ -540,7 +458,7 @@ class SchedulerService:
         """Release a whole-cluster grant whose caller stopped waiting before it was told.
 
         A held cluster whose waiter is still unanswered was granted by a commit whose save
-        failed (its answer waits in ``_undurable``). Nobody will ever be told of it: kept, it
+        failed (its answer is held by ``Durability.hold``). Nobody will ever be told of it: kept, it
         would hold its GPUs until the pipeline unregisters. It is released in the core like any
         release (invariants S1-S7 hold, no other state is touched), with no hold time recorded
         (it never served), and saved with the next successful save, which the deferred answer
@@ -560,8 +478,8 @@ class SchedulerService:
             cid,
             list(freed),
         )
-        self._persist()
-        self._observe_trace(now)
+        self._durable.save()
+        self._observer.observe(self._state, now)
         self._kick()
 
     async def notify_release_gpus(
@@ -573,14 +491,14 @@ class SchedulerService:
         cid = self._resolve_caller(cluster_id, pipeline_id)
         self._release(cid)
         self._kick()
-        await self._until_durable(f"notify_release_gpus({cid})")
+        await self._durable.until_saved(f"notify_release_gpus({cid})")
 
     def _release(self, cid: str) -> None:
         now = self._now()
         freed = self._state.release(cid, now=now)
-        self._persist()
-        self._settle_release_waiters()
-        self._observe_trace(now)
+        self._durable.save()
+        self._waiters.settle_releases(self._still_releasing)
+        self._observer.observe(self._state, now)
         logger.debug("released %s: GPUs %s", cid, list(freed))
 
     async def notify_release_then_request_gpus(
@@ -625,7 +543,7 @@ class SchedulerService:
                 lora_name=request_lora_name,
             )
             self._release(rel)
-            await self._until_durable(f"notify_release_then_request_gpus({rel})")
+            await self._durable.until_saved(f"notify_release_then_request_gpus({rel})")
             return await self._submit_and_wait(
                 req, prio, request_global_step, request_step_target_estimate, request_lora_name
             )
@@ -638,7 +556,7 @@ class SchedulerService:
         self._release(rel)
         self._kick()
         try:
-            await self._until_durable(f"notify_release_then_request_gpus({rel})")
+            await self._durable.until_saved(f"notify_release_then_request_gpus({rel})")
         except BaseException:
             # The caller is told the call failed (or gave up): its request must not stay
             # queued with nobody waiting (granted to nobody, and the retry refused as a
@@ -676,15 +594,12 @@ class SchedulerService:
         cid = self._resolve_caller(cluster, pipeline_id)
         if self._state.plan_release(cid, now=self._now()):
             return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._release_waiters.setdefault(cid, []).append(fut)
+        fut = self._waiters.open_release(cid)
         self._kick()
         try:
             await asyncio.wait_for(asyncio.shield(fut), limit)
         except asyncio.TimeoutError:
-            waiters = self._release_waiters.get(cid, [])
-            if fut in waiters:
-                waiters.remove(fut)
+            self._waiters.drop_release(cid, fut)
             # The shrink may still be running; RLix shuts Ray down here. We only tell the caller.
             raise RequestTimeoutError(
                 f"await_release_gpus({cid}) not done within {limit:g}s"
@@ -718,14 +633,11 @@ class SchedulerService:
         self._check_alive(pipeline_id)
         cancelled = self._state.end_run(pipeline_id)
         for cid in cancelled:
-            self._requested_at.pop(cid, None)
-            fut = self._waiters.pop(cid, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(RunOverError(
-                    f"pipeline {pipeline_id!r} ended its training run; its GENERATION "
-                    f"request for {cid!r} was cancelled"
-                ))
-        self._persist()
+            self._waiters.fail(cid, RunOverError(
+                f"pipeline {pipeline_id!r} ended its training run; its GENERATION "
+                f"request for {cid!r} was cancelled"
+            ))
+        self._durable.save()
         logger.info("pipeline %s: run over, demand forgotten%s", pipeline_id,
                     f", cancelled {list(cancelled)}" if cancelled else "")
         self._kick()
@@ -742,7 +654,7 @@ class SchedulerService:
         first = pipeline_id not in self._beats
         self._beats[pipeline_id] = self._now()
         if first:
-            self._persist()
+            self._durable.save()
         return self.cfg.lease_s
 
     # ================================================================== visibility
@@ -758,12 +670,11 @@ class SchedulerService:
 
     async def get_trace(self) -> dict[str, Any]:
         """The GPU-ownership timeline so far (Chrome trace-event JSON)."""
-        return self._trace.to_json(self._now())
+        return self._observer.to_json(self._now())
 
     async def flush_trace(self) -> str | None:
         """Write the timeline file now; returns its path (None without a trace dir)."""
-        await self._trace_writer.write(self._now())
-        path = self._trace_writer.path
+        path = await self._observer.write(self._now())
         return str(path) if path else None
 
     async def stop(self, *, clear_state: bool = True) -> None:
@@ -775,23 +686,14 @@ class SchedulerService:
         error = CoordinatorUnavailableError(
             f"the coordinator in namespace {self.cfg.namespace!r} is stopping"
         )
-        for fut in self._waiters.values():
-            if not fut.done():
-                fut.set_exception(error)
-        self._waiters.clear()
-        self._requested_at.clear()
-        for futs in self._release_waiters.values():
-            for rfut in futs:
-                if not rfut.done():
-                    rfut.set_exception(error)
-        self._release_waiters.clear()
-        self._undurable.clear()  # their waiters were failed above
+        self._waiters.fail_all(error)
+        self._durable.held.clear()  # their waiters were failed above
         tasks = [*self._tasks, *self._expand_tails.values(), *self._side_tasks]
         for t in tasks:
             t.cancel()
         # Wait for them to end, so none of them touches the state or the store afterwards.
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._trace_writer.write(self._now())
+        await self._observer.write(self._now())
         if clear_state:
             self._store.clear()
 
@@ -817,8 +719,8 @@ class SchedulerService:
         async with self._lock:
             # Every cycle (each event and tick), not only when GPUs move: registrations,
             # requests queued or withdrawn and fencing change the pipeline and pending counts.
-            self._set_gauges()
-            if self._undurable and not self._answer_undurable():
+            self._observer.gauges(self._state)
+            if self._durable.held and not self._durable.retry():
                 return False  # retried next tick; nothing new is decided meanwhile
             now = self._now()
             plan = self._planner.plan(self._state, now)
@@ -827,7 +729,7 @@ class SchedulerService:
                 # (the planner's starvation guard): a restart must neither restart that clock
                 # nor restore one that had stopped.
                 if self._state.note_starving(now):
-                    self._persist()
+                    self._durable.save()
                 return False
             if not plan.registrations:
                 # A planner that does not stamp its plans (any Planner may be configured): the
@@ -840,7 +742,7 @@ class SchedulerService:
                 return False
             self._inflight = InflightIntent()
             if plan.shrinks:
-                self._persist()
+                self._durable.save()
             planned = self._planned_for(plan)
         failed_shrinks = await self._resizer.resize_all(
             plan.shrinks_by_cluster(), remove=True, planned=planned
@@ -863,8 +765,7 @@ class SchedulerService:
             result = await self._commit_then_expand(plan, failed_shrinks, sendable, planned)
         else:
             result = await self._expand_then_commit(plan, failed_shrinks, sendable, planned)
-        if self._metrics is not None:
-            self._metrics.cycle(time.perf_counter() - t0)
+        self._observer.cycle(time.perf_counter() - t0)
         return bool(result.granted or result.shrunk or result.expanded or result.released)
 
     @staticmethod
@@ -893,7 +794,7 @@ class SchedulerService:
             ),
             expands=tuple((m.cluster_id, m.dp_rank) for m in expands),
         )
-        self._persist()
+        self._durable.save()
 
     async def _expand_then_commit(
         self,
@@ -932,7 +833,7 @@ class SchedulerService:
             check_state(self._state)
         except InvariantViolation:
             logger.exception("state invariant broken after commit")
-        durable = self._persist()
+        durable = self._durable.save()
         expanding = _by_cluster(result.expanded) if background else {}
         # The waiters these grants answer: an answer that waits for a save must not reach a
         # later request of the same cluster (its caller gave up and asked again meanwhile).
@@ -948,26 +849,14 @@ class SchedulerService:
                 defer=set(expanding),
                 asked=asked,
             )
-            self._settle_release_waiters()
+            self._waiters.settle_releases(self._still_releasing)
             for cid, ranks in expanding.items():
                 self._start_expand(cid, ranks)
 
-        if durable and not self._undurable:
-            answer()
-        else:
-            # A restart would restore the state before this commit: a grant answered now
-            # could be handed to someone else after it. Answered once a save succeeds.
-            self._undurable.append(answer)
+        # Unsaved, a restart would restore the state before this commit: a grant answered now
+        # could be handed to someone else after it. Held until a save succeeds.
+        self._durable.hold(answer, durable=durable)
         return result
-
-    def _answer_undurable(self) -> bool:
-        """Save again and answer the commits that waited for it; False while saving fails."""
-        if not self._persist():
-            return False
-        waiting, self._undurable = self._undurable, []
-        for answer in waiting:
-            answer()
-        return True
 
     async def _commit_then_expand(
         self,
@@ -1044,8 +933,8 @@ class SchedulerService:
             elif cid in self._state.clusters:
                 for r in ranks:
                     self._state.expand_done(cid, r, now=now)
-                self._persist()
-                self._observe_trace(now)
+                self._durable.save()
+                self._observer.observe(self._state, now)
                 self._settle_deferred(cid, now)
         self._kick()
 
@@ -1064,15 +953,11 @@ class SchedulerService:
         return bool(ranks) and all((cid, r) in self._state.warming for r in ranks)
 
     def _resolve_waiter(self, cid: str, gpus: tuple[int, ...], now: float) -> None:
-        started = self._requested_at.pop(cid, None)
-        fut = self._waiters.pop(cid, None)
-        if self._metrics is not None:
-            req_prio = self._state.holdings.get(cid, Priority.GENERATION).name
-            self._metrics.allocated("grant", req_prio)
-            if started is not None:
-                self._metrics.waited(req_prio, now - started)
-        if fut is not None and not fut.done():
-            fut.set_result(list(gpus))
+        started = self._waiters.resolve(cid, gpus)
+        self._observer.granted(
+            self._state.holdings.get(cid, Priority.GENERATION).name,
+            None if started is None else now - started,
+        )
 
     def _after_commit(
         self,
@@ -1092,19 +977,10 @@ class SchedulerService:
         reasons = {(m.cluster_id, m.dp_rank): m for m in plan.shrinks}
         for key in shrunk:
             move = reasons.get(key)
-            if move is None or move.reason is None:
-                continue
-            if self._metrics is not None:
-                self._metrics.preempted(move.reason.value)
-            self._trace.instant(
-                f"{move.reason.value}: {key[0]}[{key[1]}]",
-                move.gpus,
-                now,
-                beneficiary=move.beneficiary,
-            )
-        if self._metrics is not None and expanded:
-            self._metrics.allocated("generation_rank", "GENERATION", len(expanded))
-        self._observe_trace(now)
+            if move is not None and move.reason is not None:
+                self._observer.shrunk(move, now)
+        self._observer.expanded(len(expanded))
+        self._observer.observe(self._state, now)
         for cid, gpus in granted.items():
             if asked is not None and self._waiters.get(cid) is not asked.get(cid):
                 continue  # its caller stopped waiting; a later request is not answered by it
