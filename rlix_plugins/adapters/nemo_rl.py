@@ -29,7 +29,7 @@ Wiring (installed by :mod:`rlix_plugins.patches.nemo_rl`, nothing in NeMo RL is 
 * ``validate`` (wrapped) reports the validation's trajectories as demand while it runs
   (:func:`validation_demand`); ``CheckpointManager.shutdown`` (subclass) clears the demand when
   the training loop ends (:func:`end_run`).
-* The collector reports progress (:func:`progress_tracker_for_collector`); once NeMo RL's weight
+* The collector reports progress (:mod:`.nemo_rl_progress`); once NeMo RL's weight
   version reaches ``grpo.max_num_steps`` it clears the pipeline's demand instead.
 * The heartbeat starts once ``register_pipeline`` has succeeded (a beat before it is refused).
 """
@@ -37,14 +37,25 @@ Wiring (installed by :mod:`rlix_plugins.patches.nemo_rl`, nothing in NeMo RL is 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlix_plugins.adapters.nemo_rl_progress import (
+    CollectorTracker,
+    CountedBatches,
+    SchedulerProgressSink,
+    ValidationShape,
+    begin_progress_batch,
+    progress_tracker_for_collector,
+    router_outstanding,
+    router_rank_load,
+    validation_size,
+    with_rank_load,
+)
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
 from rlix_plugins.errors import (
     CoordinatorUnavailableError,
@@ -68,9 +79,8 @@ from rlix_plugins.protocol.names import (
     cluster_id,
     pipeline_namespace,
 )
-from rlix_plugins.protocol.types import Priority, ProgressReport
+from rlix_plugins.protocol.types import Priority
 from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, settings_if_enabled
-from rlix_plugins.training.progress import OutstandingReader, ProgressTracker, with_outstanding
 from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
@@ -844,114 +854,7 @@ def make_policy_class(base: type) -> type:
     return RLixPolicy
 
 
-# ---------------------------------------------------------------------------- progress
-
-
-def _grpo_value(master_config: Any, name: str) -> Any:
-    """``master_config.grpo.<name>`` (pydantic model or plain dicts); None when absent."""
-    grpo = getattr(master_config, "grpo", None)
-    if grpo is None and isinstance(master_config, dict):
-        grpo = master_config.get("grpo")
-    if grpo is None:
-        return None
-    value = getattr(grpo, name, None)
-    if value is None and isinstance(grpo, dict):
-        value = grpo.get(name)
-    return value
-
-
-def _num_prompts_per_step(master_config: Any) -> int | None:
-    value = _grpo_value(master_config, "num_prompts_per_step")
-    return None if value is None else int(value)
-
-
-def _max_num_steps(master_config: Any) -> int | None:
-    """``grpo.max_num_steps``: NeMo RL's loop trains steps below it, so a weight version at or
-    past it is never trained. None (no end known) when absent or not an int >= 0 (logged:
-    the demand is then cleared only when the pipeline unregisters)."""
-    raw = _grpo_value(master_config, "max_num_steps")
-    if raw is None:
-        return None
-    value = as_index(raw)
-    if value is None or value < 0:
-        logger.warning("rlix: grpo.max_num_steps=%r is not an int >= 0; the final step's "
-                       "demand stays until the pipeline unregisters", raw)
-        return None
-    return value
-
-
-def validation_size(val_dataloader: Any, master_config: Any) -> int | None:
-    """Trajectories NeMo RL's ``validate`` generates: the first
-    ``max_val_samples // val_batch_size`` batches of ``val_dataloader`` (fewer when it has
-    fewer; its dataset's length caps the prompts), each prompt
-    ``val_num_generations_per_prompt`` times (default 1). None when the config does not say
-    (the validation then reports no demand)."""
-    shape = _ValidationShape.of(master_config)
-    return None if shape is None else shape.size(val_dataloader)
-
-
-@dataclass(frozen=True, slots=True)
-class _ValidationShape:
-    """The ``grpo`` settings that size NeMo RL's validation."""
-
-    batch: int
-    samples: int
-    per_prompt: int
-
-    @staticmethod
-    def of(master_config: Any) -> _ValidationShape | None:
-        """From ``master_config``; None when one is missing or out of range."""
-        batch = as_index(_grpo_value(master_config, "val_batch_size"))
-        samples = as_index(_grpo_value(master_config, "max_val_samples"))
-        raw_k = _grpo_value(master_config, "val_num_generations_per_prompt")
-        per_prompt = 1 if raw_k is None else as_index(raw_k)
-        if batch is None or batch < 1 or samples is None or samples < 0 or per_prompt is None \
-                or per_prompt < 1:
-            return None
-        return _ValidationShape(batch, samples, per_prompt)
-
-    @property
-    def per_batch(self) -> int:
-        """Trajectories one batch generates."""
-        return self.batch * self.per_prompt
-
-    def size(self, val_dataloader: Any) -> int:
-        """Trajectories the validation over ``val_dataloader`` generates (see
-        :func:`validation_size`)."""
-        batches = self.samples // self.batch
-        with contextlib.suppress(TypeError, AttributeError):
-            batches = min(batches, len(val_dataloader))
-        prompts = batches * self.batch
-        with contextlib.suppress(TypeError, AttributeError):
-            prompts = min(prompts, len(val_dataloader.dataset))
-        return prompts * self.per_prompt
-
-
-class _CountedBatches:
-    """``val_dataloader`` as NeMo RL's ``validate`` iterates it, telling ``on_done`` how many
-    batches are finished: fetching batch ``i + 1`` (or the one it breaks at, or the end)
-    means batch ``i`` was generated and scored. Anything else is the loader's."""
-
-    def __init__(self, loader: Any, on_done: Callable[[int], None]) -> None:
-        self._loader = loader
-        self._on_done = on_done
-
-    def __iter__(self) -> Iterator[Any]:
-        done = 0
-        for batch in self._loader:
-            if done:
-                self._on_done(done)
-            yield batch
-            done += 1
-        if done:
-            self._on_done(done)
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader, name)
-
+# ---------------------------------------------------------------------------- validation
 
 @contextlib.contextmanager
 def validation_demand(val_dataloader: Any, master_config: Any, step: Any) -> Iterator[Any]:
@@ -962,7 +865,7 @@ def validation_demand(val_dataloader: Any, master_config: Any, step: Any) -> Ite
     iterate (``val_dataloader`` itself when nothing is reported: no pipeline, no loader, a
     size the config does not give)."""
     pipeline = current_pipeline()
-    shape = None if pipeline is None or val_dataloader is None else _ValidationShape.of(
+    shape = None if pipeline is None or val_dataloader is None else ValidationShape.of(
         master_config)
     step_i = as_index(step)
     if pipeline is None or shape is None or step_i is None or step_i < 0:
@@ -975,158 +878,23 @@ def validation_demand(val_dataloader: Any, master_config: Any, step: Any) -> Ite
     per_batch = shape.per_batch
     pipeline.begin_validation(step_i, shape.size(val_dataloader))
     try:
-        yield _CountedBatches(
+        yield CountedBatches(
             val_dataloader, lambda done: pipeline.validation_progress(step_i, done * per_batch))
     finally:
         pipeline.end_validation(step_i)
-
-
-#: ``rank_load`` (progress metric): requests in flight per active dp rank. The planner takes
-#: the lightest donor rank when it moves GPUs (``coordinator/core/planner.py``).
-RankLoad = Callable[[], Mapping[int, int] | None]
-
-
-def router_rank_load(generation: Any) -> dict[int, int] | None:
-    """In-flight requests per ACTIVE dp rank of ``generation``'s router copy (None: no router).
-
-    Under NeMo RL the collector's copy of the generation does all the pipeline's routing, so
-    its counts are the pipeline's load; a preempted or sleeping rank is never a donor, so
-    only active ranks are reported.
-    """
-    router = getattr(generation, "rlix_router", None)
-    if router is None:
-        return None
-    inflight = router.inflight
-    return {int(r): int(inflight[r]) for r in router.state.snapshot().active}
-
-
-def with_rank_load(report: ProgressReport, load: Mapping[int, int] | None) -> ProgressReport:
-    """``report`` with ``metrics["rank_load"]`` set from ``load`` (unchanged when None)."""
-    if load is None:
-        return report
-    metrics = dict(report.metrics or {})
-    metrics["rank_load"] = {int(r): int(n) for r, n in load.items()}
-    return dataclasses.replace(report, metrics=metrics)
-
-
-def router_outstanding(generation: Any) -> int | None:
-    """Requests ``generation``'s router copy accepted and has not finished (None: no router):
-    the ``outstanding`` metric. Under NeMo RL's async GRPO the collector submits the next
-    step's prompts while the oldest step is still open, so this is the job's whole GPU need."""
-    router = getattr(generation, "rlix_router", None)
-    if router is None:
-        return None
-    return max(0, int(router.outstanding))
-
-
-class SchedulerProgressSink:
-    """Progress sink that sends reports to ``rlix:scheduler`` (fire and forget).
-
-    ``rank_load`` and ``outstanding`` (both optional) are read at each report and attached as
-    metrics; a failing reader drops only its metric, never the report.
-    """
-
-    def __init__(self, namespace: str, rank_load: RankLoad | None = None,
-                 outstanding: OutstandingReader | None = None) -> None:
-        self.namespace = namespace
-        self.rank_load = rank_load
-        self.outstanding = outstanding
-
-    def _load(self) -> Mapping[int, int] | None:
-        if self.rank_load is None:
-            return None
-        try:
-            return self.rank_load()
-        except Exception:  # a load hint is advisory
-            logger.warning("rlix: rank_load unavailable; report sent without it", exc_info=True)
-            return None
-
-    def _outstanding(self) -> int | None:
-        if self.outstanding is None:
-            return None
-        try:
-            return self.outstanding()
-        except Exception:  # advisory, like rank_load
-            logger.warning("rlix: outstanding unavailable; report sent without it",
-                           exc_info=True)
-            return None
-
-    def decorate(self, report: ProgressReport) -> ProgressReport:
-        """``report`` with the metrics this sink attaches (``rank_load``, ``outstanding``)."""
-        return with_outstanding(with_rank_load(report, self._load()), self._outstanding())
-
-    def __call__(self, report: ProgressReport) -> None:
-        import ray
-
-        sched = ray.get_actor(SCHEDULER_ACTOR, namespace=self.namespace)
-        sched.report_progress.remote(self.decorate(report))
-
-    def clear(self, pipeline_id: str) -> None:
-        import ray
-
-        sched = ray.get_actor(SCHEDULER_ACTOR, namespace=self.namespace)
-        sched.clear_progress.remote(pipeline_id=pipeline_id)
-
-
-def progress_tracker_for_collector(master_config: Any,
-                                   generation: Any = None) -> ProgressTracker | None:
-    """The collector's tracker (None when standalone or no pipeline id is known).
-
-    ``generation``: the collector's copy of the generation; its router's in-flight counts go
-    with every report as ``rank_load``.
-    """
-    settings = settings_if_enabled()
-    if settings is None or not settings.pipeline_id:
-        return None
-    target = _num_prompts_per_step(master_config)
-    if target is None:
-        logger.warning("rlix: grpo.num_prompts_per_step unknown; no progress reports")
-        return None
-    load: RankLoad | None = None
-    outstanding: OutstandingReader | None = None
-    if generation is not None:
-        def load() -> Mapping[int, int] | None:
-            return router_rank_load(generation)
-
-        def outstanding() -> int | None:
-            return router_outstanding(generation)
-    sink = SchedulerProgressSink(settings.namespace, load, outstanding)
-    pid = settings.pipeline_id
-    tracker = ProgressTracker(pid, sink, on_clear=lambda: sink.clear(pid))
-    tracker._rlix_step_target = target  # type: ignore[attr-defined]
-    tracker._rlix_max_steps = _max_num_steps(master_config)  # type: ignore[attr-defined]
-    return tracker
-
-
-def begin_progress_batch(tracker: ProgressTracker, weight_version: int,
-                         already_collected: int = 0) -> ProgressReport | None:
-    """New weight version = new step: count groups targeted at it from ``already_collected``.
-
-    A version at or past the run's ``grpo.max_num_steps`` (the tracker's ``_rlix_max_steps``)
-    is never trained: NeMo RL sets it after the final step's refit and its loop then ends. No
-    batch starts; the pipeline's demand is cleared (``clear_progress``) and, the tracker
-    being inactive, nothing more is reported, although NeMo RL's collector goes on
-    generating until it is killed. Returns None then.
-    """
-    last = getattr(tracker, "_rlix_max_steps", None)
-    if last is not None and weight_version >= last:
-        tracker.end_batch()
-        return None
-    target = int(getattr(tracker, "_rlix_step_target", 0))
-    return tracker.begin_batch(step=weight_version, step_target=target,
-                               weight_version=weight_version,
-                               already_collected=already_collected)
 
 
 # RLixVllmGeneration runs attach_generation at construction (the patch sets the class hook).
 __all__ = [
     "VALIDATION_MODE",
     "CacheSync",
+    "CollectorTracker",
     "DetachedWeightSynchronizer",
     "NemoRlLayout",
     "NemoRlPipeline",
     "NemoRlShardController",
     "RLixWeightSynchronizer",
+    "SchedulerProgressSink",
     "attach_generation",
     "attach_policy",
     "begin_progress_batch",

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from nemo_rl.algorithms.async_utils import trajectory_collector as _tc
 
-from rlix_plugins.training.progress import ProgressTracker
+from rlix_plugins.adapters.nemo_rl_progress import CollectorTracker
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,11 @@ class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from rlix_plugins.adapters.nemo_rl import progress_tracker_for_collector
+        from rlix_plugins.adapters.nemo_rl_progress import progress_tracker_for_collector
 
         # NeMo RL's __init__ stored both, however they were passed; the generation is this
         # collector's copy, whose router does the pipeline's routing (rank_load hints).
-        self._rlix_progress: ProgressTracker | None = progress_tracker_for_collector(
+        self._rlix_progress: CollectorTracker | None = progress_tracker_for_collector(
             getattr(self, "master_config", kwargs.get("master_config")),
             getattr(self, "policy_generation", kwargs.get("policy_generation")),
         )
@@ -90,7 +90,7 @@ class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
         super().set_weight_version(version)
         tracker = self._rlix_progress
         if tracker is not None:
-            from rlix_plugins.adapters.nemo_rl import begin_progress_batch
+            from rlix_plugins.adapters.nemo_rl_progress import begin_progress_batch
 
             try:
                 version = int(version)

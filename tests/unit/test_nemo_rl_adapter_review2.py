@@ -37,9 +37,9 @@ from typing import Any
 import pytest
 
 from rlix_plugins.adapters.nemo_rl import NemoRlLayout
+from rlix_plugins.adapters.nemo_rl_progress import CollectorTracker
 from rlix_plugins.errors import RegistrationError
 from rlix_plugins.protocol import ProgressReport
-from rlix_plugins.training.progress import ProgressTracker
 from tests.support.nemo_rl_pipeline import PID
 from tests.support.recording_hooks import FakeHooks
 
@@ -127,8 +127,7 @@ def test_groups_buffered_ahead_for_a_version_count_when_it_begins(
     collector = collector_module.RLixAsyncTrajectoryCollectorImpl(
         policy_generation=None, master_config={"grpo": {"num_prompts_per_step": 4}})
     sent: list[ProgressReport] = []
-    tracker = ProgressTracker(PID, sent.append)
-    tracker._rlix_step_target = 4  # type: ignore[attr-defined]  # as the adapter sets it
+    tracker = CollectorTracker(PID, sent.append, step_target=4)  # as the adapter builds it
     collector._rlix_progress = tracker
 
     def enqueue(target: int) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from rlix_plugins.adapters import nemo_rl
+from rlix_plugins.adapters import nemo_rl, nemo_rl_progress
 from rlix_plugins.errors import RegistrationError
 from rlix_plugins.protocol import ProgressReport
 from tests.support.nemo_rl_pipeline import fake_pipeline
@@ -144,11 +144,12 @@ def test_a_failing_clear_never_fails_the_drivers_set_weight_version(
 @pytest.mark.parametrize("raw", ["3", 2.5, True, -1])
 def test_a_malformed_max_num_steps_is_logged_and_never_clears(
         raw: object, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="rlix_plugins.adapters.nemo_rl"):
-        assert nemo_rl._max_num_steps({"grpo": {"max_num_steps": raw}}) is None
+    with caplog.at_level(logging.WARNING, logger="rlix_plugins.adapters.nemo_rl_progress"):
+        assert nemo_rl_progress.max_num_steps({"grpo": {"max_num_steps": raw}}) is None
     assert "grpo.max_num_steps" in caplog.text
-    assert nemo_rl._max_num_steps({"grpo": {}}) is None
-    assert nemo_rl._max_num_steps(SimpleNamespace(grpo=SimpleNamespace(max_num_steps=7))) == 7
+    assert nemo_rl_progress.max_num_steps({"grpo": {}}) is None
+    config = SimpleNamespace(grpo=SimpleNamespace(max_num_steps=7))
+    assert nemo_rl_progress.max_num_steps(config) == 7
 
 
 # ------------------------------------------------------------------ 2. heartbeat after registration
