@@ -228,7 +228,7 @@ class AsyncOverlapPipeline(SimPipeline):
                 continue  # waking shards sync the newest version from the cache anyway
             self._advance(r)
             if r.timer is not None:
-                r.timer.cancel()  # type: ignore[attr-defined]
+                r.timer.cancel()
                 r.timer = None
             r.state = "refreshing"
             r.wake_timer = self.cluster.clock.after(pause, self._refresh_done(r))

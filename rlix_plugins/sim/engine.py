@@ -31,7 +31,7 @@ from rlix_plugins.coordinator.core import (
 from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN, pipeline_namespace
 from rlix_plugins.protocol.types import Priority, ProgressReport
 from rlix_plugins.sim.async_pipeline import AsyncOverlapPipeline
-from rlix_plugins.sim.clock_queue import ClockQueue
+from rlix_plugins.sim.clock_queue import ClockQueue, Timer
 from rlix_plugins.sim.physics import GpuLedger, PhysicsViolation, TrajectoryCounter
 from rlix_plugins.sim.pipeline_model import SimPipeline
 from rlix_plugins.sim.placement import Placer
@@ -180,12 +180,12 @@ class SimCluster:
         self.step_records: list[StepRecord] = []
         self.tenures: list[TenureRecord] = []
         self._tenure_meta: dict[str, tuple[str, str]] = {}
-        self._cycle_timer: object | None = None
+        self._cycle_timer: Timer | None = None
         self._last_cycle = -1.0
         #: blocking cycles: when the last cycle's resize calls have all returned
         self._resizing_until = 0.0
         self._dirty = False
-        self._tick_timer: object | None = None
+        self._tick_timer: Timer | None = None
         self._stats = _CycleCounters()
         self._finished = 0
         self.useful_gpu_s = 0.0

@@ -27,6 +27,7 @@ import numpy as np
 
 from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN, cluster_id
 from rlix_plugins.protocol.types import Priority, ProgressReport, progress_bucket
+from rlix_plugins.sim.clock_queue import Timer
 from rlix_plugins.sim.physics import PhysicsViolation
 from rlix_plugins.sim.records import JobRecord, StepRecord
 from rlix_plugins.sim.workloads import JobSpec, Placement
@@ -92,8 +93,8 @@ class _Rank:
         self.finish_heap: list[tuple[float, int]] = []
         self.service = 0.0
         self.last_t = 0.0
-        self.timer: object | None = None
-        self.wake_timer: object | None = None
+        self.timer: Timer | None = None
+        self.wake_timer: Timer | None = None
         #: when the last wake (expand) completes and the rank serves
         self.serves_at = 0.0
 
@@ -311,7 +312,7 @@ class SimPipeline:
         for r in self.ranks:
             for timer in (r.timer, r.wake_timer):
                 if timer is not None:
-                    timer.cancel()  # type: ignore[attr-defined]
+                    timer.cancel()
             r.timer = r.wake_timer = None
             if r.state != "off":
                 if r.running:
@@ -396,7 +397,7 @@ class SimPipeline:
 
     def _reschedule(self, r: _Rank) -> None:
         if r.timer is not None:
-            r.timer.cancel()  # type: ignore[attr-defined]
+            r.timer.cancel()
             r.timer = None
         if r.state != "active" or not r.finish_heap:
             return
@@ -480,12 +481,12 @@ class SimPipeline:
         # The overlapping engine aborts the wake at once.
         wake_done = self.now
         if r.wake_timer is not None:
-            r.wake_timer.cancel()  # type: ignore[attr-defined]
+            r.wake_timer.cancel()
             r.wake_timer = None
             if self.cluster.config.blocking_cycles:
                 wake_done = max(self.now, r.serves_at)
         if r.timer is not None:
-            r.timer.cancel()  # type: ignore[attr-defined]
+            r.timer.cancel()
             r.timer = None
         if self.resident:
             r.state = "paused"  # in-flight requests keep their progress; GPU stays occupied
