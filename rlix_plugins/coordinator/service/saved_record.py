@@ -1,4 +1,5 @@
-"""What the scheduler saves besides the core state, read back strictly.
+"""What the scheduler saves besides the core state: written by :func:`write_record`, read
+back strictly by :meth:`SavedRecord.read`.
 
 The record is JSON (a file or Ray's KV store): anything in it may have been damaged or written
 by another release, so every field is checked on the way in and a bad one is a
@@ -7,7 +8,8 @@ by another release, so every field is checked on the way in and a bad one is a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +61,26 @@ class SavedRecord:
             leased=_strings(record, "leased"),
             fencing=_reasons(record.get("fencing", {})),
         )
+
+
+def write_record(
+    *,
+    state: dict[str, Any],
+    inflight: InflightIntent | None,
+    dead: Iterable[DeadPipeline],
+    seen: Iterable[str],
+    leased: Iterable[str],
+    fencing: Mapping[str, str],
+) -> dict[str, Any]:
+    """The JSON record :meth:`SavedRecord.read` reads back (``state``: the core's snapshot)."""
+    return {
+        "state": state,
+        "inflight": inflight.to_json() if inflight is not None else None,
+        "dead": [dataclasses.asdict(d) for d in dead],
+        "seen": sorted(seen),
+        "leased": sorted(leased),
+        "fencing": dict(fencing),
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,11 @@ from rlix_plugins.coordinator.service.observer import Observer
 from rlix_plugins.coordinator.service.persistence import FileStateStore, KvStateStore, StateStore
 from rlix_plugins.coordinator.service.resizer import Resizer
 from rlix_plugins.coordinator.service.resource_manager import topology_from_ray
-from rlix_plugins.coordinator.service.saved_record import InflightIntent, SavedRecord
+from rlix_plugins.coordinator.service.saved_record import (
+    InflightIntent,
+    SavedRecord,
+    write_record,
+)
 from rlix_plugins.coordinator.service.waiters import Waiters
 from rlix_plugins.errors import (
     CoordinatorUnavailableError,
@@ -206,14 +210,14 @@ class SchedulerService:
         # After stop() (which may have cleared the store) a late save would bring back a
         # state that no scheduler serves any more.
         self._check_running()
-        return {
-            "state": snapshot(self._state),
-            "inflight": self._inflight.to_json() if self._inflight is not None else None,
-            "dead": [dataclasses.asdict(d) for d in self._dead.values()],
-            "seen": sorted(self._seen),
-            "leased": sorted(self._beats),
-            "fencing": dict(self._fencing),
-        }
+        return write_record(
+            state=snapshot(self._state),
+            inflight=self._inflight,
+            dead=self._dead.values(),
+            seen=self._seen,
+            leased=self._beats,
+            fencing=self._fencing,
+        )
 
     # ================================================================== helpers
     def _now(self) -> float:

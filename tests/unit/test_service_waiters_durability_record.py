@@ -1,5 +1,6 @@
-"""The scheduler service's waiting callers (:mod:`.waiters`) and its save-before-answer rule
-(:mod:`.durability`), on their own (the service's own tests drive both through the actor)."""
+"""The scheduler service's waiting callers (:mod:`.waiters`), its save-before-answer rule
+(:mod:`.durability`) and its saved record's format (:mod:`.saved_record`), on their own (the
+service's own tests drive them through the actor)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,34 @@ def test_a_refused_record_propagates() -> None:
     with pytest.raises(CoordinatorUnavailableError):
         Durability(store, stopped, namespace="t", timeout_s=1.0).save()
     assert store.saved == []
+
+
+def test_the_saved_record_reads_back_what_was_written() -> None:
+    """write_record and SavedRecord.read are one format: every field survives JSON."""
+    import json
+
+    from rlix_plugins.coordinator.core.status import DeadPipeline
+    from rlix_plugins.coordinator.service.saved_record import (
+        InflightIntent,
+        SavedRecord,
+        write_record,
+    )
+
+    record = write_record(
+        state={"revision": 3},
+        inflight=InflightIntent(confirmed_shrinks=((A_INFER, 1),), expands=((AB_INFER, 0),)),
+        dead=[DeadPipeline("gone", "its coordinator actor died", 12.5)],
+        seen={"b", "a"},
+        leased={"a"},
+        fencing={"b": "lease expired"},
+    )
+    back = SavedRecord.read(json.loads(json.dumps(record)))
+    assert back.state == {"revision": 3}
+    assert back.inflight is not None
+    assert back.inflight.confirmed_shrinks == [[A_INFER, 1]]  # raw: settle_inflight checks
+    assert back.inflight.expands == [[AB_INFER, 0]]
+    assert back.dead == (DeadPipeline("gone", "its coordinator actor died", 12.5),)
+    assert (back.seen, back.leased, back.fencing) == (("a", "b"), ("a",), {"b": "lease expired"})
+    assert SavedRecord.read(
+        write_record(state={}, inflight=None, dead=(), seen=(), leased=(), fencing={})
+    ).inflight is None
