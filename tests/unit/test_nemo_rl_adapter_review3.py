@@ -32,7 +32,7 @@ import pytest
 
 from rlix_plugins.adapters import nemo_rl, nemo_rl_progress
 from rlix_plugins.errors import RegistrationError
-from rlix_plugins.protocol import ProgressReport
+from tests.support.fake_scheduler_handle import FakeSchedulerHandle
 from tests.support.nemo_rl_pipeline import fake_pipeline
 from tests.support.recording_hooks import FakeHooks
 from tests.unit.test_nemo_rl_adapter_review2 import (  # noqa: F401  (fixture)
@@ -45,43 +45,14 @@ from tests.unit.test_nemo_rl_adapter_review2 import (  # noqa: F401  (fixture)
 # ------------------------------------------------------------------ 1. the final step's demand
 
 
-class FakeScheduler:
-    """FAKE ``rlix:scheduler`` handle (no Ray here): records what the collector's sink sends,
-    in order; ``clear_progress`` raises when ``clear_error`` is set."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, Any]] = []
-        self.clear_error: Exception | None = None
-        outer = self
-
-        class _Report:
-            def remote(self, report: ProgressReport) -> None:
-                outer.sent.append(("report", report))
-
-        class _Clear:
-            def remote(self, *, pipeline_id: str) -> None:
-                if outer.clear_error is not None:
-                    raise outer.clear_error
-                outer.sent.append(("clear", pipeline_id))
-
-        self.report_progress = _Report()
-        self.clear_progress = _Clear()
-
-    def demand(self) -> int | None:
-        """What the coordinator keeps after these messages: the last report's remaining
-        trajectories, None once cleared (``SchedulerState.clear_progress``)."""
-        kind, last = self.sent[-1]
-        return None if kind == "clear" else int(str((last.metrics or {})["remaining"]))
-
-
 @pytest.fixture
 def collector(collector_module: Any,  # noqa: F811  (the imported fixture)
-              monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, FakeScheduler]]:
+              monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, FakeSchedulerHandle]]:
     """The real collector subclass over the FAKE NeMo RL base, its tracker made by the real
     ``progress_tracker_for_collector`` for a 3-step run of 4 prompt groups per step."""
     import ray
 
-    sched = FakeScheduler()
+    sched = FakeSchedulerHandle()
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     monkeypatch.setenv("PIPELINE_ID", PID)
     monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: sched)
@@ -98,7 +69,7 @@ def _enqueue(collector: Any, target: int, n: int = 1) -> None:
 
 
 def test_demand_is_cleared_once_the_run_sets_a_version_it_never_trains(
-        collector: tuple[Any, FakeScheduler]) -> None:
+        collector: tuple[Any, FakeSchedulerHandle]) -> None:
     c, sched = collector
     # Steps 0, 1, 2 as NeMo RL runs them (max_trajectory_age_steps=1: one step ahead).
     c.set_weight_version(0)
@@ -122,14 +93,14 @@ def test_demand_is_cleared_once_the_run_sets_a_version_it_never_trains(
 
 
 def test_a_resumed_run_past_its_last_step_reports_no_demand(
-        collector: tuple[Any, FakeScheduler]) -> None:
+        collector: tuple[Any, FakeSchedulerHandle]) -> None:
     c, sched = collector
     c.set_weight_version(3)  # resumed at step 3 of 3: NeMo RL's loop runs no step
     assert sched.sent == [("clear", PID)]
 
 
 def test_a_failing_clear_never_fails_the_drivers_set_weight_version(
-        collector: tuple[Any, FakeScheduler], caplog: pytest.LogCaptureFixture) -> None:
+        collector: tuple[Any, FakeSchedulerHandle], caplog: pytest.LogCaptureFixture) -> None:
     """NeMo RL's driver waits on ``set_weight_version``: a coordinator that cannot be told
     must not stop the run."""
     c, sched = collector

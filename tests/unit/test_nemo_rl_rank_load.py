@@ -20,6 +20,7 @@ from rlix_plugins.generation.shard_state import ShardEvent
 from rlix_plugins.generation.state_store import LocalShardState, ShardStateStore
 from rlix_plugins.protocol import Priority, ProgressReport
 from tests.core_builders import cycle, new_state, progress, register
+from tests.support.fake_scheduler_handle import FakeSchedulerHandle
 
 
 class FakeHeldEngine:
@@ -36,20 +37,6 @@ class FakeHeldEngine:
         """Finish what is running; later requests wait again."""
         self.gate.set()
         self.gate = asyncio.Event()
-
-
-class FakeScheduler:
-    """Fake ``rlix:scheduler`` handle: ``report_progress.remote`` records the report."""
-
-    def __init__(self) -> None:
-        self.reports: list[ProgressReport] = []
-        outer = self
-
-        class _Method:
-            def remote(self, report: ProgressReport) -> None:
-                outer.reports.append(report)
-
-        self.report_progress = _Method()
 
 
 class Generation:
@@ -91,10 +78,12 @@ def test_with_rank_load_keeps_the_report_and_adds_the_hint() -> None:
     assert adapter.with_rank_load(rep, None) is rep
 
 
-def _collector_tracker(monkeypatch: pytest.MonkeyPatch, gen: Any) -> tuple[Any, FakeScheduler]:
+def _collector_tracker(
+    monkeypatch: pytest.MonkeyPatch, gen: Any
+) -> tuple[Any, FakeSchedulerHandle]:
     import ray
 
-    sched = FakeScheduler()
+    sched = FakeSchedulerHandle()
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     monkeypatch.setenv("PIPELINE_ID", "ft_a")
     monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: sched)
