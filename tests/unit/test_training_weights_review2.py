@@ -26,7 +26,7 @@ from rlix_plugins.errors import (
 )
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind
 from rlix_plugins.training.checksum import ChecksumKind
-from rlix_plugins.training.sync import SyncOptions, sync_version
+from rlix_plugins.training.sync import SyncOptions, SyncReport, sync_version
 from rlix_plugins.training.transports.selection import AddressedReceiver
 from rlix_plugins.training.wire import (
     ReceiveResult,
@@ -216,6 +216,25 @@ def _good_answer(header: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "kind": "ack", "index": header["index"]}
 
 
+def _sync_to_scripted(
+    pipeline: str, seed: int, answer: Callable[[dict[str, Any]], dict[str, Any]]
+) -> SyncReport:
+    """Version 1 of a fresh cache synced over ZMQ to one ``ScriptedReceiver`` answering with
+    ``answer`` (failures are reported, not raised); both are closed after."""
+    cache = _cache(pipeline, StorageKind.PAGEABLE)
+    cache.build(1, _weights(seed).items())
+    receiver = ScriptedReceiver("s0", answer)
+    try:
+        return sync_version(
+            cache, 1, [receiver],
+            options=SyncOptions(ack_timeout_s=30, raise_on_error=False,
+                                transports={"s0": TransportKind.ZMQ}),
+        )
+    finally:
+        receiver.close()
+        cache.close()
+
+
 @pytest.mark.parametrize(
     ("bad", "what"),
     [
@@ -228,22 +247,10 @@ def _good_answer(header: dict[str, Any]) -> dict[str, Any]:
 def test_a_wrong_bucket_ack_fails_the_shard(
     bad: Callable[[dict[str, Any]], dict[str, Any]], what: str
 ) -> None:
-    cache = _cache("review2_ack", StorageKind.PAGEABLE)
-    cache.build(1, _weights(3).items())
-
     def answer(header: dict[str, Any]) -> dict[str, Any]:
         return bad(header) if header["kind"] == "bucket" else _good_answer(header)
 
-    receiver = ScriptedReceiver("s0", answer)
-    try:
-        report = sync_version(
-            cache, 1, [receiver],
-            options=SyncOptions(ack_timeout_s=30, raise_on_error=False,
-                                transports={"s0": TransportKind.ZMQ}),
-        )
-    finally:
-        receiver.close()
-        cache.close()
+    report = _sync_to_scripted("review2_ack", 3, answer)
     # before the fix: succeeded
     assert report.failed == ("s0",), report
     error = report.outcomes[0].error or ""
@@ -251,42 +258,20 @@ def test_a_wrong_bucket_ack_fails_the_shard(
 
 
 def test_a_bucket_ack_in_place_of_the_final_ack_fails_the_shard() -> None:
-    cache = _cache("review2_final", StorageKind.PAGEABLE)
-    cache.build(1, _weights(4).items())
-
     def answer(header: dict[str, Any]) -> dict[str, Any]:
         if header["kind"] == "end":
             return {"ok": True, "kind": "ack", "index": 0}
         return _good_answer(header)
 
-    receiver = ScriptedReceiver("s0", answer)
-    try:
-        report = sync_version(
-            cache, 1, [receiver],
-            options=SyncOptions(ack_timeout_s=30, raise_on_error=False,
-                                transports={"s0": TransportKind.ZMQ}),
-        )
-    finally:
-        receiver.close()
-        cache.close()
+    report = _sync_to_scripted("review2_final", 4, answer)
     assert report.failed == ("s0",), report
     assert "final ack" in (report.outcomes[0].error or "")
 
 
 def test_the_scripted_receiver_speaks_the_protocol() -> None:
     # the helper above is a correct receiver: only the wrong acks fail
-    cache = _cache("review2_script", StorageKind.PAGEABLE)
-    cache.build(1, _weights(5).items())
-    receiver = ScriptedReceiver("s0", _good_answer)
-    try:
-        report = sync_version(
-            cache, 1, [receiver],
-            options=SyncOptions(ack_timeout_s=30, transports={"s0": TransportKind.ZMQ}),
-        )
-    finally:
-        receiver.close()
-        cache.close()
-    assert report.succeeded == ("s0",)
+    report = _sync_to_scripted("review2_script", 5, _good_answer)
+    assert report.succeeded == ("s0",) and report.failed == ()
 
 
 # --- wire.py: a malformed receive result is a typed error naming the field ------------------------
