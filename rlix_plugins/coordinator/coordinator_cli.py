@@ -68,9 +68,7 @@ def run(args: argparse.Namespace) -> int:
         topology = Topology(args.nodes or auto.num_nodes, args.gpus_per_node or auto.gpus_per_node)
         config = dataclasses.replace(config, topology=topology)
     plane = connect(settings, namespace=namespace, config=config, address=args.address)
-    import ray
-
-    status = ray.get(plane.scheduler.get_status.remote())
+    status = plane.status()
     print(
         f"coordinator running in namespace {namespace!r}: {status.num_nodes} node(s) x "
         f"{status.gpus_per_node} GPU(s), {len(status.pipelines)} pipeline(s) registered"

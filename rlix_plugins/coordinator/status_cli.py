@@ -20,9 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import ray
 
-    from rlix_plugins.coordinator.core.status import CoordinatorStatus, format_status
+    from rlix_plugins.coordinator.core.status import format_status
     from rlix_plugins.coordinator.service.client import connect
     from rlix_plugins.errors import CoordinatorUnavailableError
 
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     except CoordinatorUnavailableError as exc:
         print(f"error: {exc}")
         return 2
-    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
+    status = plane.status()
     if args.json:
         print(json.dumps(dataclasses.asdict(status), indent=2))
     else:

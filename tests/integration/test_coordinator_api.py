@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import ray
 
-from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from rlix_plugins.errors import (
     OwnershipError,
     ProtocolError,
@@ -24,10 +23,6 @@ from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver
 
 pytestmark = pytest.mark.integration
 
-
-def _status(plane: Any) -> CoordinatorStatus:
-    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
-    return status
 
 
 def _register(plane: Any, pid: str, tps: dict[str, Any], maps: dict[str, Any]) -> None:
@@ -61,7 +56,7 @@ def test_bad_calls_get_typed_errors_and_leave_state_unchanged(coordinator: Any) 
         {"actor_train": [0], "actor_infer": [0, 1]},
     )
     ray.get(sched.request_gpus.remote(cluster_id="ft_good00000001_actor_train", priority=0))
-    before = _status(coordinator)
+    before = coordinator.status()
     for tps, maps, match in MALFORMED:
         with pytest.raises(RegistrationError, match=match):
             _register(coordinator, "ft_bad000000001", tps, maps)
@@ -151,12 +146,12 @@ def test_bad_calls_get_typed_errors_and_leave_state_unchanged(coordinator: Any) 
     for error, match, ref in calls:
         with pytest.raises(error, match=match):
             ray.get(ref)
-    after = _status(coordinator)
+    after = coordinator.status()
     assert after == before
     # RLix's shutdown ends every pipeline's scheduling but leaves Ray (and us) running.
     assert ray.get(coordinator.orchestrator.shutdown.remote(reason="test")) == 1
-    assert _status(coordinator).pipelines == ()
-    assert _status(coordinator).idle_gpus == tuple(range(8))
+    assert coordinator.status().pipelines == ()
+    assert coordinator.status().idle_gpus == tuple(range(8))
 
 
 def test_rlix_own_progress_report_class_is_accepted(
@@ -184,9 +179,9 @@ def test_rlix_own_progress_report_class_is_accepted(
             RlixReport(pid, 40, 1.0, {"mode": "train", "completed": 10, "bucket": 12})
         )
     )
-    assert _status(coordinator).pipeline(pid).demand == 30  # type: ignore[union-attr]
+    assert coordinator.status().pipeline(pid).demand == 30  # type: ignore[union-attr]
     ray.get(sched.report_progress.remote(RlixReport(pid, 40, 2.0, {"collected": 35})))
-    assert _status(coordinator).pipeline(pid).demand == 5  # type: ignore[union-attr]
+    assert coordinator.status().pipeline(pid).demand == 5  # type: ignore[union-attr]
     # RLix's Priority enum also arrives by reference and is read by value.
     ray.get(sched.clear_progress.remote(pipeline_id=pid))
     ledger = GpuLedger.remote()

@@ -192,7 +192,7 @@ def test_a_failed_wake_fences_its_pipeline_and_keeps_its_gpus_until_it_is_dead(
     with pytest.raises(PipelineFailedError, match=f"pipeline '{slow}' failed: .*wake failure"):
         ray.get(gen, timeout=30)
     assert ray.get(train, timeout=30) == [0]
-    dead = {d.pipeline_id: d.at for d in ray.get(plane.scheduler.get_status.remote())
+    dead = {d.pipeline_id: d.at for d in plane.status()
             .dead_pipelines}
     assert slow in dead
     # The ownership timeline: the fenced pipeline held GPU 0 until it was declared dead

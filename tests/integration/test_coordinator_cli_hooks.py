@@ -16,7 +16,6 @@ import ray
 
 from rlix_plugins import cli
 from rlix_plugins.adapters.observability import read_observations
-from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
 from rlix_plugins.hooks import make_hooks
 from rlix_plugins.hooks.coordinator_hooks import CoordinatorHooks
@@ -26,10 +25,6 @@ from tests.support.roll_pipeline import register_pipeline, wait_until
 
 pytestmark = pytest.mark.integration
 
-
-def _status(plane: Any) -> CoordinatorStatus:
-    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
-    return status
 
 
 def test_cli_start_status_stop(
@@ -51,7 +46,7 @@ def test_cli_start_status_stop(
         sched = plane.scheduler
         ray.get(sched.request_gpus.remote(cluster_id="ft_cli000000001_actor_train", priority=3))
         waiting = sched.request_gpus.remote(cluster_id="ft_cli000000001_critic", priority=2)
-        wait_until(lambda: len(_status(plane).wait_queue) == 1, 10)
+        wait_until(lambda: len(plane.status().wait_queue) == 1, 10)
         val = ProgressReport("ft_cli000000001", 10, None, {"completed": 4, "mode": "val"})
         ray.get(sched.report_progress.remote(val))
         assert cli.main(["status", "--namespace", ns]) == 0
@@ -84,7 +79,7 @@ def test_cli_start_status_stop(
         assert record["wait_queue"][0]["cluster_id"] == "ft_cli000000001_critic"
         [stream] = record["pipelines"][0]["streams"]
         assert (stream["mode"], stream["completed"], stream["remaining"]) == ("val", 4, 6)
-        assert json.loads(json.dumps(dataclasses.asdict(_status(plane))))["gpus"] == record["gpus"]
+        assert json.loads(json.dumps(dataclasses.asdict(plane.status())))["gpus"] == record["gpus"]
         ray.get(sched.notify_release_gpus.remote(cluster_id="ft_cli000000001_actor_train"))
         assert ray.get(waiting, timeout=10) == [1]
     finally:
@@ -113,16 +108,16 @@ def test_hooks_block_release_report_and_keep_the_lease(
         t = threading.Thread(target=lambda: (hooks.before_training(0), done.set()))
         t.start()
         # Blocked behind the other pipeline's training on GPU 1.
-        wait_until(lambda: len(_status(coordinator).wait_queue) == 1, 10)
+        wait_until(lambda: len(coordinator.status().wait_queue) == 1, 10)
         assert not done.is_set()
         ray.get(sched.notify_release_gpus.remote(cluster_id=f"{other}_actor_train"))
         assert done.wait(10)
         t.join()
-        owners = _status(coordinator).owners()
+        owners = coordinator.status().owners()
         assert owners[0] == owners[1] == pid
         assert read_observations(tmp_path / "observe").busy == ()
         hooks.after_training(0)
-        assert _status(coordinator).owners()[0] is None
+        assert coordinator.status().owners()[0] is None
         # the train step's busy record (gates judge ownership from it): the granted GPUs, from
         # the grant to the release call
         (rec,) = read_observations(tmp_path / "observe").busy
@@ -142,20 +137,20 @@ def test_hooks_block_release_report_and_keep_the_lease(
                 step_target_trajectories=1000, collected=collected, current_train_step=1
             )
         assert sent.count("report_progress") == 6  # buckets 0..5 (20 trajectories each)
-        status = _status(coordinator).pipeline(pid)
+        status = coordinator.status().pipeline(pid)
         assert status is not None and status.demand == 900
         hooks.report_progress(step_target_trajectories=1000, collected=1000, current_train_step=1)
-        assert _status(coordinator).pipeline(pid).demand == 0  # type: ignore[union-attr]
+        assert coordinator.status().pipeline(pid).demand == 0  # type: ignore[union-attr]
         hooks.clear_progress()
-        assert _status(coordinator).pipeline(pid).progress_streams == 0  # type: ignore[union-attr]
+        assert coordinator.status().pipeline(pid).progress_streams == 0  # type: ignore[union-attr]
         # The heartbeat thread keeps the lease well past lease_s: let three leases elapse
         # (the property under test is about time passing, nothing to synchronise on).
         time.sleep(3 * settings.lease_s)
-        assert _status(coordinator).pipeline(pid) is not None
+        assert coordinator.status().pipeline(pid) is not None
     finally:
         hooks.close()  # type: ignore[union-attr]
     # Without heartbeats the lease lapses and the pipeline is declared dead.
-    wait_until(lambda: _status(coordinator).pipeline(pid) is None, 10)
+    wait_until(lambda: coordinator.status().pipeline(pid) is None, 10)
     with pytest.raises(PipelineFailedError, match=f"pipeline '{pid}' was declared dead"):
         hooks.before_training(1)
 
@@ -175,7 +170,7 @@ def test_hooks_beat_at_the_coordinators_lease_when_theirs_is_longer(
     try:
         # three of the coordinator's leases (time passing is the property under test)
         time.sleep(3 * 1.5)
-        assert _status(coordinator).pipeline(pid) is not None
+        assert coordinator.status().pipeline(pid) is not None
         assert hooks.heartbeat_error is None
     finally:
         hooks.close()
@@ -232,15 +227,15 @@ def test_hooks_ride_through_a_recreated_coordinator(
 
     t = threading.Thread(target=train)
     t.start()
-    wait_until(lambda: len(_status(coordinator).wait_queue) == 1, 10)
+    wait_until(lambda: len(coordinator.status().wait_queue) == 1, 10)
     # Stop (keeping the saved state) and start a new coordinator: new actor ids.
     stop_coordinator(coordinator.namespace, clear_state=False)
     plane = connect(namespace=coordinator.namespace, config=None)
     assert plane.scheduler._actor_id != coordinator.scheduler._actor_id
-    owners = _status(plane).owners()
+    owners = plane.status().owners()
     assert owners[0] == other, "the recovered state still has the other pipeline's grant"
     ray.get(plane.scheduler.notify_release_gpus.remote(cluster_id=f"{other}_actor_train"))
     assert done.wait(30), "before_training returned after the coordinator came back"
     t.join()
     assert errors == []
-    assert _status(plane).owners()[0] == pid
+    assert plane.status().owners()[0] == pid

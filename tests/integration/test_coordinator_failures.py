@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 import ray
 
-from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from rlix_plugins.errors import PipelineFailedError
 from rlix_plugins.protocol.types import Priority
 from tests.support.roll_pipeline import (
@@ -20,13 +19,9 @@ from tests.support.roll_pipeline import (
 pytestmark = pytest.mark.integration
 
 
-def _status(plane: Any) -> CoordinatorStatus:
-    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
-    return status
-
 
 def _holds(plane: Any, pipeline_id: str) -> set[int]:
-    return {g.gpu for g in _status(plane).gpus if g.owner_pipeline == pipeline_id}
+    return {g.gpu for g in plane.status().gpus if g.owner_pipeline == pipeline_id}
 
 
 def test_killed_pipeline_returns_its_gpus_and_the_other_finishes(coordinator: Any) -> None:
@@ -42,11 +37,11 @@ def test_killed_pipeline_returns_its_gpus_and_the_other_finishes(coordinator: An
     a.start()
     wait_until(lambda: bool(_holds(coordinator, b.pipeline_id)), 30)
     b.kill_actors()
-    took = wait_until(lambda: _status(coordinator).pipeline(b.pipeline_id) is None, 10)
+    took = wait_until(lambda: coordinator.status().pipeline(b.pipeline_id) is None, 10)
     print(f"GPUs of the killed pipeline back after {took:.2f}s")
     assert not _holds(coordinator, b.pipeline_id)
     # Found dead by its probe (not by a lapsed lease): the reason tells which.
-    dead = {d.pipeline_id: d.reason for d in _status(coordinator).dead_pipelines}
+    dead = {d.pipeline_id: d.reason for d in coordinator.status().dead_pipelines}
     assert "died" in dead[b.pipeline_id], dead[b.pipeline_id]
     rb = b.join(60)
     assert isinstance(rb.error, (PipelineFailedError, ray.exceptions.RayActorError)), rb.error
@@ -76,8 +71,8 @@ def test_lease_expiry_unregisters_and_fails_waiters(coordinator: Any) -> None:
     # Fenced at once (its waiters fail), unregistered by the same liveness pass once its probe
     # answers: the probe awaits Ray, so a status read right after the waiter fails may land
     # in between (seen once in a clean CI run).
-    wait_until(lambda: _status(coordinator).pipeline(leased) is None, 5)
-    status = _status(coordinator)
+    wait_until(lambda: coordinator.status().pipeline(leased) is None, 5)
+    status = coordinator.status()
     assert status.pipeline(leased) is None
     assert status.owners()[0] is None and status.owners()[1] is None
     assert status.pipeline(holder) is not None, "a pipeline that never beat keeps its GPUs"
@@ -105,7 +100,7 @@ def test_failed_shrink_fences_the_pipeline_and_only_then_hands_its_gpu_on(
         sched.request_gpus.remote(cluster_id=f"{other}_actor_train", priority=1), timeout=20
     )
     assert got == [2, 3]
-    status = _status(coordinator)
+    status = coordinator.status()
     assert status.pipeline(victim.pipeline_id) is None
     dead = {d.pipeline_id: d.reason for d in status.dead_pipelines}
     assert "resize_infer" in dead[victim.pipeline_id]
@@ -132,20 +127,20 @@ def test_scheduler_crash_recovers_state_and_drops_pipelines_that_died_meanwhile(
     wait_until(lambda: bool(_holds(coordinator, gone.pipeline_id)), 10)
     a.start()
     a.wait_for_step(2, 60)
-    before = _status(coordinator)
+    before = coordinator.status()
     ray.kill(sched, no_restart=False)  # crash; Ray restarts it (max_restarts=-1)
     gone.kill_actors()  # dies while there is no scheduler to notice
     ray.get(sched.ping.remote(), timeout=60)  # Ray retries the call on the restarted actor
-    recovered = _status(coordinator)
+    recovered = coordinator.status()
     assert recovered.revision > before.revision
     assert recovered.pipeline(a.pipeline_id) is not None
-    wait_until(lambda: _status(coordinator).pipeline(gone.pipeline_id) is None, 10)
+    wait_until(lambda: coordinator.status().pipeline(gone.pipeline_id) is None, 10)
     ra = a.join(120)
     assert ra.error is None, repr(ra.error)
     assert ra.steps_done == 6
     violations, _, _ = ray.get(ledger.report.remote())
     assert violations == []
-    assert _status(coordinator).idle_gpus == tuple(range(8))
+    assert coordinator.status().idle_gpus == tuple(range(8))
 
 
 @ray.remote(num_cpus=0)
@@ -207,7 +202,7 @@ def test_the_orchestrator_finds_a_scheduler_created_anew(coordinator: Any, tmp_p
     assert plane.orchestrator._actor_id == orch._actor_id
     assert ray.get(orch.shutdown.remote()) == 0
     register_pipeline(plane, "ft_afterrestart", {"actor_train": [0], "actor_infer": [0, 1]})
-    assert _status(plane).pipeline("ft_afterrestart") is not None
+    assert plane.status().pipeline("ft_afterrestart") is not None
 
 
 def _dead(handle: Any) -> bool:

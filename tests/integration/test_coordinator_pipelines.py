@@ -10,15 +10,10 @@ from typing import Any
 import pytest
 import ray
 
-from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver
 
 pytestmark = pytest.mark.integration
 
-
-def _status(plane: Any) -> CoordinatorStatus:
-    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
-    return status
 
 
 def test_two_pipelines_finish_without_sharing_a_gpu(coordinator: Any) -> None:
@@ -37,7 +32,7 @@ def test_two_pipelines_finish_without_sharing_a_gpu(coordinator: Any) -> None:
     }
     samples = 0
     while a.running or b.running:
-        status = _status(coordinator)
+        status = coordinator.status()
         for g in status.gpus:
             if g.owner_pipeline is not None:
                 assert g.gpu in mapping[g.owner_pipeline]
@@ -53,7 +48,7 @@ def test_two_pipelines_finish_without_sharing_a_gpu(coordinator: Any) -> None:
     assert samples > 3
     # Generation really was elastic: ranks were added while generating.
     assert max(ra.generation_ranks_seen) >= 2 and max(rb.generation_ranks_seen) >= 2
-    final = _status(coordinator)
+    final = coordinator.status()
     assert final.idle_gpus == tuple(range(8))
     assert final.wait_queue == ()
 

@@ -28,7 +28,6 @@ from typing import Any
 import pytest
 import ray
 
-from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from tests.fixtures.nemo_rl_pipeline import NemoRlGenWorkers
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.integration]
@@ -59,10 +58,6 @@ def nemo_coordinator(ray_session: Any, tmp_path: Path) -> Iterator[Any]:
     stop_coordinator(cfg.namespace)
 
 
-def _status(plane: Any) -> CoordinatorStatus:
-    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
-    return status
-
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)
@@ -81,7 +76,7 @@ def test_driver_adapter_steps_under_the_coordinator(
     try:
         pid = ray.get(harness.pipeline_id.remote(), timeout=300)
         # Registration is visible in the coordinator's status, with the partial-overlap layout.
-        p = _status(coordinator).pipeline(pid)
+        p = coordinator.status().pipeline(pid)
         assert p is not None
         clusters = {c.name: c.gpus for c in p.clusters}
         assert clusters == {"actor_infer": (0, 1), "actor_train": (0,)}
@@ -169,7 +164,7 @@ def test_driver_adapter_steps_under_the_coordinator(
         ray.kill(harness)
     # Unregistered and cleaned: no pipeline, every GPU idle, its actors gone.
     assert out == {"coordinator_alive": False, "state_alive": False}
-    final = _status(coordinator)
+    final = coordinator.status()
     assert final.pipeline(pid) is None
     assert final.idle_gpus == tuple(range(8))
     assert final.wait_queue == ()

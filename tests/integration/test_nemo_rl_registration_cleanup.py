@@ -21,7 +21,6 @@ import ray
 from rlix_plugins.adapters import nemo_rl
 from rlix_plugins.adapters.nemo_rl import NemoRlLayout, NemoRlPipeline
 from rlix_plugins.adapters.nemo_rl_placement_plan import PlacementError, PlacementPlan
-from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from rlix_plugins.hooks import make_hooks
 from rlix_plugins.protocol.names import pipeline_namespace
 from rlix_plugins.settings import ENV_PIPELINE_ID, load_settings
@@ -30,10 +29,6 @@ from tests.support.roll_pipeline import wait_until
 
 pytestmark = pytest.mark.integration
 
-
-def _status(plane: Any) -> CoordinatorStatus:
-    status: CoordinatorStatus = ray.get(plane.scheduler.get_status.remote())
-    return status
 
 
 def _heartbeats() -> set[str]:
@@ -66,7 +61,7 @@ def test_a_registration_refused_by_the_placement_check_stops_its_heartbeat(
                        r"placed on \[1\]"):
         nemo_rl.attach_generation(gen)
     wait_until(lambda: _heartbeats() <= before, 5)  # the pipeline that never registered stops
-    assert _status(rlix_env).pipelines == ()
+    assert rlix_env.status().pipelines == ()
     assert nemo_rl.current_pipeline() is None
     assert ENV_PIPELINE_ID not in os.environ  # the id of a pipeline that does not exist
     assert not hasattr(gen, "weight_synchronizer")
@@ -90,8 +85,8 @@ def test_a_failure_after_register_pipeline_unregisters_and_stops_the_actors(
         pipeline.register()
     # Registered, then failed: it leaves again (its GPUs are free), the shard-state actor it
     # created is stopped and its heartbeat ends; nobody else could ever do it.
-    assert _status(rlix_env).pipeline(pid) is None
-    assert set(_status(rlix_env).owners().values()) == {None}
+    assert rlix_env.status().pipeline(pid) is None
+    assert set(rlix_env.status().owners().values()) == {None}
     wait_until(lambda: _heartbeats() <= before, 5)
 
     def state_actor_gone() -> bool:

@@ -132,7 +132,7 @@ def test_the_real_checkpointer_shutdown_clears_the_demand(
     monkeypatch.setattr(nemo_rl, "_pipeline", pipeline)
 
     def demand() -> int | None:
-        status = ray.get(coordinator.scheduler.get_status.remote())
+        status = coordinator.status()
         return next(p.demand for p in status.pipelines if p.pipeline_id == pid)  # type: ignore[no-any-return]
 
     try:

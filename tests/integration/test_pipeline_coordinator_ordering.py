@@ -70,7 +70,7 @@ def _report(
 
 
 def _status(plane: Any, pid: str) -> PipelineStatus:
-    status = ray.get(plane.scheduler.get_status.remote()).pipeline(pid)
+    status = plane.status().pipeline(pid)
     assert isinstance(status, PipelineStatus)
     return status
 

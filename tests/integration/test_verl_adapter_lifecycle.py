@@ -66,9 +66,8 @@ def _coordinator_actor_exists(pipeline_id: str) -> bool:
 
 
 def _registered(plane: Any, pipeline_id: str) -> bool:
-    import ray
 
-    return ray.get(plane.scheduler.get_status.remote()).pipeline(pipeline_id) is not None
+    return plane.status().pipeline(pipeline_id) is not None
 
 
 def test_close_unregisters_and_stops_what_register_started(coordinator: Any) -> None:
@@ -99,9 +98,8 @@ def test_a_registration_failing_after_register_pipeline_leaves_nothing_behind(
 
 
 def _demand(plane: Any, pipeline_id: str) -> int:
-    import ray
 
-    status = ray.get(plane.scheduler.get_status.remote()).pipeline(pipeline_id)
+    status = plane.status().pipeline(pipeline_id)
     return int(status.demand)
 
 

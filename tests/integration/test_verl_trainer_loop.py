@@ -199,9 +199,7 @@ VAL_N = 2
 def coordinator_view(plane: Any, pipeline_id: str) -> tuple[dict[str, int], tuple[int, ...]]:
     """What the coordinator holds for the pipeline: remaining trajectories per progress
     stream mode, and the generation ranks that serve (active, not still waking)."""
-    import ray
-
-    status = ray.get(plane.scheduler.get_status.remote()).pipeline(pipeline_id)
+    status = plane.status().pipeline(pipeline_id)
     by_mode = {s.mode: s.remaining for s in status.streams}
     infer = next(c for c in status.clusters if c.name == "actor_infer")
     return by_mode, tuple(r for r in infer.active_ranks if r not in infer.warming_ranks)

@@ -328,8 +328,6 @@ def test_a_policy_that_cannot_be_attached_makes_the_pipeline_leave(
     as this driver's pipeline) although it can never be resized."""
     from types import SimpleNamespace
 
-    import ray
-
     from rlix_plugins.adapters import nemo_rl
     from rlix_plugins.settings import ENV_PIPELINE_ID
 
@@ -355,7 +353,7 @@ def test_a_policy_that_cannot_be_attached_makes_the_pipeline_leave(
     with pytest.raises(RuntimeError, match="policy workers unreachable"):
         nemo_rl.attach_generation(generation)
     (pipeline,) = registered
-    status = ray.get(coordinator.scheduler.get_status.remote())
+    status = coordinator.status()
     assert status.pipeline("ft_00000000a77a") is None  # was still registered
     assert nemo_rl.current_pipeline() is None
     assert pipeline.hooks._heartbeat_thread is None  # stopped and joined by close()

@@ -100,9 +100,8 @@ def pipeline(coordinator: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Nemo
 
 
 def _demand(coordinator: Any) -> int | None:
-    import ray
 
-    status = ray.get(coordinator.scheduler.get_status.remote())
+    status = coordinator.status()
     (mine,) = [p for p in status.pipelines if p.pipeline_id == PID]
     return mine.demand  # type: ignore[no-any-return]
 

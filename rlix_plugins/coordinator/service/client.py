@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from rlix_plugins.coordinator.core.model import Topology
+from rlix_plugins.coordinator.core.status import CoordinatorStatus
 from rlix_plugins.coordinator.service.config import ServiceConfig
 from rlix_plugins.coordinator.service.orchestrator_actor import OrchestratorService
 from rlix_plugins.coordinator.service.resource_manager import (
@@ -59,6 +60,14 @@ class ControlPlane:
     scheduler: Any
     resource_manager: Any
     roll_resource_manager: Any
+
+    def status(self, timeout_s: float | None = None) -> CoordinatorStatus:
+        """The scheduler's :class:`CoordinatorStatus` (blocks; ``timeout_s`` bounds the call,
+        :class:`ray.exceptions.GetTimeoutError` past it)."""
+        status: CoordinatorStatus = ray.get(
+            self.scheduler.get_status.remote(), timeout=timeout_s
+        )
+        return status
 
 
 def _get(name: str, namespace: str) -> Any:
