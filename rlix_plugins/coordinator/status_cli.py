@@ -1,12 +1,47 @@
-"""``rlix-plugins status``: pipelines, clusters, each GPU's owner and stage, demand, wait queue."""
+"""``rlix-plugins status``: pipelines, clusters, each GPU's owner and stage, demand, wait queue.
+
+Once, or every ``--watch`` seconds (``--count`` times, or until interrupted). Each call to the
+scheduler is bounded by ``--timeout``: a scheduler that does not answer is an error naming it,
+never a hang.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rlix_plugins.settings import load_settings
+
+if TYPE_CHECKING:
+    from rlix_plugins.coordinator.core.status import CoordinatorStatus
+
+#: How long one status call may take by default (seconds).
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def _positive_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {raw!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected finite seconds > 0, got {raw!r}")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {raw!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {raw!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,15 +51,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="control-plane namespace (default: $RLIX_NAMESPACE or rlix)",
     )
     parser.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
-    parser.add_argument("--json", action="store_true", help="print the status record as JSON")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the status record as JSON (with --watch: one record per line)",
+    )
+    parser.add_argument(
+        "--watch",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="print the status again every SECONDS until interrupted (or --count times)",
+    )
+    parser.add_argument(
+        "--count",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="with --watch: stop after N prints",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"how long one status call may take (default {DEFAULT_TIMEOUT_S:g})",
+    )
+
+
+def render(status: CoordinatorStatus, *, namespace: str, as_json: bool, watching: bool) -> str:
+    """One print of ``status``: the table, or JSON (compact, one line, while watching)."""
+    from rlix_plugins.coordinator.core.status import format_status
+
+    if as_json:
+        record = dataclasses.asdict(status)
+        return json.dumps(record) if watching else json.dumps(record, indent=2)
+    text = format_status(status, extra={"namespace": namespace})
+    if watching:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        return f"--- {stamp} ---\n{text}"
+    return text
+
+
+def watch(
+    fetch: Callable[[], CoordinatorStatus],
+    show: Callable[[CoordinatorStatus], None],
+    *,
+    every_s: float | None,
+    count: int | None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Fetch and show the status once, or every ``every_s`` seconds ``count`` times (None:
+    until interrupted); returns how many were shown."""
+    shown = 0
+    while True:
+        show(fetch())
+        shown += 1
+        if every_s is None or (count is not None and shown >= count):
+            return shown
+        sleep(every_s)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ray.exceptions import GetTimeoutError
 
-    from rlix_plugins.coordinator.core.status import format_status
     from rlix_plugins.coordinator.service.client import connect
     from rlix_plugins.errors import CoordinatorUnavailableError
 
+    if args.count is not None and args.watch is None:
+        print("error: --count needs --watch SECONDS")
+        return 2
     settings = load_settings()
     namespace = args.namespace or settings.namespace
     try:
@@ -34,9 +130,18 @@ def run(args: argparse.Namespace) -> int:
     except CoordinatorUnavailableError as exc:
         print(f"error: {exc}")
         return 2
-    status = plane.status()
-    if args.json:
-        print(json.dumps(dataclasses.asdict(status), indent=2))
-    else:
-        print(format_status(status, extra={"namespace": namespace}))
+    watching = args.watch is not None
+
+    def show(status: CoordinatorStatus) -> None:
+        print(render(status, namespace=namespace, as_json=args.json, watching=watching),
+              flush=True)
+
+    try:
+        watch(lambda: plane.status(args.timeout), show, every_s=args.watch, count=args.count)
+    except GetTimeoutError:
+        print(f"error: the scheduler in namespace {namespace!r} did not answer within "
+              f"{args.timeout:g}s (busy or stuck: see its log); retry with a larger --timeout")
+        return 2
+    except KeyboardInterrupt:
+        pass  # the way out of --watch
     return 0

@@ -80,6 +80,11 @@ def test_cli_start_status_stop(
         [stream] = record["pipelines"][0]["streams"]
         assert (stream["mode"], stream["completed"], stream["remaining"]) == ("val", 4, 6)
         assert json.loads(json.dumps(dataclasses.asdict(plane.status())))["gpus"] == record["gpus"]
+        # Watching: one JSON record per line, --count of them.
+        assert cli.main(["status", "--namespace", ns, "--json", "--watch", "0.05",
+                         "--count", "2"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 2 and all(json.loads(x)["gpus"] == record["gpus"] for x in lines)
         ray.get(sched.notify_release_gpus.remote(cluster_id="ft_cli000000001_actor_train"))
         assert ray.get(waiting, timeout=10) == [1]
     finally:
