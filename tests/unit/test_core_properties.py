@@ -151,16 +151,19 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _check_starvation_moves(self, plan: Plan) -> None:
         """The guard takes one rank for a cluster that starved ``starve_after_s``, and never
-        a donor's last one."""
+        a donor's last one: the donor owns a rank after the plan (one the same plan gives it
+        on idle GPUs counts: the guard may take the donor's only rank on the starving
+        cluster's GPUs while the donor grows elsewhere)."""
         for m in plan.shrinks:
             if m.reason is not ShrinkReason.STARVATION:
                 continue
             assert m.beneficiary is not None
             since = self.state.starving_since[m.beneficiary]
             assert self.now - since >= self.planner.config.starve_after_s
-            left = set(self.state.active_ranks[m.cluster_id]) - {
-                s.dp_rank for s in plan.shrinks if s.cluster_id == m.cluster_id
-            }
+            left = (
+                set(self.state.active_ranks[m.cluster_id])
+                - {s.dp_rank for s in plan.shrinks if s.cluster_id == m.cluster_id}
+            ) | {e.dp_rank for e in plan.expands if e.cluster_id == m.cluster_id}
             assert left, f"the guard took {m.cluster_id}'s last rank"
 
     @rule(data=st.data())

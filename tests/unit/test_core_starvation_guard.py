@@ -139,3 +139,31 @@ def test_check_state_catches_a_starving_record_of_a_cluster_with_ranks() -> None
 def test_a_negative_or_nan_bound_is_refused(bad: float) -> None:
     with pytest.raises(SettingsError, match="starve_after_s"):
         PolicyConfig(starve_after_s=bad)
+
+
+def test_the_guard_may_take_a_donors_only_rank_there_when_the_donor_grows_elsewhere() -> None:
+    """Found by the property test (its check was too strict): ``ft_1``'s one active rank sits
+    on GPUs 6-7, the only GPUs of the starving ``ft_0``; its training holding GPUs 0, 2 and 4
+    is released. The same cycle gives ``ft_1`` three ranks on the freed GPUs 0-5 and moves
+    the one on 6-7 to ``ft_0``: the donor ends the cycle with ranks, the starving pipeline
+    with its one."""
+    planner = DemandSharePlanner(PolicyConfig(starve_after_s=8.0))
+    state = new_state(2, 4)
+    register(state, "ft_0", train=[0], infer=[6, 7], infer_tp=2)
+    register(state, "ft_1", train=[0, 2, 4], infer=list(range(8)), infer_tp=2)
+    progress(state, "ft_1", 1, 0)
+    cycle(state, 0.0, planner)
+    assert active(state, "ft_1") == {0, 1, 2, 3}
+    state.submit_request("ft_1_actor_train", Priority.INITIALIZATION, now=0.0)
+    state.submit_request("ft_0_actor_infer", GEN, now=0.0)
+    cycle(state, 0.0, planner)  # the holding preempts ranks 0-2; ft_0 has none and waits
+    assert active(state, "ft_1") == {3} and state.starving_since == {"ft_0_actor_infer": 0.0}
+    cycle(state, 7.0, planner)
+    assert active(state, "ft_0") == set()  # not yet starve_after_s
+    state.release("ft_1_actor_train")
+    plan, _ = cycle(state, 9.0, planner)
+    assert [(m.cluster_id, m.dp_rank, m.reason) for m in plan.shrinks] == [
+        ("ft_1_actor_infer", 3, ShrinkReason.STARVATION)
+    ]
+    assert active(state, "ft_0") == {0} and active(state, "ft_1") == {0, 1, 2}
+    assert not state.starving_since
