@@ -231,7 +231,7 @@ class _Rehearsal:
         trace = ray.get(self.plane.scheduler.get_trace.remote())
         intervals, _ = intervals_from_trace(trace)
         phase.coordinator = intervals
-        status = self.plane.status()
+        status = ray.get(self.plane.scheduler.get_status.remote())
         phase.dead = [f"{d.pipeline_id}: {d.reason}" for d in status.dead_pipelines]
         # A GENERATION request may legitimately still wait (asked for a step whose batch was
         # already generated, it has no demand left); anything else waiting is a stuck stage.
