@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import sys
 from collections.abc import Sequence
 
@@ -42,6 +43,19 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected >= 1") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is out of range; expected an integer >= 1")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse ``type`` of a duration that must be finite and > 0 (intervals, timeouts)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number; expected seconds > 0"
+        ) from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is out of range; expected finite seconds > 0")
     return value
 
 

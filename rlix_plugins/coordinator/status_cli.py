@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from rlix_plugins.cli import positive_int, positive_seconds
 from rlix_plugins.settings import load_settings
 
 if TYPE_CHECKING:
@@ -22,26 +22,6 @@ if TYPE_CHECKING:
 
 #: How long one status call may take by default (seconds).
 DEFAULT_TIMEOUT_S = 30.0
-
-
-def _positive_seconds(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {raw!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected finite seconds > 0, got {raw!r}")
-    return value
-
-
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {raw!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {raw!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,21 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--watch",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=None,
         metavar="SECONDS",
         help="print the status again every SECONDS until interrupted (or --count times)",
     )
     parser.add_argument(
         "--count",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="with --watch: stop after N prints",
     )
     parser.add_argument(
         "--timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=DEFAULT_TIMEOUT_S,
         metavar="SECONDS",
         help=f"how long one status call may take (default {DEFAULT_TIMEOUT_S:g})",

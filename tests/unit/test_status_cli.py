@@ -59,11 +59,12 @@ def test_json_is_one_line_per_record_while_watching() -> None:
 @pytest.mark.parametrize(
     ("argv", "what"),
     [
-        (["--watch", "0"], "seconds > 0"),
-        (["--watch", "nan"], "finite seconds > 0"),
-        (["--timeout", "-1"], "seconds > 0"),
-        (["--count", "0"], "whole number >= 1"),
-        (["--count", "two"], "whole number >= 1"),
+        (["--watch", "0"], "out of range; expected finite seconds > 0"),
+        (["--watch", "nan"], "out of range; expected finite seconds > 0"),
+        (["--timeout", "-1"], "out of range; expected finite seconds > 0"),
+        (["--timeout", "soon"], "not a number; expected seconds > 0"),
+        (["--count", "0"], "out of range; expected an integer >= 1"),
+        (["--count", "two"], "not an integer; expected >= 1"),
     ],
 )
 def test_bad_values_are_refused_naming_what_is_valid(argv: list[str], what: str) -> None:
