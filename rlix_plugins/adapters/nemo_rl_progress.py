@@ -28,7 +28,10 @@ from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
 
+
 # ---------------------------------------------------------------------------- grpo settings
+
+
 def _grpo_value(master_config: Any, name: str) -> Any:
     """``master_config.grpo.<name>`` (pydantic model or plain dicts); None when absent."""
     grpo = getattr(master_config, "grpo", None)
@@ -137,6 +140,7 @@ class CountedBatches:
 
 
 # ---------------------------------------------------------------------------- reports
+
 
 #: ``rank_load`` (progress metric): requests in flight per active dp rank. The planner takes
 #: the lightest donor rank when it moves GPUs (``coordinator/core/planner.py``).
