@@ -90,8 +90,6 @@ class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
         super().set_weight_version(version)
         tracker = self._rlix_progress
         if tracker is not None:
-            from rlix_plugins.adapters.nemo_rl_progress import begin_progress_batch
-
             try:
                 version = int(version)
                 with self._rlix_lock:
@@ -99,8 +97,8 @@ class RLixAsyncTrajectoryCollectorImpl(_Base):  # type: ignore[misc]
                     self._rlix_buffered = {
                         t: n for t, n in self._rlix_buffered.items() if t >= version}
                     # Past grpo.max_num_steps this clears the pipeline's demand instead.
-                    begin_progress_batch(tracker, version,
-                                         already_collected=self._rlix_buffered.get(version, 0))
+                    tracker.begin_version(version,
+                                          already_collected=self._rlix_buffered.get(version, 0))
             except Exception:  # NeMo RL's driver waits on this call: progress must not fail it
                 logger.exception("rlix: progress for weight version %s failed; collection "
                                  "continues", version)

@@ -286,9 +286,3 @@ def progress_tracker_for_collector(master_config: Any,
     return CollectorTracker(pid, sink, step_target=target,
                             max_steps=max_num_steps(master_config),
                             on_clear=lambda: sink.clear(pid))
-
-
-def begin_progress_batch(tracker: CollectorTracker, weight_version: int,
-                         already_collected: int = 0) -> ProgressReport | None:
-    """New weight version = new step (:meth:`CollectorTracker.begin_version`)."""
-    return tracker.begin_version(weight_version, already_collected)

@@ -93,6 +93,34 @@ def test_cli_start_status_stop(
     assert cli.main(["status", "--namespace", ns]) == 2
 
 
+def test_status_of_a_scheduler_that_does_not_answer_is_an_error_naming_the_timeout(
+    ray_session: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real Ray actor in the scheduler's place whose ``get_status`` never returns in time:
+    ``ControlPlane.status`` raises Ray's own timeout, and ``rlix-plugins status`` turns it into
+    exit 2 with a message naming the namespace and the timeout."""
+    from ray.exceptions import GetTimeoutError
+
+    from rlix_plugins.coordinator.service import client
+
+    @ray.remote(num_cpus=0)
+    class StuckScheduler:
+        def get_status(self) -> None:
+            time.sleep(60)
+
+    stuck = StuckScheduler.remote()  # type: ignore[attr-defined]
+    try:
+        plane = client.ControlPlane("rlix_stuck", None, stuck, None, None)
+        with pytest.raises(GetTimeoutError):
+            plane.status(timeout_s=0.3)
+        monkeypatch.setattr(client, "connect", lambda *a, **k: plane)
+        assert cli.main(["status", "--namespace", "rlix_stuck", "--timeout", "0.3"]) == 2
+        out = capsys.readouterr().out
+        assert "scheduler in namespace 'rlix_stuck' did not answer within 0.3s" in out
+    finally:
+        ray.kill(stuck)
+
+
 def test_hooks_block_release_report_and_keep_the_lease(
     coordinator: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

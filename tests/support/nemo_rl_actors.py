@@ -400,8 +400,6 @@ class NemoRlDriverHarness:
     # ------------------------------------------------------------------ the run
     def run(self, steps: int) -> dict[str, Any]:
         """Initial refit, then ``steps`` async-GRPO steps; returns what happened."""
-        from rlix_plugins.adapters.nemo_rl import begin_progress_batch
-
         rec: dict[str, Any] = {"steps": [], "error": None}
         sync = self.generation.weight_synchronizer
         try:
@@ -410,7 +408,7 @@ class NemoRlDriverHarness:
             sync.sync_weights()
             rec["after_initial_refit"] = self._statuses()
             assert self.tracker is not None
-            begin_progress_batch(self.tracker, 0)
+            self.tracker.begin_version(0)
             pending = self._collect(self.target, 0)
             for step in range(steps):
                 got = self._result(pending)
@@ -437,8 +435,7 @@ class NemoRlDriverHarness:
                 refreshed = [r for r, st in enumerate(s["after_refit_statuses"]) if st == "active"]
                 s["refreshed_checksums"] = self._checksums(refreshed)
                 # set_weight_version(step + 1): the early samples already count for it.
-                begin_progress_batch(self.tracker, step + 1,
-                                     already_collected=self.during_training)
+                self.tracker.begin_version(step + 1, already_collected=self.during_training)
                 pending = self._collect(self.target - self.during_training, step + 1)
                 s["all_active_statuses"] = self._wait_all_active(120.0)
                 s["all_active_engines"] = self._engines()

@@ -86,12 +86,12 @@ def test_layout_requires_partial_overlap() -> None:
 
 
 def test_progress_target_and_batches() -> None:
-    from rlix_plugins.adapters.nemo_rl import CollectorTracker, begin_progress_batch
+    from rlix_plugins.adapters.nemo_rl import CollectorTracker
     from rlix_plugins.protocol import ProgressReport
 
     sent: list[ProgressReport] = []
     tracker = CollectorTracker("ft_000000000001", sent.append, step_target=4)
-    begin_progress_batch(tracker, 3)
+    tracker.begin_version(3)
     tracker.record(1, weight_version=3)  # a group intended for step 3
     tracker.record(1, weight_version=4)  # intended for a later step: not this demand
     assert sent[0].metrics is not None and sent[0].metrics["new_batch"] is True

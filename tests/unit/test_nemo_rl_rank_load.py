@@ -100,7 +100,7 @@ def test_collector_reports_carry_rank_load_and_the_planner_uses_it(
         engines = [FakeHeldEngine() for _ in range(4)]
         router = ShardRouter(LocalShardState(ShardStateStore(4)), engines)
         tracker, sched = _collector_tracker(monkeypatch, Generation(router))
-        adapter.begin_progress_batch(tracker, 1)
+        tracker.begin_version(1)
 
         def submit(n: int, tag: str) -> list[asyncio.Task[Any]]:
             return [asyncio.create_task(router.generate(
@@ -146,7 +146,7 @@ def test_a_failing_load_reader_drops_only_the_hint(monkeypatch: pytest.MonkeyPat
             raise RuntimeError("router gone")
 
     tracker, sched = _collector_tracker(monkeypatch, Broken())
-    adapter.begin_progress_batch(tracker, 0)
+    tracker.begin_version(0)
     assert len(sched.reports) == 1
     assert "rank_load" not in (sched.reports[0].metrics or {})
     assert "outstanding" not in (sched.reports[0].metrics or {})

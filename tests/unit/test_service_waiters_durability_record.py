@@ -5,11 +5,13 @@ service's own tests drive them through the actor)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rlix_plugins.coordinator.service.durability import Durability
+from rlix_plugins.coordinator.service.persistence import FileStateStore
 from rlix_plugins.coordinator.service.waiters import Waiters
 from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError
 
@@ -71,65 +73,70 @@ def test_fail_all_answers_every_waiter() -> None:
     asyncio.run(go())
 
 
-class _Store:
-    """A state store whose saves fail while ``down`` (a real store's outage, in memory)."""
+class _Outage:
+    """Makes a real :class:`FileStateStore` fail its saves while ``down`` (as a full disk or a
+    lost KV would): the store's own ``save`` runs otherwise."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: FileStateStore, monkeypatch: pytest.MonkeyPatch) -> None:
         self.down = False
-        self.saved: list[dict[str, Any]] = []
+        real = store.save
 
-    def load(self) -> dict[str, Any] | None:
-        return self.saved[-1] if self.saved else None
+        def save(record: dict[str, Any]) -> None:
+            if self.down:
+                raise OSError("store down")
+            real(record)
 
-    def save(self, record: dict[str, Any]) -> None:
-        if self.down:
-            raise OSError("store down")
-        self.saved.append(record)
-
-    def clear(self) -> None:
-        self.saved.clear()
+        monkeypatch.setattr(store, "save", save)
 
 
-def test_answers_wait_for_a_save_and_keep_commit_order() -> None:
-    store = _Store()
+@pytest.fixture
+def store(tmp_path: Path) -> FileStateStore:
+    return FileStateStore(tmp_path / "state.json")
+
+
+def test_answers_wait_for_a_save_and_keep_commit_order(
+    store: FileStateStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outage = _Outage(store, monkeypatch)
     revision = [0]
     durable = Durability(store, lambda: {"rev": revision[0]}, namespace="t", timeout_s=1.0)
     answered: list[int] = []
-    store.down = True
+    outage.down = True
     revision[0] = 1
     durable.hold(lambda: answered.append(1), durable=durable.save())
-    assert not durable.saved and answered == [] and store.saved == []
-    store.down = False
+    assert not durable.saved and answered == [] and store.load() is None
+    outage.down = False
     revision[0] = 2
     # saved, but an earlier answer is still held: this one must not overtake it
     durable.hold(lambda: answered.append(2), durable=durable.save())
     assert answered == []
     assert durable.retry()
-    assert answered == [1, 2] and durable.held == [] and store.saved[-1] == {"rev": 2}
+    assert answered == [1, 2] and durable.held == [] and store.load() == {"rev": 2}
 
 
-def test_until_saved_retries_then_raises_a_typed_error() -> None:
-    store = _Store()
-    durable = Durability(store, dict, namespace="t", timeout_s=0.2)
-    store.down = True
+def test_until_saved_retries_then_raises_a_typed_error(
+    store: FileStateStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outage = _Outage(store, monkeypatch)
+    durable = Durability(store, lambda: {"rev": 7}, namespace="t", timeout_s=0.2)
+    outage.down = True
     assert not durable.save()
     with pytest.raises(CoordinatorUnavailableError, match=r"could not save its state for 0\.2s"):
         asyncio.run(durable.until_saved("notify_release_gpus(x)"))
-    store.down = False
+    outage.down = False
     asyncio.run(durable.until_saved("notify_release_gpus(x)"))
-    assert durable.saved and store.saved == [{}]
+    assert durable.saved and store.load() == {"rev": 7}
 
 
-def test_a_refused_record_propagates() -> None:
+def test_a_refused_record_propagates(store: FileStateStore) -> None:
     """The service's record builder refuses once the service stopped: no save, an error."""
 
     def stopped() -> dict[str, Any]:
         raise CoordinatorUnavailableError("stopped")
 
-    store = _Store()
     with pytest.raises(CoordinatorUnavailableError):
         Durability(store, stopped, namespace="t", timeout_s=1.0).save()
-    assert store.saved == []
+    assert store.load() is None
 
 
 def test_the_saved_record_reads_back_what_was_written() -> None:

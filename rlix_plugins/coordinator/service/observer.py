@@ -33,9 +33,9 @@ class Observer:
         metrics: bool,
         keep_task: Callable[[asyncio.Task[None]], None],
     ) -> None:
-        self.trace = OwnershipTrace(num_gpus, t0=t0, label=f"rlix ({namespace})")
+        self._trace = OwnershipTrace(num_gpus, t0=t0, label=f"rlix ({namespace})")
         self._writer = TraceWriter(
-            self.trace, trace_dir=trace_dir, namespace=namespace, keep_task=keep_task
+            self._trace, trace_dir=trace_dir, namespace=namespace, keep_task=keep_task
         )
         self.metrics: SchedulerMetrics | None = None
         if metrics:
@@ -52,13 +52,13 @@ class Observer:
             None if o is None else Holder(o.cluster_id, o.priority.name, o.dp_rank)
             for o in state.owner
         ]
-        self.trace.observe(holders, now)
+        self._trace.observe(holders, now)
         self.gauges(state)
         self._writer.maybe_write(now)
 
     def to_json(self, now: float) -> dict[str, Any]:
         """The timeline so far (Chrome trace-event JSON)."""
-        return self.trace.to_json(now)
+        return self._trace.to_json(now)
 
     async def write(self, now: float) -> Path | None:
         """Write the timeline file now; its path (None without a trace dir)."""
@@ -92,7 +92,7 @@ class Observer:
         assert move.reason is not None
         if self.metrics is not None:
             self.metrics.preempted(move.reason.value)
-        self.trace.instant(
+        self._trace.instant(
             f"{move.reason.value}: {move.cluster_id}[{move.dp_rank}]",
             move.gpus,
             now,

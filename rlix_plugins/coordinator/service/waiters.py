@@ -77,7 +77,8 @@ class Waiters:
             waiting.remove(fut)
 
     def settle_releases(self, still_releasing: Callable[[str], bool]) -> None:
-        """Answer the release waiters of every cluster ``still_releasing`` says is done."""
+        """Answer the release waiters of every cluster whose release is done
+        (``still_releasing(cid)`` is False)."""
         for cid in list(self._releases):
             if still_releasing(cid):
                 continue
