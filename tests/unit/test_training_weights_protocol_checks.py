@@ -1,4 +1,4 @@
-"""Second review of the weight path (spawned receiver, broadcast, control channel, wire,
+"""Weight path protocol checks (spawned receiver, broadcast, control channel, wire,
 cache lookups): each test failed before its fix (the gpu-marked one needs two GPUs; see it).
 
 Everything is real: child processes, ZMQ sockets, gloo groups, the shared-memory cache.

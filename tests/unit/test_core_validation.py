@@ -1,4 +1,4 @@
-"""Review of the scheduling core: invariants that could not fail, inputs that were accepted
+"""Scheduling core validation: invariants that could not fail, inputs that were accepted
 and broke planning later, and a fenced pipeline's GPUs freed by a release."""
 
 from __future__ import annotations

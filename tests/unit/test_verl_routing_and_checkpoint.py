@@ -1,4 +1,4 @@
-"""Defect-review regressions for the veRL patch (real verl 0.9.1 classes, no Ray actors)."""
+"""veRL patch routing, checkpoint and progress regressions (real verl 0.9.1, no Ray actors)."""
 
 from __future__ import annotations
 

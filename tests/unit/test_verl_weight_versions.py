@@ -1,5 +1,5 @@
-"""Defect-review regressions for the veRL adapter (fifth sweep; earlier ones:
-tests/unit/test_verl_review.py, tests/unit/test_verl_review3.py, ...).
+"""veRL weight versions and ``bind`` (see also tests/unit/test_verl_routing_and_checkpoint.py,
+tests/unit/test_verl_refresh_shrink_and_sleep.py, ...).
 
 * Weight versions: veRL 0.9.1 calls ``update_weights()`` without a step (its v1
   ``_validate`` after a colocated reward model; the stock ``CheckpointEngineManager`` then

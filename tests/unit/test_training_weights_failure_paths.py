@@ -1,4 +1,4 @@
-"""Review of the weight path (cache, sync, receiver, wire): each test failed before its fix.
+"""Weight path failures (cache, sync, receiver, wire): each test failed before its fix.
 
 Everything is real: the cache (shared-memory files), the sender, ZMQ control sockets, the
 receive loop on threads of this process.

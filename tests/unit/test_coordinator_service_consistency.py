@@ -1,4 +1,4 @@
-"""Review 4 of the scheduler service (Ray-free service from tests/fixtures/scheduler_service.py,
+"""Scheduler service consistency (Ray-free service from tests/fixtures/scheduler_service.py,
 FAKE pipeline coordinators): no request is left queued for a caller told it failed; nothing
 planned for a pipeline reaches another registered under the same id while the plan's resizes
 ran; no expand is sent for ranks given back before it started; the gauges follow the state."""

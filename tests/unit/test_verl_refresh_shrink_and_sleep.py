@@ -1,5 +1,5 @@
-"""Defect-review regressions for the veRL integration (third sweep; earlier ones:
-tests/unit/test_verl_review.py, tests/unit/test_verl_patches_review.py).
+"""veRL replica refresh aborts, refresh vs. shrink and sleep level (see also
+tests/unit/test_verl_routing_and_checkpoint.py, tests/unit/test_verl_adapter_and_client.py).
 
 veRL 0.9.1's real server, client, load balancer and replica-engine code; the engine under the
 server is :class:`~tests.support.verl_fake_engine.FakeVllmEngine` (FAKE) and actor calls go

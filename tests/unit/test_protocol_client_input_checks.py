@@ -1,4 +1,4 @@
-"""Review of the wire protocol, the pipeline coordinator and progress accounting.
+"""Input checks of the wire protocol, the pipeline coordinator and progress accounting.
 
 Each test pins a defect found in review: bad input that was accepted silently (and then lost
 demand further down the wire), or a valid input the code mis-read.

@@ -1,4 +1,4 @@
-"""Review 5 of the scheduler (Ray-free service from tests/fixtures/scheduler_service.py, FAKE
+"""Grants and registrations (Ray-free service from tests/fixtures/scheduler_service.py, FAKE
 pipeline coordinators; and the pure core): a grant whose caller stopped waiting before its
 save succeeded is given back, not kept by nobody; a plan carries the registration of each
 pipeline it touches and its commit applies nothing to a successor under the same id."""

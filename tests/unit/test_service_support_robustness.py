@@ -1,4 +1,4 @@
-"""Review of the coordinator service's support modules: trace files, state store, topology,
+"""Robustness of the coordinator service's support modules: trace files, state store, topology,
 placement groups, orchestrator shutdown and coordinator stop (pure unit tests, no Ray)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Review of the simulator's physics checks, clock, scenario loader and ``simulate`` command:
+"""Validation in the simulator's physics checks, clock, scenario loader and ``simulate`` command:
 each test here failed before its fix (a check that could not fail, or bad input accepted)."""
 
 from __future__ import annotations

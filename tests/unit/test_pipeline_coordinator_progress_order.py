@@ -1,4 +1,4 @@
-"""Review of the pipeline coordinator's progress ordering (pure parts; the Ray side is in
+"""The pipeline coordinator's progress ordering (pure parts; the Ray side is in
 tests/integration/test_pipeline_coordinator_ordering.py).
 
 ROLL's progress reports carry no sequence number and Ray may run them out of order on the

@@ -1,4 +1,4 @@
-"""Review of the hooks, settings, activation gate and gate criteria: each test pins a defect
+"""Edge cases of the hooks, settings, activation gate and gate criteria: each test pins a defect
 found in review (it failed before the fix next to it)."""
 
 from __future__ import annotations

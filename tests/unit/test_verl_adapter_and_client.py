@@ -1,5 +1,6 @@
-"""Defect-review regressions for the veRL patches and adapter (second sweep; the first is
-tests/unit/test_verl_review.py). Tests marked ``verl`` use the real verl 0.9.1 classes."""
+"""veRL adapter close, refresh, client and layout regressions (see also
+tests/unit/test_verl_routing_and_checkpoint.py). Tests marked ``verl`` use the real verl 0.9.1
+classes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Third review of rlix_plugins/generation: each test failed before its fix.
+"""Cancelled rebalances and logprob alignment in generation: each test failed before its fix.
 
 Engines here are FAKES (a unit test cannot start vLLM; the real-engine suites are under
 tests/integration); the router, state owner, views, lifecycle and migration policy are the real
@@ -24,7 +24,7 @@ from rlix_plugins.generation import (
     ShardRouter,
     ShardStateStore,
 )
-from tests.unit.test_generation_review2 import FakeScriptedEngine, _router
+from tests.unit.test_generation_accounting_and_inputs import FakeScriptedEngine, _router
 from tests.unit.test_generation_router_migration import (
     FakeAbortableEngine,
     Setup,

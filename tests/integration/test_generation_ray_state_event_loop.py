@@ -1,4 +1,4 @@
-"""RayShardState read from an event loop against a real Ray actor (third review)."""
+"""RayShardState read from an event loop against a real Ray actor."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rlix_plugins.generation import (
     ShardSnapshot,
 )
 from rlix_plugins.generation.ray_state import ShardStateActorImpl
-from tests.unit.test_generation_review2 import FakeScriptedEngine
+from tests.unit.test_generation_accounting_and_inputs import FakeScriptedEngine
 
 pytestmark = [pytest.mark.integration]
 

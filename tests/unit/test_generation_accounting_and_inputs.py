@@ -1,4 +1,4 @@
-"""Second review of rlix_plugins/generation: each test failed before its fix.
+"""Generation counters, logprobs, input checks, migration planning: each test failed before its fix.
 
 Engines here are FAKES (a unit test cannot start vLLM); the router, state owner, views and
 state machine are the real ones.

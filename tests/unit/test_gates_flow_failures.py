@@ -1,4 +1,4 @@
-"""Review of the gate flows (rehearsal, NeMo RL-like runtime, ROLL sequence, GPU mode):
+"""Failure handling of the gate flows (rehearsal, NeMo RL-like runtime, ROLL sequence, GPU mode):
 races, cleanup on failure, config translation. Every fake here is marked FAKE; no Ray, no
 engine, no GPU."""
 

@@ -1,4 +1,4 @@
-"""Defects found in review of rlix_plugins/generation (each test failed before its fix)."""
+"""Misuse of rlix_plugins/generation raises, never hangs (each test failed before its fix)."""
 
 from __future__ import annotations
 
