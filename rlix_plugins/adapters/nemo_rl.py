@@ -40,9 +40,9 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from rlix_plugins.adapters.nemo_rl_progress import (
     CollectorTracker,
@@ -83,6 +83,16 @@ from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, settings_if_enabled
 from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class SetupHold(Protocol):
+    """Hooks that can hold a pipeline's GPUs while it sets up
+    (:class:`~rlix_plugins.hooks.coordinator_hooks.CoordinatorHooks`)."""
+
+    def hold_for_setup(self, cluster: str = ACTOR_INFER) -> tuple[int, ...]: ...
+
+    def release_setup_hold(self) -> None: ...
 
 RLIX_MEGATRON_WORKER_FQN = "rlix_plugins.patches.megatron.RLixMegatronPolicyWorker"
 
@@ -243,25 +253,51 @@ class NemoRlPipeline:
 
     # registration -------------------------------------------------------------------------
     def register(self) -> None:
-        """Register + admit, create the shard-state owner, serve ``resize_infer``, route.
+        """:meth:`claim` then :meth:`attach` the generation given at construction (for a
+        generation built outside a placement view, whose setup could not be claimed first).
+        The placement is checked first: a refused one never registers."""
+        self._guarded(self.check_placement)
+        self.claim()
+        self._guarded(self._attach)
+
+    def claim(self) -> None:
+        """Register + admit, serve ``resize_infer``, and hold every GPU of the layout at
+        INITIALIZATION until the first refit has put the shards to sleep and offloaded the
+        policy (:meth:`after_training`): the GPUs this pipeline's setup loads its models on
+        are shrunk of other pipelines' shards first, and nobody is woken on them meanwhile.
 
         On any failure the pipeline is shut down (:meth:`shutdown`: unregistered if it got
         that far, heartbeat and actors stopped) before the error propagates: nobody else
         holds it to clean up.
         """
+        self._guarded(self._claim)
+
+    def attach(self, generation: Any) -> None:
+        """Check the generation's placement, create the shard-state owner and route the
+        generation's requests by it (after :meth:`claim`). Shut down on failure, like
+        :meth:`claim`."""
+        self.generation = generation
+        self._guarded(self._check_claimed, self.check_placement, self._attach)
+
+    def _guarded(self, *steps: Callable[[], None]) -> None:
         try:
-            self._register()
+            for step in steps:
+                step()
         except BaseException:
             self.shutdown()
             raise
 
-    def _register(self) -> None:
+    def _check_claimed(self) -> None:
+        if not self._registered:
+            raise RegistrationError(
+                f"pipeline {self.pipeline_id}: attach before claim; valid: claim() first"
+            )
+
+    def _claim(self) -> None:
         import ray
 
         from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
-        from rlix_plugins.generation.ray_state import RayShardState
 
-        self.check_placement()
         orch = _orchestrator(self.settings)
         ray.get(orch.register_pipeline.remote(
             pipeline_id=self.pipeline_id,
@@ -275,6 +311,19 @@ class NemoRlPipeline:
         start_heartbeat = getattr(self.hooks, "start_heartbeat", None)
         if callable(start_heartbeat):
             start_heartbeat()
+        self.coordinator = start_pipeline_coordinator(
+            self.pipeline_id, PendingController(),
+            control_namespace=self.settings.namespace,
+        )
+        ray.get(orch.admit_pipeline.remote(pipeline_id=self.pipeline_id))
+        hold = self._setup_hold()
+        if hold is not None:
+            hold.hold_for_setup(ACTOR_INFER)
+        logger.info("NeMo RL pipeline %s registered: %s", self.pipeline_id, self.layout)
+
+    def _attach(self) -> None:
+        from rlix_plugins.generation.ray_state import RayShardState
+
         # Shards start ACTIVE (NeMo RL loads and refits them during setup); the first
         # sync_weights puts them to sleep and the coordinator takes over.
         self.state = RayShardState.create(
@@ -285,12 +334,10 @@ class NemoRlPipeline:
         self.generation.rlix_attach(self.state, pipeline_id=self.pipeline_id,
                                     infer_gpus=self.layout.device_mappings()[ACTOR_INFER],
                                     infer_tp=self.layout.infer_tp)
-        self.coordinator = start_pipeline_coordinator(
-            self.pipeline_id, PendingController(),
-            control_namespace=self.settings.namespace,
-        )
-        ray.get(orch.admit_pipeline.remote(pipeline_id=self.pipeline_id))
-        logger.info("NeMo RL pipeline %s registered: %s", self.pipeline_id, self.layout)
+
+    def _setup_hold(self) -> SetupHold | None:
+        # Hooks without it (another RLixHooks) cannot hold GPUs for setup.
+        return self.hooks if isinstance(self.hooks, SetupHold) else None
 
     def check_placement(self) -> None:
         """When the generation's workers were placed by an RLix placement view (its cluster
@@ -372,7 +419,10 @@ class NemoRlPipeline:
             self._nccl_destroyed = False
 
     def after_training(self) -> dict[str, float]:
-        """Cache, offload, destroy NCCL groups, refresh active shards, release, re-request."""
+        """Cache, offload, destroy NCCL groups, refresh active shards, release, re-request.
+
+        The first call (NeMo RL's initial refit) instead puts every shard to sleep, offloads
+        the policy and ends the setup hold (:meth:`claim`) before asking for generation."""
         if self.policy is None:
             raise RegistrationError(
                 f"pipeline {self.pipeline_id}: refit before the policy was attached (the Policy "
@@ -386,12 +436,16 @@ class NemoRlPipeline:
             self._cached_once = True
             ctrl = self.controller()
             ctrl.shrink(list(range(self.layout.num_shards)))
+            # The policy leaves the training GPUs as after every step (the first step's
+            # before_training re-makes its groups), then the setup hold ends: nothing of this
+            # pipeline is left on its GPUs for the coordinator to wake others onto.
+            self._offload_training()
+            hold = self._setup_hold()
+            if hold is not None:
+                hold.release_setup_hold()
             self._request_generation()
             return {"rlix/cached_version": float(version)}
-        self.policy.offload_before_refit()
-        self.policy.offload_after_refit()
-        self.policy.run_all_workers_single_data("rlix_destroy_parallel_state")
-        self._nccl_destroyed = True
+        self._offload_training()
         active = list(self.state.snapshot().active)
         # Active refresh: shards that never slept take the new version without draining (the
         # collector is paused by NeMo RL around the refit); recorded for the gates.
@@ -401,6 +455,14 @@ class NemoRlPipeline:
         self.step += 1
         self._request_generation()
         return {"rlix/cached_version": float(version), "rlix/refreshed_shards": float(len(active))}
+
+    def _offload_training(self) -> None:
+        """Training state off the GPUs and the Megatron NCCL groups destroyed (their
+        communicators hold GPU memory); :meth:`before_training` re-makes the groups."""
+        self.policy.offload_before_refit()
+        self.policy.offload_after_refit()
+        self.policy.run_all_workers_single_data("rlix_destroy_parallel_state")
+        self._nccl_destroyed = True
 
     def hold_training(self) -> bool:
         """Take the training GPUs and groups back outside a step: NeMo RL saves its checkpoint
@@ -612,6 +674,10 @@ def _set_controller(actor_self: Any, controller: NemoRlShardController) -> None:
 
 
 _pipeline: NemoRlPipeline | None = None
+#: registered by claim_setup, holding its GPUs for setup; attach_generation completes it
+_claimed: NemoRlPipeline | None = None
+#: PIPELINE_ID as it was before the claimed pipeline exported its id (restored if it leaves)
+_claimed_previous_id: str | None = None
 _pending_policy: Any = None  # grpo.setup builds policy and generation in parallel threads
 _pipeline_lock = threading.Lock()
 
@@ -621,16 +687,30 @@ def current_pipeline() -> NemoRlPipeline | None:
     return _pipeline
 
 
-def attach_generation(generation: Any) -> None:
-    """``RLixVllmGeneration`` construction hook (driver): register the pipeline."""
-    global _pipeline
+def claim_setup(layout: NemoRlLayout) -> None:
+    """The first placement bind of ``grpo.setup`` (no worker exists yet): register this
+    driver's pipeline and hold every GPU of ``layout`` at INITIALIZATION while NeMo RL loads
+    its models (:meth:`NemoRlPipeline.claim`). No-op with the gate off or once a pipeline was
+    claimed or registered; the generation attaches later (:func:`attach_generation`)."""
+    global _claimed, _claimed_previous_id
     settings = settings_if_enabled()
     if settings is None:
         return
-    import ray
+    with _pipeline_lock:
+        if _pipeline is not None or _claimed is not None:
+            return
+        previous = os.environ.get(ENV_PIPELINE_ID)
+        _claimed = _new_pipeline(settings, None, layout, NemoRlPipeline.claim)
+        _claimed_previous_id = previous
 
-    from rlix_plugins.hooks import make_hooks
 
+def attach_generation(generation: Any) -> None:
+    """``RLixVllmGeneration`` construction hook (driver): attach the generation to the
+    pipeline :func:`claim_setup` registered, or register one now."""
+    global _pipeline, _claimed
+    settings = settings_if_enabled()
+    if settings is None:
+        return
     with _pipeline_lock:
         if _pipeline is not None:
             return
@@ -639,34 +719,67 @@ def attach_generation(generation: Any) -> None:
         )
         # The coordinator resizes ranks 0..num_shards-1 and the shard state has that many
         # entries; the router and the controller drive NeMo RL's dp_size shards.
-        if layout.num_shards != generation.dp_size:
-            raise RegistrationError(
-                f"policy.generation.rlix: {len(layout.infer_gpus)} inference GPU(s) at "
-                f"tp*pp={layout.infer_tp} make {layout.num_shards} shard(s), but NeMo RL built "
-                f"{generation.dp_size} dp rank(s); infer_gpus must list exactly the inference "
-                "cluster's GPUs"
-            )
-        orch = _orchestrator(settings)
-        pid: str = settings.pipeline_id or str(ray.get(orch.allocate_pipeline_id.remote("ft")))
-        previous_pid = os.environ.get(ENV_PIPELINE_ID)
-        os.environ[ENV_PIPELINE_ID] = pid  # inherited by the collector and buffer actors
+        claimed, _claimed = _claimed, None
         try:
-            # The heartbeat starts in register(), once register_pipeline has succeeded.
-            hooks = make_hooks(settings, pipeline_id=pid, heartbeat=False)
-            pipeline = NemoRlPipeline(settings, generation, layout, hooks, pid)
-            pipeline.register()  # shuts itself down when it fails
+            if layout.num_shards != generation.dp_size:
+                raise RegistrationError(
+                    f"policy.generation.rlix: {len(layout.infer_gpus)} inference GPU(s) at "
+                    f"tp*pp={layout.infer_tp} make {layout.num_shards} shard(s), but NeMo RL "
+                    f"built {generation.dp_size} dp rank(s); infer_gpus must list exactly the "
+                    "inference cluster's GPUs"
+                )
+            if claimed is not None and claimed.layout != layout:
+                raise RegistrationError(
+                    f"pipeline {claimed.pipeline_id}: the generation was built for {layout}, "
+                    f"but its setup was claimed for {claimed.layout}"
+                )
+            if claimed is not None:
+                claimed.attach(generation)  # shuts itself down when it fails
         except BaseException:
-            # No pipeline exists: its id must not reach actors started later.
-            if previous_pid is None:
-                os.environ.pop(ENV_PIPELINE_ID, None)
-            else:
-                os.environ[ENV_PIPELINE_ID] = previous_pid
+            if claimed is not None:
+                claimed.shutdown()  # a pipeline that can never attach gives its GPUs back
+                _restore_pipeline_id(_claimed_previous_id)
             raise
+        if claimed is not None:
+            pipeline = claimed
+        else:
+            pipeline = _new_pipeline(settings, generation, layout, NemoRlPipeline.register)
         generation.weight_synchronizer = RLixWeightSynchronizer(pipeline)
         _pipeline = pipeline
         policy = _pending_policy
     if policy is not None:  # the policy finished first
         _attach_or_leave(pipeline, policy)
+
+
+def _new_pipeline(settings: Settings, generation: Any, layout: NemoRlLayout,
+                  join: Callable[[NemoRlPipeline], None]) -> NemoRlPipeline:
+    """A pipeline with its id (``PIPELINE_ID`` or allocated by the coordinator, exported for
+    the collector and buffer actors) after ``join`` (claim or register) succeeded."""
+    import ray
+
+    from rlix_plugins.hooks import make_hooks
+
+    orch = _orchestrator(settings)
+    pid: str = settings.pipeline_id or str(ray.get(orch.allocate_pipeline_id.remote("ft")))
+    previous_pid = os.environ.get(ENV_PIPELINE_ID)
+    os.environ[ENV_PIPELINE_ID] = pid  # inherited by the collector and buffer actors
+    try:
+        # The heartbeat starts in claim(), once register_pipeline has succeeded.
+        hooks = make_hooks(settings, pipeline_id=pid, heartbeat=False)
+        pipeline = NemoRlPipeline(settings, generation, layout, hooks, pid)
+        join(pipeline)  # shuts itself down when it fails
+    except BaseException:
+        _restore_pipeline_id(previous_pid)
+        raise
+    return pipeline
+
+
+def _restore_pipeline_id(previous: str | None) -> None:
+    """No pipeline exists: its id must not reach actors started later."""
+    if previous is None:
+        os.environ.pop(ENV_PIPELINE_ID, None)
+    else:
+        os.environ[ENV_PIPELINE_ID] = previous
 
 
 def start_run(grpo_save_state: Any) -> None:
@@ -894,8 +1007,10 @@ __all__ = [
     "NemoRlShardController",
     "RLixWeightSynchronizer",
     "SchedulerProgressSink",
+    "SetupHold",
     "attach_generation",
     "attach_policy",
+    "claim_setup",
     "end_run",
     "make_checkpoint_manager_class",
     "make_policy_class",

@@ -224,6 +224,14 @@ def coordinator_groups(model_parallel: int) -> tuple[Any, str] | None:
 Placement = SharedPlacement | CoordinatorPlacement
 
 
+def _claim_setup(layout: tuple[tuple[int, ...], tuple[int, ...]], model_parallel: int) -> None:
+    """Before either role's workers exist: the pipeline registers and holds its GPUs while
+    NeMo RL loads onto them (:func:`rlix_plugins.adapters.nemo_rl.claim_setup`)."""
+    from rlix_plugins.adapters.nemo_rl import NemoRlLayout, claim_setup
+
+    claim_setup(NemoRlLayout(*layout, model_parallel))
+
+
 class _ClusterPair:
     """The train and inference views one ``grpo.setup`` call built (train first)."""
 
@@ -297,6 +305,12 @@ class RLixPlacementCluster(RayVirtualCluster):  # type: ignore[misc]
                     )
                 )
                 pair.layout = layout
+                try:
+                    _claim_setup(layout, _model_parallel(generation_cfg))
+                except BaseException:
+                    pair.placement.shutdown()
+                    pair.placement, pair.layout = None, None
+                    raise
             elif layout != pair.layout:
                 raise PlacementError(
                     f"{self.rlix_role} was configured with layout infer/train {layout}, but "

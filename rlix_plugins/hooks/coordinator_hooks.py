@@ -17,7 +17,7 @@ from typing import Any
 
 from rlix_plugins.adapters.observability import BusyObserved, ObservationError, ObservationWriter
 from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError, ProtocolError
-from rlix_plugins.protocol.names import ACTOR_TRAIN, SCHEDULER_ACTOR, cluster_id
+from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN, SCHEDULER_ACTOR, cluster_id
 from rlix_plugins.protocol.types import (
     OUTSTANDING_METRIC,
     Priority,
@@ -98,6 +98,8 @@ class CoordinatorHooks:
             pipeline_id)
         #: the training GPUs and when they were granted, until after_training
         self._training: tuple[tuple[int, ...], float] | None = None
+        #: (cluster, GPUs) held at INITIALIZATION by hold_for_setup, until release_setup_hold
+        self._setup_hold: tuple[str, tuple[int, ...]] | None = None
         if heartbeat:
             self.start_heartbeat()
 
@@ -252,6 +254,51 @@ class CoordinatorHooks:
         run can end before it unregisters calls it."""
         self._throttles.clear()
         self._call("end_run", pipeline_id=self.pipeline_id)
+
+    # ------------------------------------------------------------------ setup
+    # Not among the four hook methods: only a host that loads its models after registering
+    # (NeMo RL, whose setup builds its workers under the coordinator) holds its GPUs for it.
+    def hold_for_setup(self, cluster: str = ACTOR_INFER) -> tuple[int, ...]:
+        """Block until every GPU of ``cluster`` is held at INITIALIZATION, as ROLL's init
+        holds each cluster while it loads: other pipelines' generation shards on those GPUs
+        are shrunk, and training on them finishes first. With partial overlap the inference
+        cluster covers the training GPUs, so a pipeline joining a busy cluster loads its
+        models on GPUs nobody else is using. Returns the GPUs held; idempotent while held."""
+        cid = cluster_id(self.pipeline_id, cluster)
+        if self._setup_hold is not None:
+            held_cid, held_gpus = self._setup_hold
+            if held_cid == cid:
+                return held_gpus
+            raise ProtocolError(
+                f"hold_for_setup({cluster!r}): {held_cid} is already held for setup; valid: "
+                "release_setup_hold() first"
+            )
+        gpus = self._call(
+            "request_gpus",
+            cluster_id=cid,
+            priority=Priority.INITIALIZATION,
+            global_step=None,
+            pipeline_id=self.pipeline_id,
+        )
+        held = tuple(int(g) for g in gpus)
+        self._setup_hold = (cid, held)
+        logger.info("pipeline %s: GPUs %s held for setup", self.pipeline_id, list(held))
+        return held
+
+    @property
+    def holding_for_setup(self) -> bool:
+        """Whether :meth:`hold_for_setup`'s GPUs are still held."""
+        return self._setup_hold is not None
+
+    def release_setup_hold(self) -> None:
+        """Give back the GPUs :meth:`hold_for_setup` took (the pipeline's models are asleep or
+        offloaded by now). No-op when nothing is held."""
+        if self._setup_hold is None:
+            return
+        self._call("notify_release_gpus", cluster_id=self._setup_hold[0], global_step=None,
+                   pipeline_id=self.pipeline_id)
+        self._setup_hold = None
+        logger.info("pipeline %s: setup hold released", self.pipeline_id)
 
     # ------------------------------------------------------------------ lease
     def start_heartbeat(self) -> None:
