@@ -21,6 +21,9 @@ NeMo RL's seams, editing nothing of NeMo RL:
   where each bundle landed (NeMo RL's own ``get_reordered_bundle`` probe) and maps layout GPU
   -> bundle (:func:`~rlix_plugins.adapters.nemo_rl_placement_plan.plan_placement`; a layout
   Ray did not honour raises :class:`PlacementError`).
+  Under the coordinator the first bind then claims the layout's GPUs for setup
+  (:func:`~rlix_plugins.adapters.nemo_rl.claim_setup`): neither role's workers load
+  before the coordinator granted them.
 * Bound views report the role's world size, ``max_colocated_worker_groups = 2`` (so every
   worker asks for 0.5 GPU, NeMo RL's colocated fraction), the shared placement group and the
   role's bundles as ``_sorted_bundle_indices`` (``Policy`` and vLLM's tensor-parallel path

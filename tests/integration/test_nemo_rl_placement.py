@@ -174,6 +174,8 @@ def test_two_pipelines_share_the_coordinators_groups_each_worker_pinned(
     pipelines infer on GPUs 0,1, A trains on GPU 0 and B on GPU 1, all placed at once."""
     r = _ok(scenarios, "shared_two")
     shared = set(r["shared_pgs"])
+    # Under the coordinator the first bind claims the pipeline's GPUs for its setup.
+    assert r["owners_after_a"] == ["gate2_a", "gate2_a"]
     for name, train_gpu in (("a", 0), ("b", 1)):
         p = r[name]
         assert p["pinned"] is True

@@ -355,6 +355,10 @@ def scenario_two_pipelines_shared() -> dict[str, Any]:
             a_owned, out["a"] = _pipeline_on_shared_groups(
                 {"infer_gpus": [0, 1], "train_gpus": [0]})
             owned += a_owned
+            # A's first bind claimed its GPUs for setup (the process's one pipeline: B's
+            # binds, in the same process here, find it and claim nothing).
+            owners = plane.status().owners()
+            out["owners_after_a"] = [owners[0], owners[1]]
             os.environ["PIPELINE_ID"] = "gate2_b"
             b_owned, out["b"] = _pipeline_on_shared_groups(
                 {"infer_gpus": [0, 1], "train_gpus": [1]})
