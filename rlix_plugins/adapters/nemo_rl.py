@@ -92,6 +92,9 @@ class SetupHold(Protocol):
 
     def hold_for_setup(self, cluster: str = ACTOR_INFER) -> tuple[int, ...]: ...
 
+    @property
+    def holding_for_setup(self) -> bool: ...
+
     def release_setup_hold(self) -> None: ...
 
 RLIX_MEGATRON_WORKER_FQN = "rlix_plugins.patches.megatron.RLixMegatronPolicyWorker"
@@ -407,8 +410,13 @@ class NemoRlPipeline:
 
     # training cycle -----------------------------------------------------------------------
     def before_training(self) -> None:
-        """First touch of the training GPUs in a step: request them, re-init NCCL groups."""
-        if not self._holding_train:
+        """First touch of the training GPUs in a step: request them, re-init NCCL groups.
+
+        Before the first refit the setup hold has every GPU of the pipeline already (a
+        request for the training cluster would wait for the pipeline's own hold): nothing is
+        requested then."""
+        hold = self._setup_hold()
+        if not self._holding_train and not (hold is not None and hold.holding_for_setup):
             self.hooks.before_training(self.step)
             self._holding_train = True
         # Checked even when the GPUs are already held: a re-init that failed must be retried,

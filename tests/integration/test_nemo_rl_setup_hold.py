@@ -114,6 +114,10 @@ def test_setup_waits_for_anothers_training_holds_both_gpus_and_gives_them_back_a
         pipeline._controller = controller  # type: ignore[assignment]
         requested: list[int] = []
         pipeline._request_generation = lambda: requested.append(pipeline.step)  # type: ignore[method-assign]
+        # Training GPUs touched before the first refit are covered by the hold: nothing is
+        # requested (a request would wait for the pipeline's own hold).
+        pipeline.before_training()
+        assert not pipeline._holding_train and pipeline.policy.calls == []
         time.sleep(1.0)
         # A cannot generate or train anywhere meanwhile (both its GPUs are held).
         assert other.steps_completed == done
