@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_nemo_rl_review3 import _function
+from tests.integration.test_nemo_rl_resume_last_step_and_async_save import _function
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.integration]
 

@@ -28,7 +28,7 @@ from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.protocol import Priority
 from tests.core_builders import cycle, new_state, observable, register
 from tests.unit.test_gates_flow_failures import _AsyncioLoop, _bare_runtime
-from tests.unit.test_nemo_rl_placement_review import _bundles, fake_nemo_rl  # noqa: F401
+from tests.unit.test_nemo_rl_placement_patch_and_records import _bundles, fake_nemo_rl  # noqa: F401
 
 GEN = Priority.GENERATION
 

@@ -1,4 +1,4 @@
-"""Review of the NeMo RL placement plan, host patch, observation records and doctor.
+"""Robustness of the NeMo RL placement plan, host patch, observation records and doctor.
 
 NeMo RL's source is not here: the host modules these tests import are FAKE stand-ins written
 to ``tmp_path`` (or module objects put into ``sys.modules``), with only the names the patch's

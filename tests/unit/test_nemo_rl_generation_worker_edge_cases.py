@@ -1,4 +1,4 @@
-"""Review findings in the NeMo RL worker adapter and the vLLM plugin (pure unit tests).
+"""Edge cases in the NeMo RL worker adapter and the vLLM plugin (pure unit tests).
 
 NeMo RL is not installed here: its worker base class is a FAKE module placed in
 ``sys.modules`` for the duration of each test; the vLLM engine is a FAKE ``AsyncLLM``.

@@ -1,4 +1,4 @@
-"""Fifth review of the NeMo RL driver-side adapter: each test pins a gap (it failed before the
+"""NeMo RL validation demand and end of run: each test pins a gap (it failed before the
 fix next to it: the functions it calls did not exist, and without them nothing was reported).
 
 * Validation reported no demand: NeMo RL's ``validate`` generates on the pipeline's inference

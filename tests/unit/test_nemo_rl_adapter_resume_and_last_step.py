@@ -1,4 +1,4 @@
-"""Third review of the NeMo RL driver-side adapter: each test pins a defect found in review
+"""NeMo RL driver-side adapter (last step, heartbeat, resume, async save): each test pins a defect
 (it failed before the fix next to it).
 
 * The run's final step: after its refit NeMo RL sets weight version ``max_num_steps``, which
@@ -14,9 +14,10 @@
   offloading and releasing (see :meth:`NemoRlPipeline.release_training` for why).
 
 NeMo RL's collector needs Python >= 3.12 and its ``Policy`` needs GPUs: those bases are the
-FAKE classes of ``test_nemo_rl_adapter_review2`` (imported, not copied). The collector
-subclass, the tracker, the sink, the pipeline, the Policy subclass, the hooks and the patch's
-``async_grpo_train`` wrapper are real; the heartbeat test runs against the real coordinator.
+FAKE classes of ``test_nemo_rl_adapter_collector_and_checkpoint`` (imported, not copied). The
+collector subclass, the tracker, the sink, the pipeline, the Policy subclass, the hooks and the
+patch's ``async_grpo_train`` wrapper are real; the heartbeat test runs against the real
+coordinator.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from rlix_plugins.errors import RegistrationError
 from tests.support.fake_scheduler_handle import FakeSchedulerHandle
 from tests.support.nemo_rl_pipeline import fake_pipeline
 from tests.support.recording_hooks import FakeHooks
-from tests.unit.test_nemo_rl_adapter_review2 import (  # noqa: F401  (fixture)
+from tests.unit.test_nemo_rl_adapter_collector_and_checkpoint import (  # noqa: F401  (fixture)
     PID,
     FakeController,
     FakePolicyBase,

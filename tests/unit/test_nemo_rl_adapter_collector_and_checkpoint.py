@@ -1,4 +1,4 @@
-"""Second review of the NeMo RL driver-side adapter: each test pins a defect found in review
+"""NeMo RL driver-side adapter (layout, collector, checkpoint hold, attach): each test pins a defect
 (it failed before the fix next to it).
 
 * The layout ``attach_generation`` registers is read by ``NemoRlLayout.from_generation_config``

@@ -1,4 +1,4 @@
-"""What the third review's fixes assume of NeMo RL, checked in its real source (commit
+"""What resume, the last step and async saves rely on in NeMo RL, checked in its real source (commit
 7ea279abf, ``NEMO_RL_SRC``). ``grpo`` and the Megatron worker cannot be imported here (Python
 3.12, megatron-bridge), so their function bodies are read with ``ast``.
 """

@@ -1,4 +1,4 @@
-"""Driver-adapter defects found in review: cleanup on shutdown, the layout's input checks,
+"""NeMo RL driver-adapter cleanup on shutdown, the layout's input checks,
 and the NCCL re-init after a failed attempt (cleanup after a failed registration is checked on
 real Ray in tests/integration/test_nemo_rl_registration_cleanup.py).
 
