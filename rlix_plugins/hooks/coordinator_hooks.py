@@ -2,7 +2,8 @@
 
 ``before_training`` blocks until the pipeline's training GPUs are granted (retrying across a
 coordinator restart), ``after_training`` releases them, progress is sent in 2% buckets, and a
-heartbeat thread keeps the pipeline's lease.
+heartbeat thread keeps the pipeline's lease. Beyond the four hook methods, ``hold_for_setup`` /
+``release_setup_hold`` hold the pipeline's GPUs at INITIALIZATION while its host loads models.
 """
 
 from __future__ import annotations
