@@ -107,6 +107,8 @@ def test_setup_waits_for_anothers_training_holds_both_gpus_and_gives_them_back_a
         # Both GPUs are this pipeline's while it sets up: A's training on GPU 0 ended first
         # and its shards there were shrunk.
         assert _owners(plane, (0, 1)) == [PID, PID]
+        # ... at INITIALIZATION, which is what `rlix-plugins status` shows for them.
+        assert {g.stage for g in plane.status().gpus if g.gpu in (0, 1)} == {"INITIALIZATION"}
         assert pipeline.hooks.holding_for_setup
         done = other.steps_completed
         pipeline.policy = LedgerPolicy(ledger, cluster_id(PID, ACTOR_INFER), (0, 1))
