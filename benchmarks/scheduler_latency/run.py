@@ -15,7 +15,7 @@ References: RollMux Table 5 (41.9 ms at 100 jobs, 591 ms at 2,000); RLix's own g
 planner timed on this kind of machine (1.9 ms at 10 x 64, 5.6 s at 100 x 1,024, gives up at
 1,000 x 4,096 and 2,000 x 16,384).
 
-Run: python benchmarks/scheduler_latency/run.py [--repeats N]
+Run: python benchmarks/scheduler_latency/run.py [--repeats N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -183,6 +183,8 @@ def plot(rows: list[Row], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="where cycle.json/png go (default: the committed results)")
     args = parser.parse_args()
     rows = [measure(p, g, args.repeats) for p, g in SCALES]
     for r in rows:
@@ -196,7 +198,7 @@ def main() -> int:
             f"{r.expands} expands {r.shrinks} shrinks {r.grants} grants "
             f"target {r.target_ms} {verdict}"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     out = {
         "benchmark": "scheduler_latency",
         "machine": platform.platform(),
@@ -205,8 +207,8 @@ def main() -> int:
         "rows": [asdict(r) for r in rows],
         "sources": "RollMux Table 5; RLix planner timing from shared/calibration.md",
     }
-    (RESULTS / "cycle.json").write_text(json.dumps(out, indent=2))
-    plot(rows, RESULTS / "cycle.png")
+    (args.out / "cycle.json").write_text(json.dumps(out, indent=2))
+    plot(rows, args.out / "cycle.png")
     return 0
 
 

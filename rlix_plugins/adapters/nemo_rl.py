@@ -42,7 +42,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from rlix_plugins.adapters.nemo_rl_progress import (
     CollectorTracker,
@@ -67,6 +67,7 @@ from rlix_plugins.generation.state_store import ShardStateView
 from rlix_plugins.hooks.protocol import (
     VALIDATION_MODE,
     RLixHooks,
+    SetupHold,
     report_validation,
     validation_count,
 )
@@ -83,19 +84,6 @@ from rlix_plugins.settings import ENV_PIPELINE_ID, Settings, settings_if_enabled
 from rlix_plugins.values import as_index
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class SetupHold(Protocol):
-    """Hooks that can hold a pipeline's GPUs while it sets up
-    (:class:`~rlix_plugins.hooks.coordinator_hooks.CoordinatorHooks`)."""
-
-    def hold_for_setup(self, cluster: str = ACTOR_INFER) -> tuple[int, ...]: ...
-
-    @property
-    def holding_for_setup(self) -> bool: ...
-
-    def release_setup_hold(self) -> None: ...
 
 RLIX_MEGATRON_WORKER_FQN = "rlix_plugins.patches.megatron.RLixMegatronPolicyWorker"
 
@@ -682,10 +670,19 @@ def _set_controller(actor_self: Any, controller: NemoRlShardController) -> None:
 
 
 _pipeline: NemoRlPipeline | None = None
-#: registered by claim_setup, holding its GPUs for setup; attach_generation completes it
-_claimed: NemoRlPipeline | None = None
-#: PIPELINE_ID as it was before the claimed pipeline exported its id (restored if it leaves)
-_claimed_previous_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """A pipeline :func:`claim_setup` registered (holding its GPUs for setup), and
+    ``PIPELINE_ID`` as it was before that pipeline exported its id (restored if it leaves)."""
+
+    pipeline: NemoRlPipeline
+    previous_id: str | None
+
+
+#: the setup claim attach_generation completes
+_claimed: _Claim | None = None
 _pending_policy: Any = None  # grpo.setup builds policy and generation in parallel threads
 _pipeline_lock = threading.Lock()
 
@@ -700,7 +697,7 @@ def claim_setup(layout: NemoRlLayout) -> None:
     driver's pipeline and hold every GPU of ``layout`` at INITIALIZATION while NeMo RL loads
     its models (:meth:`NemoRlPipeline.claim`). No-op with the gate off or once a pipeline was
     claimed or registered; the generation attaches later (:func:`attach_generation`)."""
-    global _claimed, _claimed_previous_id
+    global _claimed
     settings = settings_if_enabled()
     if settings is None:
         return
@@ -708,8 +705,7 @@ def claim_setup(layout: NemoRlLayout) -> None:
         if _pipeline is not None or _claimed is not None:
             return
         previous = os.environ.get(ENV_PIPELINE_ID)
-        _claimed = _new_pipeline(settings, None, layout, NemoRlPipeline.claim)
-        _claimed_previous_id = previous
+        _claimed = _Claim(_new_pipeline(settings, None, layout, NemoRlPipeline.claim), previous)
 
 
 def attach_generation(generation: Any) -> None:
@@ -727,7 +723,8 @@ def attach_generation(generation: Any) -> None:
         )
         # The coordinator resizes ranks 0..num_shards-1 and the shard state has that many
         # entries; the router and the controller drive NeMo RL's dp_size shards.
-        claimed, _claimed = _claimed, None
+        claim, _claimed = _claimed, None
+        claimed = claim.pipeline if claim is not None else None
         try:
             if layout.num_shards != generation.dp_size:
                 raise RegistrationError(
@@ -744,9 +741,9 @@ def attach_generation(generation: Any) -> None:
             if claimed is not None:
                 claimed.attach(generation)  # shuts itself down when it fails
         except BaseException:
-            if claimed is not None:
-                claimed.shutdown()  # a pipeline that can never attach gives its GPUs back
-                _restore_pipeline_id(_claimed_previous_id)
+            if claim is not None:
+                claim.pipeline.shutdown()  # a pipeline that can never attach gives its GPUs back
+                _restore_pipeline_id(claim.previous_id)
             raise
         if claimed is not None:
             pipeline = claimed
@@ -1015,7 +1012,6 @@ __all__ = [
     "NemoRlShardController",
     "RLixWeightSynchronizer",
     "SchedulerProgressSink",
-    "SetupHold",
     "attach_generation",
     "attach_policy",
     "claim_setup",

@@ -257,8 +257,8 @@ class CoordinatorHooks:
         self._call("end_run", pipeline_id=self.pipeline_id)
 
     # ------------------------------------------------------------------ setup
-    # Not among the four hook methods: only a host that loads its models after registering
-    # (NeMo RL, whose setup builds its workers under the coordinator) holds its GPUs for it.
+    # Not among the four hook methods (hooks.protocol.SetupHold): only a host that registers
+    # before it loads its models can hold its GPUs for that.
     def hold_for_setup(self, cluster: str = ACTOR_INFER) -> tuple[int, ...]:
         """Block until every GPU of ``cluster`` is held at INITIALIZATION, as ROLL's init
         holds each cluster while it loads: other pipelines' generation shards on those GPUs

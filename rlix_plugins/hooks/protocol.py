@@ -44,6 +44,20 @@ class RLixHooks(Protocol):
     def clear_progress(self) -> None: ...
 
 
+@runtime_checkable
+class SetupHold(Protocol):
+    """Hooks that can hold a pipeline's GPUs while its host loads models, beyond the four
+    methods (:class:`~rlix_plugins.hooks.coordinator_hooks.CoordinatorHooks`): the cluster
+    named (default the inference cluster) at INITIALIZATION until released."""
+
+    def hold_for_setup(self, cluster: str = ...) -> tuple[int, ...]: ...
+
+    @property
+    def holding_for_setup(self) -> bool: ...
+
+    def release_setup_hold(self) -> None: ...
+
+
 class NoOpRLixHooks:
     """Hooks of a standalone job (``RLIX_CONTROL_PLANE`` unset or ``off``): do nothing."""
 

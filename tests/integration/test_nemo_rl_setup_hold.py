@@ -27,10 +27,11 @@ import ray
 
 from rlix_plugins.adapters import nemo_rl
 from rlix_plugins.adapters.nemo_rl import NemoRlLayout, NemoRlPipeline
-from rlix_plugins.errors import RegistrationError
+from rlix_plugins.errors import ProtocolError, RegistrationError
 from rlix_plugins.hooks import make_hooks
 from rlix_plugins.protocol.names import ACTOR_INFER, cluster_id
 from rlix_plugins.settings import ENV_PIPELINE_ID, load_settings
+from tests.support.recording_policy import RecordingPolicy
 from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver, wait_until
 
 pytestmark = pytest.mark.integration
@@ -38,24 +39,17 @@ pytestmark = pytest.mark.integration
 PID = "ft_0000005e7a0d"
 
 
-class LedgerPolicy:
+class LedgerPolicy(RecordingPolicy):
     """FAKE NeMo RL policy: records the adapter's calls; its model is on the ledger's GPUs
     from construction until ``offload_after_refit`` (when the adapter moves it off)."""
 
     def __init__(self, ledger: Any, owner: str, gpus: Sequence[int]) -> None:
+        super().__init__()
         self.ledger, self.owner, self.gpus = ledger, owner, list(gpus)
-        self.calls: list[str] = []
         ray.get(ledger.claim.remote(owner, self.gpus))  # setup loads the models
 
-    def run_all_workers_single_data(self, method: str, *args: Any) -> list[Any]:
-        self.calls.append(method)
-        return []
-
-    def offload_before_refit(self) -> None:
-        self.calls.append("offload_before_refit")
-
     def offload_after_refit(self) -> None:
-        self.calls.append("offload_after_refit")
+        super().offload_after_refit()
         ray.get(self.ledger.release.remote(self.owner, self.gpus))
 
 
@@ -77,10 +71,11 @@ def rlix_env(coordinator: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     monkeypatch.setenv("RLIX_NAMESPACE", coordinator.namespace)
     monkeypatch.delenv(ENV_PIPELINE_ID, raising=False)
-    for name in ("_pipeline", "_claimed", "_claimed_previous_id", "_pending_policy"):
+    for name in ("_pipeline", "_claimed", "_pending_policy"):
         monkeypatch.setattr(nemo_rl, name, None)
     yield coordinator
-    for pipeline in (nemo_rl._pipeline, nemo_rl._claimed):
+    claim = nemo_rl._claimed
+    for pipeline in (nemo_rl._pipeline, claim.pipeline if claim is not None else None):
         if pipeline is not None:
             pipeline.shutdown()
 
@@ -159,11 +154,12 @@ def test_the_first_bind_claims_and_the_generation_attaches_to_the_claimed_pipeli
 ) -> None:
     plane = rlix_env
     nemo_rl.claim_setup(NemoRlLayout((0, 1), (0,)))
-    claimed = nemo_rl._claimed
-    assert claimed is not None and nemo_rl.current_pipeline() is None
+    claim = nemo_rl._claimed
+    assert claim is not None and nemo_rl.current_pipeline() is None
+    claimed = claim.pipeline
     assert _owners(plane, (0, 1)) == [claimed.pipeline_id] * 2
     nemo_rl.claim_setup(NemoRlLayout((0, 1), (0,)))  # the other role's bind: no second claim
-    assert nemo_rl._claimed is claimed
+    assert nemo_rl._claimed is claim
     gen = _generation(2)
     nemo_rl.attach_generation(gen)
     assert nemo_rl.current_pipeline() is claimed and nemo_rl._claimed is None
@@ -178,11 +174,33 @@ def test_a_generation_built_for_another_layout_than_the_claim_is_refused_and_the
 ) -> None:
     plane = rlix_env
     nemo_rl.claim_setup(NemoRlLayout((0, 1, 2), (0,)))
-    claimed = nemo_rl._claimed
-    assert claimed is not None and os.environ[ENV_PIPELINE_ID] == claimed.pipeline_id
+    assert nemo_rl._claimed is not None
+    claimed = nemo_rl._claimed.pipeline
+    assert os.environ[ENV_PIPELINE_ID] == claimed.pipeline_id
     with pytest.raises(RegistrationError, match=r"built for .* but its setup was claimed for"):
         nemo_rl.attach_generation(_generation(2))
     assert nemo_rl.current_pipeline() is None and nemo_rl._claimed is None
     assert ENV_PIPELINE_ID not in os.environ  # the id of a pipeline that left
     wait_until(lambda: plane.status().pipeline(claimed.pipeline_id) is None, 10)
     assert set(plane.status().owners().values()) == {None}
+
+
+def test_the_hold_is_taken_once_and_given_back_once(rlix_env: Any) -> None:
+    plane = rlix_env
+    settings = load_settings()
+    hooks = make_hooks(settings, pipeline_id=PID, heartbeat=False)
+    pipeline = NemoRlPipeline(settings, None, NemoRlLayout((0, 1), (0,)), hooks, PID)
+    try:
+        pipeline.claim()
+        # Held: asked again, answered from the hold (no second request waits in the queue).
+        assert hooks.hold_for_setup(ACTOR_INFER) == (0, 1)
+        assert plane.status().wait_queue == ()
+        with pytest.raises(ProtocolError, match=rf"{PID}_actor_infer is already held for setup"):
+            hooks.hold_for_setup("actor_train")
+        assert _owners(plane, (0, 1)) == [PID, PID]
+        hooks.release_setup_hold()
+        assert not hooks.holding_for_setup and _owners(plane, (0, 1)) == [None, None]
+        hooks.release_setup_hold()  # nothing held: a no-op
+        assert plane.status().pipeline(PID) is not None
+    finally:
+        pipeline.shutdown()

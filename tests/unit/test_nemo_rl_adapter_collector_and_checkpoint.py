@@ -42,6 +42,7 @@ from rlix_plugins.errors import RegistrationError
 from rlix_plugins.protocol import ProgressReport
 from tests.support.nemo_rl_pipeline import PID
 from tests.support.recording_hooks import FakeHooks
+from tests.support.recording_policy import RecordingPolicy
 
 # ------------------------------------------------------------------ layout config
 
@@ -153,26 +154,16 @@ def test_groups_buffered_ahead_for_a_version_count_when_it_begins(
 # ------------------------------------------------------------------ checkpoint after the refit
 
 
-class FakePolicyBase:
+class FakePolicyBase(RecordingPolicy):
     """FAKE NeMo RL ``Policy`` (its module cannot import here): records the worker calls and,
     at ``save_checkpoint``, what the save would run on (Megatron's save moves model and
     optimizer to the GPU and runs collectives over the parallel-state groups)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.calls: list[str] = []
+        super().__init__()
         self.hooks: FakeHooks | None = None
         self.save_error: Exception | None = None
         self.seen_at_save: tuple[str | None, str | None] | None = None
-
-    def run_all_workers_single_data(self, method: str, *args: Any) -> list[Any]:
-        self.calls.append(method)
-        return []
-
-    def offload_before_refit(self) -> None:
-        self.calls.append("offload_before_refit")
-
-    def offload_after_refit(self) -> None:
-        self.calls.append("offload_after_refit")
 
     def prepare_for_training(self) -> None:
         self.calls.append("prepare_for_training")
