@@ -196,16 +196,6 @@ class CacheSync:
         return report
 
 
-class PendingController:
-    """Placeholder until the policy (the cache owner) exists: resizes fail with a reason."""
-
-    def shrink(self, dp_ranks: Sequence[int]) -> None:
-        raise RuntimeError(f"pipeline not ready (policy not built); cannot shrink {list(dp_ranks)}")
-
-    def expand(self, dp_ranks: Sequence[int]) -> None:
-        raise RuntimeError(f"pipeline not ready (policy not built); cannot expand {list(dp_ranks)}")
-
-
 class NemoRlShardController(LifecycleShardController):
     """:class:`LifecycleShardController` whose weights come from the Megatron cache owner."""
 
@@ -287,7 +277,10 @@ class NemoRlPipeline:
     def _claim(self) -> None:
         import ray
 
-        from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
+        from rlix_plugins.adapters.pipeline_coordinator import (
+            PendingController,
+            start_pipeline_coordinator,
+        )
 
         orch = _orchestrator(self.settings)
         ray.get(orch.register_pipeline.remote(
@@ -366,12 +359,12 @@ class NemoRlPipeline:
 
     def attach_policy(self, policy: Any) -> None:
         """Called by the Policy subclass once its workers exist."""
-        import ray
+        from rlix_plugins.adapters.pipeline_coordinator import set_shard_controller
 
         self.policy = policy
         ctrl = self.controller()
         # The coordinator actor was started before the policy existed: hand it the controller.
-        ray.get(self.coordinator.__ray_call__.remote(_set_controller, ctrl))
+        set_shard_controller(self.coordinator, ctrl)
 
     def start_at(self, step: object) -> None:
         """The run's first step: NeMo RL's ``grpo_save_state.current_step`` (> 0 when it
@@ -663,10 +656,6 @@ def _orchestrator(settings: Settings) -> Any:
             f"{settings.namespace!r} (RLIX_NAMESPACE); start the coordinator there or set "
             "RLIX_NAMESPACE to the namespace it runs in"
         ) from None
-
-
-def _set_controller(actor_self: Any, controller: NemoRlShardController) -> None:
-    actor_self.shards = controller
 
 
 _pipeline: NemoRlPipeline | None = None

@@ -179,6 +179,30 @@ class ShardController(Protocol):
     def expand(self, dp_ranks: Sequence[int]) -> None: ...
 
 
+class PendingController:
+    """The controller of a pipeline that registered before its generation existed (it holds
+    its GPUs for setup meanwhile, so the scheduler has nothing of it to resize): a resize
+    fails with the reason until :func:`set_shard_controller` hands over the real one."""
+
+    def shrink(self, dp_ranks: Sequence[int]) -> None:
+        raise RuntimeError(f"pipeline not ready (its generation is not built yet); cannot "
+                           f"shrink {list(dp_ranks)}")
+
+    def expand(self, dp_ranks: Sequence[int]) -> None:
+        raise RuntimeError(f"pipeline not ready (its generation is not built yet); cannot "
+                           f"expand {list(dp_ranks)}")
+
+
+def _install_controller(actor_self: Any, controller: ShardController) -> None:
+    actor_self.shards = controller
+
+
+def set_shard_controller(coordinator: Any, controller: ShardController) -> None:
+    """Hand ``controller`` to a running coordinator actor (started with a
+    :class:`PendingController`); blocks until installed."""
+    ray.get(coordinator.__ray_call__.remote(_install_controller, controller))
+
+
 def aggregate_reports(pipeline_id: str, streams: dict[StreamKey, ProgressReport]) -> ProgressReport:
     """One report for the scheduler from a pipeline's streams: targets and completions add up."""
     target = sum(r.step_target_trajectories for r in streams.values())

@@ -3,9 +3,12 @@
 One adapter per veRL job, built by the RLix trainer (``patches/verl_trainer.py``) once veRL
 has created its replicas, load balancer and checkpoint managers. It
 
-* registers the pipeline with the orchestrator (``actor_train`` = the trainer GPUs,
-  ``actor_infer`` = every rollout replica, hybrid replicas mapped onto the trainer GPUs and
-  standalone ones after them, so the coordinator sees the partial overlap);
+* claims the pipeline's GPUs before veRL builds its workers (:meth:`VerlPipelineAdapter.claim`:
+  register with the orchestrator, ``actor_train`` = the trainer GPUs, ``actor_infer`` = every
+  rollout replica, hybrid replicas mapped onto the trainer GPUs and standalone ones after them,
+  so the coordinator sees the partial overlap; then hold ``actor_infer`` at INITIALIZATION
+  while veRL loads its models), attaches the replicas once they exist and ends the hold with
+  every replica asleep (``attach``, ``end_setup``);
 * serves ``resize_infer`` through the pipeline coordinator actor with a
   :class:`VerlShardController` (ShardController protocol): shrink = the generation module's
   preempt (mark -> abort -> drain -> sleep) on veRL replicas, expand = wake -> selective sync
@@ -35,7 +38,12 @@ from rlix_plugins.adapters.verl_shards import (
 )
 from rlix_plugins.errors import ProtocolError, RegistrationError, RlixPluginsError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
-from rlix_plugins.hooks.protocol import RLixHooks, report_validation, validation_count
+from rlix_plugins.hooks.protocol import (
+    RLixHooks,
+    SetupHold,
+    report_validation,
+    validation_count,
+)
 from rlix_plugins.protocol.names import (
     ACTOR_INFER,
     ACTOR_TRAIN,
@@ -60,7 +68,8 @@ class VerlLayout:
     """Where a veRL job's GPUs are, as the coordinator is told (global GPU ids).
 
     ``hybrid_replicas`` replicas live on the trainer GPUs (veRL's hybrid engine); the
-    ``standalone_replicas`` after them on their own GPUs. Replica ``d`` uses ``tp`` GPUs.
+    ``standalone_replicas`` after them on their own GPUs. Replica ``d`` uses ``tp`` GPUs
+    (veRL's rollout world size: tensor x data x pipeline parallel sizes).
     """
 
     train_gpus: int
@@ -162,13 +171,14 @@ class VerlPipelineAdapter:
         settings: Settings,
         pipeline_id: str,
         layout: VerlLayout,
-        controller: VerlShardController,
+        controller: VerlShardController | None = None,
         hooks_factory: Callable[[], RLixHooks],
         step_target: int,
     ) -> None:
         self.settings = settings
         self.pipeline_id = pipeline_id
         self.layout = layout
+        #: None until :meth:`attach` (the replicas do not exist when the pipeline claims)
         self.controller = controller
         self._hooks_factory = hooks_factory
         self._hooks: RLixHooks | None = None
@@ -183,6 +193,8 @@ class VerlPipelineAdapter:
         self._validation_target: int | None = None
         #: the last training step is done: no further rollout demand is reported
         self._steps_over = False
+        #: :meth:`end_setup` ran (every replica asleep, the setup hold given back)
+        self._setup_done = False
 
     @property
     def hooks(self) -> RLixHooks:
@@ -195,13 +207,29 @@ class VerlPipelineAdapter:
         return self._hooks
 
     # ---------------------------------------------------------------- registration
-    def register(self) -> None:
-        """Register and admit the pipeline, serve ``resize_infer`` for it, then build the hooks
-        (their heartbeat starts only now, for a pipeline the coordinator knows)."""
+    def claim(self) -> None:
+        """Register and admit the pipeline, serve ``resize_infer`` for it, build the hooks
+        (their heartbeat starts only now, for a pipeline the coordinator knows), then hold
+        every GPU of the layout at INITIALIZATION, blocking, as ROLL's init and NeMo RL's
+        setup do: other pipelines' generation ranks there are shrunk and training there
+        finishes first, so veRL loads its models onto GPUs nobody else uses. The hold lasts
+        until :meth:`end_setup`. Hooks that cannot hold (not a ``SetupHold``) skip it.
+
+        Until :meth:`attach` the coordinator actor serves a ``PendingController`` (the
+        scheduler resizes nothing of a pipeline that holds its GPUs for setup).
+
+        On any failure the pipeline leaves the coordinator (:meth:`close`) before the error
+        propagates: a half-registered pipeline would hold its GPUs for nobody.
+        """
         import ray
 
-        from rlix_plugins.adapters.pipeline_coordinator import start_pipeline_coordinator
+        from rlix_plugins.adapters.pipeline_coordinator import (
+            PendingController,
+            start_pipeline_coordinator,
+        )
 
+        if self._registered:
+            return
         orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
         ray.get(
             orch.register_pipeline.remote(
@@ -215,18 +243,90 @@ class VerlPipelineAdapter:
         try:
             self._coordinator = start_pipeline_coordinator(
                 self.pipeline_id,
-                self.controller,
+                self.controller if self.controller is not None else PendingController(),
                 control_namespace=self.settings.namespace or CONTROL_PLANE_NAMESPACE,
             )
             ray.get(orch.admit_pipeline.remote(pipeline_id=self.pipeline_id))
             if self._hooks is None:
                 self._hooks = self._hooks_factory()
+            hold = self._setup_hold()
+            if hold is not None:
+                hold.hold_for_setup(ACTOR_INFER)
         except BaseException:
-            # A half-registered pipeline would hold its GPUs for nobody: leave the coordinator
-            # (our registration, the coordinator actor) before the error reaches the trainer.
             self.close(raise_errors=False)
             raise
         logger.info("veRL pipeline %s registered: %s", self.pipeline_id, self.layout)
+
+    def attach(self, layout: VerlLayout, controller: VerlShardController) -> None:
+        """The replicas exist (after veRL's init): serve ``resize_infer`` with ``controller``.
+        ``layout`` is the one the replicas have; it must be the one claimed.
+
+        Raises:
+            RegistrationError: not claimed yet, or ``layout`` differs from the claimed one
+                (the coordinator would move replicas on GPUs they are not on); the pipeline
+                leaves the coordinator and ``controller`` is closed.
+        """
+        from rlix_plugins.adapters.pipeline_coordinator import set_shard_controller
+
+        try:
+            if not self._registered or self._closed:
+                raise RegistrationError(
+                    f"veRL pipeline {self.pipeline_id}: attach before claim (or after close); "
+                    "valid: claim() first"
+                )
+            if layout != self.layout:
+                raise RegistrationError(
+                    f"veRL pipeline {self.pipeline_id}: veRL built {layout}, but the pipeline "
+                    f"claimed {self.layout} from the job's config; valid: the same replica "
+                    "counts and GPUs per replica"
+                )
+            if controller is not self.controller:
+                set_shard_controller(self._coordinator, controller)
+                self.controller = controller
+        except BaseException:
+            if controller is not self.controller:
+                controller.close()
+            self.close(raise_errors=False)
+            raise
+
+    def register(self) -> None:
+        """:meth:`claim` then :meth:`attach` the controller given at construction (a pipeline
+        whose replicas were built before it could claim). :meth:`end_setup` ends the hold."""
+        self.claim()
+        if self.controller is None:
+            raise RegistrationError(
+                f"veRL pipeline {self.pipeline_id}: register() needs the shard controller "
+                "given at construction; valid: claim() now, attach(layout, controller) later"
+            )
+        self.attach(self.layout, self.controller)
+
+    def end_setup(self) -> None:
+        """veRL's init is done (models loaded, the first weights synced, the training workers'
+        groups released by the trainer): put every replica to sleep, then give back the setup
+        hold. From here the coordinator decides which replicas run: the first step's
+        generation request wakes them (each syncs the newest cached version). Idempotent.
+
+        Raises:
+            RegistrationError: called before :meth:`attach`.
+        """
+        if self.controller is None:
+            raise RegistrationError(
+                f"veRL pipeline {self.pipeline_id}: end_setup before attach; valid: "
+                "attach(layout, controller) first"
+            )
+        if self._setup_done or self._closed:
+            return
+        hold = self._setup_hold()
+        # Every replica, not only those on held GPUs: the coordinator counts none of them
+        # awake once the hold ends (veRL's init left all of them loaded and serving).
+        self.controller.shrink(list(range(self.layout.num_replicas)))
+        if hold is not None:
+            hold.release_setup_hold()
+        self._setup_done = True
+        logger.info("veRL pipeline %s: setup done, every replica asleep", self.pipeline_id)
+
+    def _setup_hold(self) -> SetupHold | None:
+        return self._hooks if isinstance(self._hooks, SetupHold) else None
 
     # ---------------------------------------------------------------- per step
     def request_generation(self, step: int) -> None:

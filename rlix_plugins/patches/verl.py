@@ -90,6 +90,8 @@ CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
               "v1 trainer modes replaced by RLix subclasses"),
     PlugPoint("trainer lookup", f"{_TB}:get_trainer_cls", PlugKind.READ, ("name",),
               "TaskRunnerV1 resolves trainer.v1.trainer_mode through the registry"),
+    PlugPoint("init", f"{_TB}:PPOTrainer.init", PlugKind.SUBCLASS, ("self",),
+              "a failed init leaves the coordinator (the setup claim came first)"),
     PlugPoint("on_init_end", f"{_TB}:PPOTrainer.on_init_end", PlugKind.SUBCLASS, ("self",)),
     PlugPoint("on_step_begin", f"{_TB}:PPOTrainer.on_step_begin", PlugKind.SUBCLASS, ("self",)),
     PlugPoint("on_sample_end", f"{_TB}:PPOTrainer.on_sample_end", PlugKind.SUBCLASS, ("self",)),
@@ -144,7 +146,8 @@ CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
     PlugPoint("worker update", f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.update_weights",
               PlugKind.READ, ("global_steps", "mode"), "fills the cache (mode=rlix_cache)"),
     PlugPoint("worker mapping", f"{_TB}:PPOTrainer._init_resource_pool_mgr", PlugKind.SUBCLASS,
-              ("self",), "role_worker_mapping's training worker becomes RLix's subclass"),
+              ("self",), "role_worker_mapping's training worker becomes RLix's subclass; "
+              "the pipeline claims its GPUs there, before veRL builds any worker"),
     PlugPoint("training worker", f"{_ENGINE_WORKERS}:ActorRolloutRefWorker", PlugKind.SUBCLASS,
               ("__init__", "config", "role"),
               "subclassed: hybrid replicas' receive method, Megatron group rebinding"),

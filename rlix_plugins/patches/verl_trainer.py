@@ -3,9 +3,13 @@
 The job keeps its ``trainer.v1.trainer_mode``; the registry entry of that mode is replaced by
 ``RLix<Mode>``, which adds to veRL's own hooks:
 
-* ``on_init_end``: after veRL's initial weight sync, build the
-  :class:`~rlix_plugins.adapters.verl.VerlPipelineAdapter` (bind the replicas as shards in the
-  load balancer, register with the coordinator, serve ``resize_infer``);
+* ``_init_resource_pool_mgr`` (the first step of veRL's ``init``, before any worker or replica
+  exists): claim the pipeline's GPUs (:func:`claim_adapter`: register the layout the job's
+  config gives and hold it at INITIALIZATION while veRL loads its models);
+* ``on_init_end``: after veRL's initial weight sync, attach the replicas
+  (:func:`build_adapter`: bind them as shards in the load balancer, serve ``resize_infer``),
+  release the training workers' Megatron groups, put every replica to sleep and end the
+  hold; a failed ``init`` leaves the coordinator;
 * ``get_llm_client``: the re-dispatching :class:`~.verl_routing.RLixLLMServerClient` on the
   same load balancer (agent loops receive it pickled);
 * ``on_step_begin``: ask for generation GPUs for the step (non-blocking) and reset progress;
@@ -122,19 +126,96 @@ def install_hybrid_manager(trainer: Any) -> bool:
     return True
 
 
-def build_adapter(trainer: Any) -> Any:
-    """The pipeline adapter of a veRL trainer whose replicas are up (after init)."""
-    import ray
+def replica_gpus(rollout: Any) -> int:
+    """GPUs of one rollout replica: veRL's rollout world size (tensor x data x pipeline
+    parallel sizes; ``LLMServerManager`` divides the GPUs by it into replicas)."""
+    return (int(rollout.tensor_model_parallel_size) * int(rollout.data_parallel_size)
+            * int(rollout.pipeline_model_parallel_size))
 
-    from rlix_plugins.adapters.observability import ObservationWriter
-    from rlix_plugins.adapters.verl import VerlLayout, VerlPipelineAdapter, make_shard_controller
-    from rlix_plugins.hooks import make_hooks
-    from rlix_plugins.patches.verl_checkpoint import RefreshClaim, VerlCacheSync
+
+def config_layout(config: Any) -> Any:
+    """The :class:`~rlix_plugins.adapters.verl.VerlLayout` veRL will build from ``config``
+    (before it builds anything): hybrid replicas over the trainer GPUs unless
+    ``actor_rollout_ref.hybrid_engine`` is false, standalone replicas over
+    ``actor_rollout_ref.rollout``'s own GPUs in ``separate_async`` mode. None (with the
+    reason logged) where it cannot be told ahead: disaggregated prefill/decode replicas, or
+    a config without those fields; the pipeline then registers after veRL's init."""
+    from rlix_plugins.adapters.verl import VerlLayout
+
+    try:
+        rollout = config.actor_rollout_ref.rollout
+        disagg = rollout.get("disaggregation", None)
+        if disagg is not None and bool(disagg.get("enabled", False)):
+            logger.warning("rlix: disaggregated rollout replicas: no setup hold (their GPUs are "
+                           "known only once veRL has built them)")
+            return None
+        per_replica = replica_gpus(rollout)
+        train_gpus = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+        hybrid = (train_gpus // per_replica
+                  if bool(config.actor_rollout_ref.get("hybrid_engine", True)) else 0)
+        standalone = 0
+        if str(config.trainer.v1.trainer_mode) == "separate_async":
+            standalone = int(rollout.n_gpus_per_node) * int(rollout.nnodes) // per_replica
+    except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        logger.warning("rlix: the job's replica layout is not readable from its config: no "
+                       "setup hold", exc_info=True)
+        return None
+    return VerlLayout(train_gpus=train_gpus, tp=per_replica, hybrid_replicas=hybrid,
+                      standalone_replicas=standalone)
+
+
+def _pipeline_id() -> str:
     from rlix_plugins.protocol.names import new_pipeline_id
     from rlix_plugins.settings import load_settings
 
+    return load_settings().pipeline_id or new_pipeline_id("ft")
+
+
+def _new_adapter(config: Any, layout: Any, pipeline_id: str, controller: Any = None) -> Any:
+    from rlix_plugins.adapters.verl import VerlPipelineAdapter
+    from rlix_plugins.hooks import make_hooks
+    from rlix_plugins.settings import load_settings
+
     settings = load_settings()
-    pipeline_id = settings.pipeline_id or new_pipeline_id("ft")
+    return VerlPipelineAdapter(
+        settings=settings,
+        pipeline_id=pipeline_id,
+        layout=layout,
+        controller=controller,
+        # Built by claim() after the pipeline is admitted: the heartbeat starts then.
+        hooks_factory=lambda: make_hooks(settings, pipeline_id=pipeline_id),
+        step_target=int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n),
+    )
+
+
+def claim_adapter(trainer: Any) -> Any:
+    """Before veRL builds workers and replicas: the pipeline adapter, registered with the
+    layout the config gives and holding its GPUs for setup (blocks until they are free);
+    None when the layout cannot be told ahead (:func:`config_layout`)."""
+    layout = config_layout(trainer.config)
+    if layout is None:
+        return None
+    adapter = _new_adapter(trainer.config, layout, _pipeline_id())
+    adapter.claim()
+    return adapter
+
+
+def build_adapter(trainer: Any, claimed: Any = None) -> Any:
+    """The pipeline adapter of a veRL trainer whose replicas are up (after init): the
+    ``claimed`` one (:func:`claim_adapter`) with the replicas attached, or, without a claim,
+    a new one registered now.
+
+    Raises:
+        RegistrationError: veRL built another layout than the claimed one (the pipeline
+            leaves the coordinator).
+    """
+    import ray
+
+    from rlix_plugins.adapters.observability import ObservationWriter
+    from rlix_plugins.adapters.verl import VerlLayout, make_shard_controller
+    from rlix_plugins.patches.verl_checkpoint import RefreshClaim, VerlCacheSync
+
+    pipeline_id = claimed.pipeline_id if claimed is not None else _pipeline_id()
     hybrid = list(trainer.llm_server_manager.get_replicas())
     standalone_mgr = getattr(trainer, "standalone_server_manager", None)
     standalone = list(standalone_mgr.get_replicas()) if standalone_mgr is not None else []
@@ -163,24 +244,18 @@ def build_adapter(trainer: Any) -> Any:
             manager.bind(claim, list(ranks),
                          observe=lambda ranks, v: controller.observe("refresh", ranks, v))
     cfg = trainer.config
-    rollout = cfg.actor_rollout_ref.rollout
     layout = VerlLayout(
         train_gpus=int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes),
-        tp=int(rollout.tensor_model_parallel_size),
+        tp=replica_gpus(cfg.actor_rollout_ref.rollout),
         hybrid_replicas=len(hybrid),
         standalone_replicas=len(standalone),
     )
-    adapter = VerlPipelineAdapter(
-        settings=settings,
-        pipeline_id=pipeline_id,
-        layout=layout,
-        controller=controller,
-        # Built by register() after the pipeline is admitted: the heartbeat starts then.
-        hooks_factory=lambda: make_hooks(settings, pipeline_id=pipeline_id),
-        step_target=int(cfg.data.train_batch_size) * int(rollout.n),
-    )
-    adapter.register()
-    return adapter
+    if claimed is None:
+        adapter = _new_adapter(cfg, layout, pipeline_id, controller)
+        adapter.register()
+        return adapter
+    claimed.attach(layout, controller)
+    return claimed
 
 
 def validation_size(trainer: Any) -> int | None:
@@ -218,12 +293,32 @@ class RLixTrainerMixin:
 
         changed = install_worker_classes(self.role_worker_mapping)  # type: ignore[attr-defined]
         logger.info("RLix training-worker subclass installed for roles %s", changed)
+        # veRL builds its workers and replicas right after this: hold the GPUs first.
+        if self._rlix_adapter is None:
+            self._rlix_adapter = claim_adapter(self)
+
+    def init(self) -> None:
+        # A failed init leaves the coordinator (the claim holds GPUs for nobody otherwise):
+        # fit, which closes the adapter, never runs.
+        try:
+            super().init()  # type: ignore[misc]
+        except BaseException:
+            self._rlix_close()
+            raise
 
     def on_init_end(self) -> None:
-        install_cache_manager(self)
-        install_hybrid_manager(self)
-        super().on_init_end()  # type: ignore[misc]
-        self._rlix_adapter = build_adapter(self)
+        try:
+            install_cache_manager(self)
+            install_hybrid_manager(self)
+            super().on_init_end()  # type: ignore[misc]
+            self._rlix_adapter = build_adapter(self, self._rlix_adapter)
+            # As after every step (on_sample_end re-makes the groups): the training workers'
+            # NCCL communicators leave the GPUs before the hold ends.
+            self._worker_call("rlix_release_parallel_state")
+            self._rlix_adapter.end_setup()
+        except BaseException:
+            self._rlix_close()
+            raise
 
     def get_llm_client(self) -> Any:
         from rlix_plugins.patches.verl_routing import RLixLLMServerClient

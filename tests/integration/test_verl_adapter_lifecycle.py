@@ -119,6 +119,7 @@ def test_validation_is_demand_while_it_runs_and_nothing_outlives_the_last_step(
                        _ServingController())
     adapter.register()
     try:
+        adapter.end_setup()  # veRL's init is over: the setup hold ends
         # the step's generation request carries the step's size: the scheduler's fallback
         # demand when the pipeline has no progress stream
         adapter.request_generation(1)

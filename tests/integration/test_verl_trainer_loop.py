@@ -439,6 +439,9 @@ class Fitted:
     trace: Any
     t_fit: float
     t_end: float
+    #: the RLix trainer's claim began (before veRL's role mapping) / ``on_init_end`` returned
+    t_claim: float = 0.0
+    t_ready: float = 0.0
 
 
 @contextlib.contextmanager
@@ -489,10 +492,15 @@ def fit_under_rlix(
         trainer.events = []
 
         # veRL's role -> worker mapping (separate_async's DetachActorWorker) carries RLix's
-        # training-worker subclass.
+        # training-worker subclass; the pipeline claims its GPUs there, before any worker.
+        t_claim = time.time()
         trainer._init_resource_pool_mgr()
         role_cls = [c.__ray_actor_class__ for c in trainer.role_worker_mapping.values()]
         assert [c.__name__ for c in role_cls] == ["RLixDetachActorWorker"], role_cls
+        pipeline_id = os.environ["PIPELINE_ID"]
+        owners = plane.status().owners()
+        assert trainer._rlix_adapter is not None
+        assert [owners[g] for g in (0, 1)] == [pipeline_id] * 2, owners
 
         # What PPOTrainer._setup builds with GPUs, built here on CPU: the training workers
         # host hybrid replica 0 (its rollout talks to server 0); replica 1 is standalone.
@@ -518,8 +526,14 @@ def fit_under_rlix(
         trainer.steps_per_epoch = 100
         trainer.total_training_steps = steps
         trainer._load_checkpoint()  # resume_mode=disable: global_steps = 0
-        trainer.on_init_end()  # veRL's first sync, then the RLix adapter registers
+        # veRL's first sync, then the claimed adapter attaches the replicas, puts them to
+        # sleep and ends the setup hold.
+        trainer.on_init_end()
+        t_ready = time.time()
         assert type(trainer.checkpoint_manager).__name__ == "RLixHybridCheckpointManager"
+        owners = plane.status().owners()
+        assert pipeline_id not in (owners[0], owners[1]), owners
+        assert verl_ray.get(lb.shard_snapshot.remote()).active == ()  # every replica asleep
         if prepare is not None:
             prepare(trainer)
 
@@ -527,10 +541,9 @@ def fit_under_rlix(
         t_fit = time.time()
         trainer.fit(agent)  # veRL's real step loop
         t_end = time.time()
-        pipeline_id = os.environ["PIPELINE_ID"]
         trace = verl_ray.get(plane.scheduler.get_trace.remote())
         run = Run(trainer, wg, lb, receivers, agent, plane, pipeline_id, servers)
-        yield Fitted(run, trace, t_fit, t_end)
+        yield Fitted(run, trace, t_fit, t_end, t_claim, t_ready)
     finally:
         loop.close()
         tq.close()
@@ -557,6 +570,17 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
 
     with fit_under_rlix(verl_ray, verl_servers, coordinator_2gpu) as done:
         _check(done.run, done.trace, done.t_fit, done.t_end, intervals_from_trace)
+        # veRL's init ran under the setup hold: both GPUs held by the pipeline's inference
+        # cluster at INITIALIZATION from the claim until on_init_end returned, before
+        # anything else of the pipeline ran on them.
+        intervals, _ = intervals_from_trace(done.trace)
+        mine = [iv for iv in intervals if iv.owner.startswith(done.run.pipeline_id)]
+        for gpu in (0, 1):
+            on_gpu = sorted((iv for iv in mine if iv.gpu == gpu), key=lambda iv: iv.start)
+            held = [iv for iv in on_gpu if iv.stage == "INITIALIZATION"]
+            assert len(held) == 1 and held[0] is on_gpu[0], on_gpu
+            assert held[0].owner == f"{done.run.pipeline_id}_actor_infer"
+            assert done.t_claim - 0.05 <= held[0].start and held[0].end <= done.t_ready + 0.05
 
 
 def test_real_fit_loop_reports_validation_demand_while_it_runs(
@@ -619,7 +643,7 @@ def _check(run: Run, trace: Any, t_fit: float, t_end: float, intervals_from_trac
     for step, iv in enumerate(trains, start=1):
         assert window[("sample_end", step)] - 0.05 <= iv.start <= window[("training_granted", step)]
         assert window[("step_end", step)] <= iv.end <= window[("released", step)] + 0.5
-    gens = [iv for iv in gpu0 if iv.owner == infer_cluster]
+    gens = [iv for iv in gpu0 if iv.owner == infer_cluster and iv.stage != "INITIALIZATION"]
     for g in gens:
         assert not any(g.overlaps(t) for t in trains), (g, trains)
     # generation came back to GPU 0 after each of the first steps' release
@@ -645,15 +669,17 @@ def _check(run: Run, trace: Any, t_fit: float, t_end: float, intervals_from_trac
                       self.worker_dict["actor_rollout"].rollout.load_order())))
     standalone = ray.get(run.receivers[1].__ray_call__.remote(
         lambda self: (self.server_adapter.summary(), self.server_adapter.load_order())))
-    # replica 1 (standalone, always active) was contacted once per version, never by an
-    # expand of replica 0
-    assert standalone[1] == list(range(STEPS + 1)), standalone[1]
-    # replica 0 (hybrid, in the training worker): v0 at init, then woken after steps
-    # 1..STEPS-1 and loaded from the cache with the version cached just before, once each;
-    # not after the last step: the rollouts' demand for a step nobody trains on is reported
-    # done before that release (it used to last until fit returned, and the coordinator's
-    # next cycle could wake replica 0 for it first: CI saw both orders)
-    assert hybrid[1] == list(range(STEPS)), hybrid[1]
+    # replica 1 (standalone): v0 at init, asleep when the setup hold ended, v0 again when
+    # step 1's generation woke it, then (always active) once per version, never by an expand
+    # of replica 0
+    assert standalone[1] == [0, *range(STEPS + 1)], standalone[1]
+    # replica 0 (hybrid, in the training worker): v0 at init, asleep when the setup hold
+    # ended, then woken for step 1 and after steps 1..STEPS-1 and loaded from the cache with
+    # the version cached just before, once each; not after the last step: the rollouts'
+    # demand for a step nobody trains on is reported done before that release (it used to
+    # last until fit returned, and the coordinator's next cycle could wake replica 0 for it
+    # first: CI saw both orders)
+    assert hybrid[1] == [0, *range(STEPS)], hybrid[1]
     for loaded in (hybrid[0], standalone[0]):
         for version, tensors in loaded.items():
             for name, tensor in weights(version):
@@ -674,7 +700,8 @@ def _check(run: Run, trace: Any, t_fit: float, t_end: float, intervals_from_trac
     expands = [r for r in obs.shard_versions if r.event == "expand"]
     assert [(r.trainer_version, r.synced) for r in refreshes] == [
         (v, (1,)) for v in range(1, STEPS + 1)]
-    assert [r.trainer_version for r in expands if 0 in r.synced] == list(range(1, STEPS))
+    assert [r.trainer_version for r in expands if 0 in r.synced] == list(range(STEPS))
+    assert [r.trainer_version for r in expands if 1 in r.synced] == [0]
     for rec in refreshes + expands:
         assert rec.shard_versions and set(rec.shard_versions.values()) == {
             rec.trainer_version}, rec
