@@ -180,16 +180,17 @@ class ShardController(Protocol):
 
 
 class PendingController:
-    """The controller of a pipeline that registered before its generation existed (it holds
+    """The controller of a pipeline that registered before its shard controller could be
+    built (its replicas, or the policy that owns its weight cache, do not exist yet; it holds
     its GPUs for setup meanwhile, so the scheduler has nothing of it to resize): a resize
     fails with the reason until :func:`set_shard_controller` hands over the real one."""
 
     def shrink(self, dp_ranks: Sequence[int]) -> None:
-        raise RuntimeError(f"pipeline not ready (its generation is not built yet); cannot "
+        raise RuntimeError(f"pipeline not ready (its shard controller is not built yet); cannot "
                            f"shrink {list(dp_ranks)}")
 
     def expand(self, dp_ranks: Sequence[int]) -> None:
-        raise RuntimeError(f"pipeline not ready (its generation is not built yet); cannot "
+        raise RuntimeError(f"pipeline not ready (its shard controller is not built yet); cannot "
                            f"expand {list(dp_ranks)}")
 
 
