@@ -32,7 +32,7 @@ from rlix_plugins.hooks import make_hooks
 from rlix_plugins.protocol.names import ACTOR_INFER, cluster_id
 from rlix_plugins.settings import ENV_PIPELINE_ID, load_settings
 from tests.support.recording_policy import RecordingPolicy
-from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver, wait_until
+from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver, gpu_owners, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -80,11 +80,6 @@ def rlix_env(coordinator: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]
             pipeline.shutdown()
 
 
-def _owners(plane: Any, gpus: Sequence[int]) -> list[str | None]:
-    owners = plane.status().owners()
-    return [owners[g] for g in gpus]
-
-
 def test_setup_waits_for_anothers_training_holds_both_gpus_and_gives_them_back_at_the_refit(
     rlix_env: Any,
 ) -> None:
@@ -101,7 +96,7 @@ def test_setup_waits_for_anothers_training_holds_both_gpus_and_gives_them_back_a
         pipeline.claim()
         # Both GPUs are this pipeline's while it sets up: A's training on GPU 0 ended first
         # and its shards there were shrunk.
-        assert _owners(plane, (0, 1)) == [PID, PID]
+        assert gpu_owners(plane, (0, 1)) == [PID, PID]
         # ... at INITIALIZATION, which is what `rlix-plugins status` shows for them.
         assert {g.stage for g in plane.status().gpus if g.gpu in (0, 1)} == {"INITIALIZATION"}
         assert pipeline.hooks.holding_for_setup
@@ -127,7 +122,7 @@ def test_setup_waits_for_anothers_training_holds_both_gpus_and_gives_them_back_a
                                          "offload_after_refit", "rlix_destroy_parallel_state"]
         assert not pipeline.hooks.holding_for_setup
         assert requested == [0]
-        assert PID not in _owners(plane, (0, 1))
+        assert PID not in gpu_owners(plane, (0, 1))
         result = other.join(120)
         assert result.error is None and result.steps_done == 6
         violations, _, _ = ray.get(ledger.report.remote())
@@ -157,7 +152,7 @@ def test_the_first_bind_claims_and_the_generation_attaches_to_the_claimed_pipeli
     claim = nemo_rl._claimed
     assert claim is not None and nemo_rl.current_pipeline() is None
     claimed = claim.pipeline
-    assert _owners(plane, (0, 1)) == [claimed.pipeline_id] * 2
+    assert gpu_owners(plane, (0, 1)) == [claimed.pipeline_id] * 2
     nemo_rl.claim_setup(NemoRlLayout((0, 1), (0,)))  # the other role's bind: no second claim
     assert nemo_rl._claimed is claim
     gen = _generation(2)
@@ -166,7 +161,7 @@ def test_the_first_bind_claims_and_the_generation_attaches_to_the_claimed_pipeli
     assert gen.attached == [claimed.pipeline_id]
     assert len(plane.status().pipelines) == 1
     # Still held: only the first refit ends the setup hold.
-    assert _owners(plane, (0, 1)) == [claimed.pipeline_id] * 2
+    assert gpu_owners(plane, (0, 1)) == [claimed.pipeline_id] * 2
 
 
 def test_a_generation_built_for_another_layout_than_the_claim_is_refused_and_the_gpus_freed(
@@ -197,9 +192,9 @@ def test_the_hold_is_taken_once_and_given_back_once(rlix_env: Any) -> None:
         assert plane.status().wait_queue == ()
         with pytest.raises(ProtocolError, match=rf"{PID}_actor_infer is already held for setup"):
             hooks.hold_for_setup("actor_train")
-        assert _owners(plane, (0, 1)) == [PID, PID]
+        assert gpu_owners(plane, (0, 1)) == [PID, PID]
         hooks.release_setup_hold()
-        assert not hooks.holding_for_setup and _owners(plane, (0, 1)) == [None, None]
+        assert not hooks.holding_for_setup and gpu_owners(plane, (0, 1)) == [None, None]
         hooks.release_setup_hold()  # nothing held: a no-op
         assert plane.status().pipeline(PID) is not None
     finally:

@@ -28,7 +28,7 @@ from rlix_plugins.errors import RegistrationError
 from rlix_plugins.hooks import make_hooks
 from rlix_plugins.protocol.names import ACTOR_INFER, cluster_id
 from rlix_plugins.settings import load_settings
-from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver, wait_until
+from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver, gpu_owners, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -65,11 +65,6 @@ def _adapter(plane: Any, pipeline_id: str, layout: VerlLayout = LAYOUT) -> VerlP
     )
 
 
-def _owners(plane: Any, gpus: Sequence[int]) -> list[str | None]:
-    owners = plane.status().owners()
-    return [owners[g] for g in gpus]
-
-
 def test_init_waits_for_anothers_training_holds_every_gpu_and_ends_with_replicas_asleep(
     coordinator: Any,
 ) -> None:
@@ -85,7 +80,7 @@ def test_init_waits_for_anothers_training_holds_every_gpu_and_ends_with_replicas
         adapter.claim()  # the RLix trainer's _init_resource_pool_mgr, before any worker
         # Both GPUs are this pipeline's while veRL builds it (A's training on GPU 0 ended
         # first, its shards there were shrunk), at INITIALIZATION.
-        assert _owners(plane, (0, 1)) == [pid, pid]
+        assert gpu_owners(plane, (0, 1)) == [pid, pid]
         assert {g.stage for g in plane.status().gpus if g.gpu in (0, 1)} == {"INITIALIZATION"}
         # veRL's init: workers and replicas load onto both GPUs (the ledger rejects a GPU
         # with two users) and the first weights are synced.
@@ -97,11 +92,11 @@ def test_init_waits_for_anothers_training_holds_every_gpu_and_ends_with_replicas
         controller = LedgerController(ledger, infer, (0, 1))
         adapter.attach(LAYOUT, controller)  # on_init_end: the replicas exist
         assert adapter.controller is controller
-        assert _owners(plane, (0, 1)) == [pid, pid]  # attaching does not end the hold
+        assert gpu_owners(plane, (0, 1)) == [pid, pid]  # attaching does not end the hold
         adapter.end_setup()
         # Every replica asleep, then the hold given back: A takes the GPUs again.
         assert controller.shrunk == [0, 1]
-        assert pid not in _owners(plane, (0, 1))
+        assert pid not in gpu_owners(plane, (0, 1))
         adapter.end_setup()  # idempotent: nothing shrunk or released twice
         assert controller.shrunk == [0, 1]
         result = other.join(120)
@@ -122,7 +117,7 @@ def test_replicas_built_for_another_layout_than_the_claim_are_refused_and_the_gp
     pid = "ft_0000000ve41e"
     adapter = _adapter(plane, pid)
     adapter.claim()
-    assert _owners(plane, (0, 1)) == [pid, pid]
+    assert gpu_owners(plane, (0, 1)) == [pid, pid]
     controller = LedgerController()
     built = VerlLayout(train_gpus=1, tp=1, hybrid_replicas=1, standalone_replicas=0)
     with pytest.raises(RegistrationError, match=r"veRL built .* but the pipeline claimed"):

@@ -387,3 +387,9 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.05) -> float:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
     return time.monotonic() - start
+
+
+def gpu_owners(plane: Any, gpus: Sequence[int]) -> list[str | None]:
+    """The pipeline id holding each of ``gpus`` in the coordinator's status (None: free)."""
+    owners = plane.status().owners()
+    return [owners[g] for g in gpus]
