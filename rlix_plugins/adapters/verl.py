@@ -1,7 +1,8 @@
 """The veRL pipeline adapter: a veRL trainer's lifecycle turned into coordinator calls.
 
-One adapter per veRL job, built by the RLix trainer (``patches/verl_trainer.py``) once veRL
-has created its replicas, load balancer and checkpoint managers. It
+One adapter per veRL job, built by the RLix trainer (``patches/verl_trainer.py``) before veRL
+creates its workers, and given the replicas, load balancer and checkpoint managers once they
+exist. It
 
 * claims the pipeline's GPUs before veRL builds its workers (:meth:`VerlPipelineAdapter.claim`:
   register with the orchestrator, ``actor_train`` = the trainer GPUs, ``actor_infer`` = every
@@ -262,18 +263,18 @@ class VerlPipelineAdapter:
         ``layout`` is the one the replicas have; it must be the one claimed.
 
         Raises:
-            RegistrationError: not claimed yet, or ``layout`` differs from the claimed one
-                (the coordinator would move replicas on GPUs they are not on); the pipeline
-                leaves the coordinator and ``controller`` is closed.
+            RegistrationError: not claimed yet (nothing is changed), or ``layout`` differs
+                from the claimed one (the coordinator would move replicas on GPUs they are
+                not on: the pipeline leaves the coordinator and ``controller`` is closed).
         """
         from rlix_plugins.adapters.pipeline_coordinator import set_shard_controller
 
+        if not self._registered or self._closed:
+            raise RegistrationError(
+                f"veRL pipeline {self.pipeline_id}: attach before claim (or after close); "
+                "valid: claim() first"
+            )
         try:
-            if not self._registered or self._closed:
-                raise RegistrationError(
-                    f"veRL pipeline {self.pipeline_id}: attach before claim (or after close); "
-                    "valid: claim() first"
-                )
             if layout != self.layout:
                 raise RegistrationError(
                     f"veRL pipeline {self.pipeline_id}: veRL built {layout}, but the pipeline "
@@ -292,13 +293,14 @@ class VerlPipelineAdapter:
     def register(self) -> None:
         """:meth:`claim` then :meth:`attach` the controller given at construction (a pipeline
         whose replicas were built before it could claim). :meth:`end_setup` ends the hold."""
-        self.claim()
-        if self.controller is None:
+        controller = self.controller
+        if controller is None:
             raise RegistrationError(
                 f"veRL pipeline {self.pipeline_id}: register() needs the shard controller "
                 "given at construction; valid: claim() now, attach(layout, controller) later"
             )
-        self.attach(self.layout, self.controller)
+        self.claim()
+        self.attach(self.layout, controller)
 
     def end_setup(self) -> None:
         """veRL's init is done (models loaded, the first weights synced, the training workers'

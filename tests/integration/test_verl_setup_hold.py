@@ -135,5 +135,7 @@ def test_attach_and_end_setup_out_of_order_are_typed_errors(coordinator: Any) ->
         adapter.end_setup()
     with pytest.raises(RegistrationError, match=r"attach before claim"):
         adapter.attach(LAYOUT, controller)
-    assert controller.closed
+    assert not controller.closed and adapter.controller is None  # nothing changed
+    with pytest.raises(RegistrationError, match=r"register\(\) needs the shard controller"):
+        adapter.register()
     assert plane.status().pipeline("ft_0000000ve41f") is None
