@@ -454,10 +454,13 @@ def fit_under_rlix(
     overrides: tuple[str, ...] = (),
     mixins: tuple[type, ...] = (),
     prepare: Any = None,
+    mode: str = "separate_async",
 ) -> Iterator[Fitted]:
-    """Build veRL's separate_async trainer as the patch installs it (``mixins`` first in its
+    """Build veRL's ``mode`` trainer as the patch installs it (``mixins`` first in its
     bases, ``prepare(trainer)`` before ``fit``), run veRL's real ``fit`` for ``steps`` and
-    yield the result; on exit its worker groups are removed."""
+    yield the result; on exit its worker groups are removed. ``separate_async``: hybrid
+    replica 0 in the training worker on GPU 0, standalone replica 1 on GPU 1;
+    ``colocate_async``: hybrid replica 0 only (the job uses GPU 0)."""
     import os
 
     import transfer_queue as tq
@@ -481,12 +484,17 @@ def fit_under_rlix(
     placed = set(placement_group_table())
     patch = VerlPatch()
     patch.apply()
+    separate = mode == "separate_async"
+    if not separate:
+        overrides = (f"trainer.v1.trainer_mode={mode}",
+                     f"trainer.v1.{mode}.num_warmup_batches=0", *overrides)
     config = verl_config(steps, overrides)
     tq.init(config.transfer_queue)
     loop = LoopThread()
+    gpus = (0, 1) if separate else (0,)
     try:
-        base = get_trainer_cls("separate_async")
-        assert base.__name__ == "RLixPPOTrainerSeparateAsync"
+        base = get_trainer_cls(mode)
+        assert base.__name__ == "RLix" + base.__mro__[2].__name__, base.__mro__
         trainer_cls = type("RecordedTrainer", (*mixins, Recorder, FakeDataPath, base), {})
         trainer = trainer_cls(config)  # veRL's own __init__ (replay buffer, checks)
         trainer.events = []
@@ -496,30 +504,38 @@ def fit_under_rlix(
         t_claim = time.time()
         trainer._init_resource_pool_mgr()
         role_cls = [c.__ray_actor_class__ for c in trainer.role_worker_mapping.values()]
-        assert [c.__name__ for c in role_cls] == ["RLixDetachActorWorker"], role_cls
+        worker = "RLixDetachActorWorker" if separate else "RLixActorRolloutRefWorker"
+        assert [c.__name__ for c in role_cls] == [worker], role_cls
         pipeline_id = os.environ["PIPELINE_ID"]
         owners = plane.status().owners()
         assert trainer._rlix_adapter is not None
-        assert [owners[g] for g in (0, 1)] == [pipeline_id] * 2, owners
+        assert [owners[g] for g in (0, 1)] == [
+            pipeline_id if g in gpus else None for g in (0, 1)], owners
 
         # What PPOTrainer._setup builds with GPUs, built here on CPU: the training workers
         # host hybrid replica 0 (its rollout talks to server 0); replica 1 is standalone.
         servers = list(verl_servers.servers)
         wg = training_worker_group(verl_ray, servers[0][1])
-        receivers = [wg.workers[0], _rollout_worker_group(verl_ray, servers[1][1]).workers[0]]
-        replica_cls = RolloutReplicaRegistry.get("vllm")
-        reps = [replica(replica_cls, d, config, servers[d], receivers[d]) for d in range(2)]
-        lb = get_router_handle(dict([servers[1]]))  # veRL's factory: the standalone pool
         trainer.actor_rollout_wg = wg
         trainer.reward_loop_manager = type("Rewards", (), {"reward_loop_worker_handles": []})()
-        trainer.llm_server_manager = CpuServerManager(config, [reps[0]], lb)
-        trainer.standalone_server_manager = CpuServerManager(config, [reps[1]], lb)
+        replica_cls = RolloutReplicaRegistry.get("vllm")
         ce = omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine)
+        if separate:
+            receivers = [wg.workers[0],
+                         _rollout_worker_group(verl_ray, servers[1][1]).workers[0]]
+            reps = [replica(replica_cls, d, config, servers[d], receivers[d]) for d in range(2)]
+            lb = get_router_handle(dict([servers[1]]))  # veRL's factory: the standalone pool
+            trainer.standalone_server_manager = CpuServerManager(config, [reps[1]], lb)
+            trainer.standalone_checkpoint_manager = CheckpointEngineManager(
+                config=ce, actor_wg=wg, replicas=[reps[1]])
+            trainer.current_mode = HybridEngineMode.ROLLOUT  # what _setup leaves
+        else:
+            receivers = [wg.workers[0]]
+            reps = [replica(replica_cls, 0, config, servers[0], receivers[0])]
+            lb = get_router_handle(dict([servers[0]]))  # veRL's factory: the hybrid pool
+        trainer.llm_server_manager = CpuServerManager(config, [reps[0]], lb)
         trainer.checkpoint_manager = CheckpointEngineManager(
             config=replace(ce, backend="naive"), actor_wg=wg, replicas=[reps[0]])
-        trainer.standalone_checkpoint_manager = CheckpointEngineManager(
-            config=ce, actor_wg=wg, replicas=[reps[1]])
-        trainer.current_mode = HybridEngineMode.ROLLOUT  # what _setup leaves
         trainer._init_dump_executor()  # veRL's own, as _setup does
         trainer.train_dataloader = prompts()
         trainer.train_dataloader_it = None
@@ -581,6 +597,58 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
             assert len(held) == 1 and held[0] is on_gpu[0], on_gpu
             assert held[0].owner == f"{done.run.pipeline_id}_actor_infer"
             assert done.t_claim - 0.05 <= held[0].start and held[0].end <= done.t_ready + 0.05
+
+
+def test_colocate_async_fit_loop_shares_the_training_gpu_with_its_hybrid_replica(
+    verl_env: VerlEnv, verl_ray: Any, verl_servers: VerlServers, coordinator_2gpu: Any
+) -> None:
+    """veRL's real ``colocate_async`` loop (``RLixPPOTrainerColocateAsync``): one hybrid
+    replica on the training GPU, nothing standalone. The setup hold covers GPU 0 only; each
+    step the coordinator wakes the replica for the rollouts (synced with the version cached
+    just before), shrinks it for training and gets it back after the release; veRL's own
+    manager synced it only at init (its later updates cache, the coordinator's expands load)."""
+    from rlix_plugins.gates.timeline import intervals_from_trace
+
+    with fit_under_rlix(verl_ray, verl_servers, coordinator_2gpu,
+                        mode="colocate_async") as done:
+        run, events = done.run, done.run.trainer.events
+        per_step = [[name for name, s, _ in events if s == step]
+                    for step in range(1, STEPS + 1)]
+        assert per_step == [["step_begin", "sample_end", "training_granted", "train",
+                             "step_end", "released"]] * STEPS, events
+        intervals, _ = intervals_from_trace(done.trace)
+        mine = sorted((iv for iv in intervals if iv.owner.startswith(run.pipeline_id)),
+                      key=lambda iv: iv.start)
+        assert {iv.gpu for iv in mine} == {TRAIN_GPU}  # GPU 1 is not this job's
+        assert mine[0].stage == "INITIALIZATION" and mine[0].end <= done.t_ready + 0.05
+        assert not [iv for iv in mine[1:] if iv.stage == "INITIALIZATION"], mine
+        trains = [iv for iv in mine if iv.owner == f"{run.pipeline_id}_actor_train"]
+        gens = [iv for iv in mine[1:] if iv.owner == f"{run.pipeline_id}_actor_infer"]
+        window = {(n, s): t for n, s, t in events}
+        assert len(trains) == STEPS
+        for step, iv in enumerate(trains, start=1):
+            assert window[("sample_end", step)] - 0.05 <= iv.start
+            assert iv.end <= window[("released", step)] + 0.5
+        assert not any(g.overlaps(t) for g in gens for t in trains), (gens, trains)
+        # every version cached once; the replica loaded v0 at init, v0 again when step 1
+        # woke it, then the version cached before each later wake (none after the last step)
+        log = run.wg.get_log()[0]
+        assert [s for op, s in log if op == "update_weights:rlix_cache"] == list(
+            range(STEPS + 1))
+        loads = ray_call(run.receivers[0], lambda self: self.worker_dict[
+            "actor_rollout"].rollout.load_order())
+        assert loads == [0, *range(STEPS)], loads
+        # each later update cached its version and refreshed no replica in place (asleep)
+        assert run.trainer.checkpoint_manager.refreshed == [(0, (0,))] + [
+            (v, ()) for v in range(1, STEPS + 1)]
+        served = {(s, uid) for s, uid in run.agent.served}
+        assert len(run.agent.served) == len(served) * N
+
+
+def ray_call(actor: Any, fn: Any) -> Any:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(fn))
 
 
 def test_real_fit_loop_reports_validation_demand_while_it_runs(
