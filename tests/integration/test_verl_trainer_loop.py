@@ -486,8 +486,9 @@ def fit_under_rlix(
     patch.apply()
     separate = mode == "separate_async"
     if not separate:
-        overrides = (f"trainer.v1.trainer_mode={mode}",
-                     f"trainer.v1.{mode}.num_warmup_batches=0", *overrides)
+        warmup = ((f"trainer.v1.{mode}.num_warmup_batches=0",)
+                  if mode == "colocate_async" else ())
+        overrides = (f"trainer.v1.trainer_mode={mode}", *warmup, *overrides)
     config = verl_config(steps, overrides)
     tq.init(config.transfer_queue)
     loop = LoopThread()
@@ -599,18 +600,20 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
             assert done.t_claim - 0.05 <= held[0].start and held[0].end <= done.t_ready + 0.05
 
 
-def test_colocate_async_fit_loop_shares_the_training_gpu_with_its_hybrid_replica(
-    verl_env: VerlEnv, verl_ray: Any, verl_servers: VerlServers, coordinator_2gpu: Any
+@pytest.mark.parametrize("mode", ["colocate_async", "sync"])
+def test_colocated_fit_loop_shares_the_training_gpu_with_its_hybrid_replica(
+    verl_env: VerlEnv, verl_ray: Any, verl_servers: VerlServers, coordinator_2gpu: Any,
+    mode: str,
 ) -> None:
-    """veRL's real ``colocate_async`` loop (``RLixPPOTrainerColocateAsync``): one hybrid
-    replica on the training GPU, nothing standalone. The setup hold covers GPU 0 only; each
-    step the coordinator wakes the replica for the rollouts (synced with the version cached
-    just before), shrinks it for training and gets it back after the release; veRL's own
+    """veRL's real colocated loops (``RLixPPOTrainerColocateAsync``, ``RLixPPOTrainerSync``):
+    one hybrid replica on the training GPU, nothing standalone. The setup hold covers GPU 0
+    only; each step the coordinator wakes the replica for the rollouts (synced with the
+    version cached just before), shrinks it for training and gets it back after the release;
+    veRL's own
     manager synced it only at init (its later updates cache, the coordinator's expands load)."""
     from rlix_plugins.gates.timeline import intervals_from_trace
 
-    with fit_under_rlix(verl_ray, verl_servers, coordinator_2gpu,
-                        mode="colocate_async") as done:
+    with fit_under_rlix(verl_ray, verl_servers, coordinator_2gpu, mode=mode) as done:
         run, events = done.run, done.run.trainer.events
         per_step = [[name for name, s, _ in events if s == step]
                     for step in range(1, STEPS + 1)]
