@@ -609,8 +609,8 @@ def test_colocated_fit_loop_shares_the_training_gpu_with_its_hybrid_replica(
     one hybrid replica on the training GPU, nothing standalone. The setup hold covers GPU 0
     only; each step the coordinator wakes the replica for the rollouts (synced with the
     version cached just before), shrinks it for training and gets it back after the release;
-    veRL's own
-    manager synced it only at init (its later updates cache, the coordinator's expands load)."""
+    veRL's own manager synced it only at init (its later updates cache, the coordinator's
+    expands load)."""
     from rlix_plugins.gates.timeline import intervals_from_trace
 
     with fit_under_rlix(verl_ray, verl_servers, coordinator_2gpu, mode=mode) as done:
