@@ -32,7 +32,13 @@ from rlix_plugins.hooks import make_hooks
 from rlix_plugins.protocol.names import ACTOR_INFER, cluster_id
 from rlix_plugins.settings import ENV_PIPELINE_ID, load_settings
 from tests.support.recording_policy import RecordingPolicy
-from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver, gpu_owners, wait_until
+from tests.support.roll_pipeline import (
+    GpuLedger,
+    RollPipelineDriver,
+    assert_finished_without_sharing,
+    gpu_owners,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -123,10 +129,7 @@ def test_setup_waits_for_anothers_training_holds_both_gpus_and_gives_them_back_a
         assert not pipeline.hooks.holding_for_setup
         assert requested == [0]
         assert PID not in gpu_owners(plane, (0, 1))
-        result = other.join(120)
-        assert result.error is None and result.steps_done == 6
-        violations, _, _ = ray.get(ledger.report.remote())
-        assert violations == []
+        assert_finished_without_sharing(other, ledger, 6)
     finally:
         pipeline.shutdown()
         if other.running:

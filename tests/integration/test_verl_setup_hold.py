@@ -28,7 +28,13 @@ from rlix_plugins.errors import RegistrationError
 from rlix_plugins.hooks import make_hooks
 from rlix_plugins.protocol.names import ACTOR_INFER, cluster_id
 from rlix_plugins.settings import load_settings
-from tests.support.roll_pipeline import GpuLedger, RollPipelineDriver, gpu_owners, wait_until
+from tests.support.roll_pipeline import (
+    GpuLedger,
+    RollPipelineDriver,
+    assert_finished_without_sharing,
+    gpu_owners,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -99,10 +105,7 @@ def test_init_waits_for_anothers_training_holds_every_gpu_and_ends_with_replicas
         assert pid not in gpu_owners(plane, (0, 1))
         adapter.end_setup()  # idempotent: nothing shrunk or released twice
         assert controller.shrunk == [0, 1]
-        result = other.join(120)
-        assert result.error is None and result.steps_done == 6
-        violations, _, _ = ray.get(ledger.report.remote())
-        assert violations == []
+        assert_finished_without_sharing(other, ledger, 6)
     finally:
         adapter.close()
         if other.running:

@@ -393,3 +393,12 @@ def gpu_owners(plane: Any, gpus: Sequence[int]) -> list[str | None]:
     """The pipeline id holding each of ``gpus`` in the coordinator's status (None: free)."""
     owners = plane.status().owners()
     return [owners[g] for g in gpus]
+
+
+def assert_finished_without_sharing(driver: RollPipelineDriver, ledger: Any, steps: int,
+                                    timeout: float = 120.0) -> None:
+    """``driver`` ran its ``steps`` without error and the ledger saw no GPU with two users."""
+    result = driver.join(timeout)
+    assert result.error is None and result.steps_done == steps, result
+    violations, _, _ = ray.get(ledger.report.remote())
+    assert violations == []
