@@ -500,8 +500,9 @@ def fit_under_rlix(
         trainer = trainer_cls(config)  # veRL's own __init__ (replay buffer, checks)
         trainer.events = []
 
-        # veRL's role -> worker mapping (separate_async's DetachActorWorker) carries RLix's
-        # training-worker subclass; the pipeline claims its GPUs there, before any worker.
+        # veRL's role -> worker mapping (ActorRolloutRefWorker; separate_async's
+        # DetachActorWorker) carries RLix's training-worker subclass; the pipeline claims its
+        # GPUs there, before any worker.
         t_claim = time.time()
         trainer._init_resource_pool_mgr()
         role_cls = [c.__ray_actor_class__ for c in trainer.role_worker_mapping.values()]
@@ -514,7 +515,8 @@ def fit_under_rlix(
             pipeline_id if g in gpus else None for g in (0, 1)], owners
 
         # What PPOTrainer._setup builds with GPUs, built here on CPU: the training workers
-        # host hybrid replica 0 (its rollout talks to server 0); replica 1 is standalone.
+        # host hybrid replica 0 (its rollout talks to server 0); in separate_async replica 1
+        # is standalone (server 1).
         servers = list(verl_servers.servers)
         wg = training_worker_group(verl_ray, servers[0][1])
         trainer.actor_rollout_wg = wg
