@@ -298,8 +298,8 @@ class RLixTrainerMixin:
             self._rlix_adapter = claim_adapter(self)
 
     def init(self) -> None:
-        # A failed init leaves the coordinator (the claim holds GPUs for nobody otherwise):
-        # fit, which closes the adapter, never runs.
+        # A failed init (on_init_end included: veRL's init calls it) leaves the coordinator;
+        # the claim would hold GPUs for nobody otherwise, and fit, which closes, never runs.
         try:
             super().init()  # type: ignore[misc]
         except BaseException:
@@ -307,18 +307,14 @@ class RLixTrainerMixin:
             raise
 
     def on_init_end(self) -> None:
-        try:
-            install_cache_manager(self)
-            install_hybrid_manager(self)
-            super().on_init_end()  # type: ignore[misc]
-            self._rlix_adapter = build_adapter(self, self._rlix_adapter)
-            # As after every step (on_sample_end re-makes the groups): the training workers'
-            # NCCL communicators leave the GPUs before the hold ends.
-            self._worker_call("rlix_release_parallel_state")
-            self._rlix_adapter.end_setup()
-        except BaseException:
-            self._rlix_close()
-            raise
+        install_cache_manager(self)
+        install_hybrid_manager(self)
+        super().on_init_end()  # type: ignore[misc]
+        self._rlix_adapter = build_adapter(self, self._rlix_adapter)
+        # As after every step (on_sample_end re-makes the groups): the training workers'
+        # NCCL communicators leave the GPUs before the hold ends.
+        self._worker_call("rlix_release_parallel_state")
+        self._rlix_adapter.end_setup()
 
     def get_llm_client(self) -> Any:
         from rlix_plugins.patches.verl_routing import RLixLLMServerClient
