@@ -28,6 +28,16 @@ class RegistrationError(RlixPluginsError, ValueError):
     """A pipeline registration is invalid (device mapping, TP layout, overlap, duplicate)."""
 
 
+class UnsupportedJobError(RegistrationError):
+    """A host job is configured in a way the coordinator cannot time-share (NeMo RL: a
+    DTensor policy, a synchronous trainer or vLLM engine, colocated inference, ...). Raised
+    before anything is started; ``problems`` holds one record per unsupported setting."""
+
+    def __init__(self, message: str, problems: tuple[object, ...]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
 class UnknownPipelineError(RlixPluginsError, KeyError):
     """A call named a pipeline id the coordinator does not know."""
 

@@ -26,6 +26,9 @@ driver                placement (partial overlap): ``grpo.RayVirtualCluster`` ->
 driver                ``async_utils.ReplayBuffer`` / ``AsyncTrajectoryCollector`` (imported at
                       call time inside ``async_grpo_train``) -> subclasses of their undecorated
                       classes, re-decorated: ``valid_count`` and progress reports
+driver                ``grpo.setup`` (imported by ``run_grpo.py`` after the patch) -> a
+                      function that refuses a job the coordinator cannot time-share (DTensor,
+                      synchronous GRPO or vLLM, colocated, ...) before NeMo RL's setup runs
 driver                ``grpo.async_grpo_train`` (imported at call time by NeMo RL's
                       ``run_grpo.py``) -> a function that starts the pipeline's step counter
                       at ``grpo_save_state.current_step`` and calls NeMo RL's loop
@@ -170,7 +173,10 @@ PART_POINTS: dict[str, tuple[PlugPoint, ...]] = {
         _p("bundle GPU probe", f"{_VCLUSTER}:get_reordered_bundle", PlugKind.READ,
            ("pg", "segment_size", "gpus_per_node"),
            why="asks Ray which GPU each bundle of the shared group landed on"),
-        _p("setup", f"{_GRPO}:setup", PlugKind.READ, ("master_config", "policy_factory")),
+        _p("setup", f"{_GRPO}:setup", PlugKind.ATTRIBUTE, ("master_config", "policy_factory"),
+           why="examples/run_grpo.py imports it at module level, after `import nemo_rl` "
+           "applied this part: a job the coordinator cannot time-share is refused before "
+           "setup builds any cluster, worker or registration"),
         _p("refit", f"{_GRPO}:refit_policy_generation", PlugKind.READ,
            ("policy", "policy_generation", "colocated_inference", "timer", "kv_scales"),
            why="returns early into policy_generation.weight_synchronizer.sync_weights"),
@@ -291,10 +297,33 @@ def _apply_grpo(patch: NemoRlPatch, module: Any) -> None:
     patch.set_attribute(
         module, "Policy", make_placed_policy_class(make_policy_class(module.Policy))
     )
+    patch.set_attribute(module, "setup", wrap_setup(module.setup))
     patch.set_attribute(module, "async_grpo_train", wrap_async_grpo_train(module.async_grpo_train))
     patch.set_attribute(module, "validate", wrap_validate(module.validate))
     patch.set_attribute(module, "CheckpointManager",
                         make_checkpoint_manager_class(module.CheckpointManager))
+
+
+def wrap_setup(stock: Callable[..., Any]) -> Callable[..., Any]:
+    """``grpo.setup`` that first checks the job is one the coordinator can time-share
+    (:func:`~rlix_plugins.adapters.nemo_rl_support.check_supported_job`): an unsupported one
+    is refused with every unsupported setting named, before NeMo RL builds anything."""
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def setup(*args: Any, **kwargs: Any) -> Any:
+        from rlix_plugins.adapters.nemo_rl_support import check_supported_job
+
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            # NeMo RL raises its own error for a call that does not fit its signature.
+            return stock(*args, **kwargs)
+        check_supported_job(bound.arguments.get("master_config"),
+                            bound.arguments.get("policy_factory"))
+        return stock(*args, **kwargs)
+
+    return setup
 
 
 def wrap_async_grpo_train(stock: Callable[..., Any]) -> Callable[..., Any]:
@@ -478,5 +507,6 @@ __all__ = [
     "NemoRlPatch",
     "factory",
     "wrap_async_grpo_train",
+    "wrap_setup",
     "wrap_validate",
 ]

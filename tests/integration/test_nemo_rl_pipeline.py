@@ -13,6 +13,10 @@ the real receiver extension inside each vLLM engine.
 ``test_collector_progress_reaches_the_coordinator_py312``: NeMo RL's real trajectory collector
 (Python >= 3.12) through our patch reports progress to a real coordinator; runs the script
 :mod:`tests.support.nemo_rl_py312_collector` with the interpreter named by ``NEMO_RL_PY312``.
+
+``test_unsupported_job_is_refused_before_setup_builds_anything_py312``: NeMo RL's real
+``grpo.setup`` under the gate refuses its default recipe (DTensor, synchronous GRPO) before Ray
+is touched; the gates' NeMo RL command lines, composed by NeMo RL's own config loader, pass.
 """
 
 from __future__ import annotations
@@ -182,7 +186,9 @@ PY312_SKIP = (
 )
 
 
-def test_collector_progress_reaches_the_coordinator_py312(nemo_rl_src: Path) -> None:
+def _run_py312(module: str, nemo_rl_src: Path) -> dict[str, Any]:
+    """Run ``python -m module`` in the ``NEMO_RL_PY312`` interpreter; its last stdout line
+    (JSON). Skips without the interpreter."""
     python = os.environ.get(PY312_ENV)
     if not python:
         pytest.skip(PY312_SKIP)
@@ -190,15 +196,19 @@ def test_collector_progress_reaches_the_coordinator_py312(nemo_rl_src: Path) -> 
         pytest.fail(f"{PY312_ENV}={python!r} is not a file; point it at the venv's python")
     # Not NEMO_RL_DEPS: it holds cp311 wheels (pandas, pyarrow) that would shadow the venv's own.
     paths = [str(REPO_ROOT), str(nemo_rl_src)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "NEMO_RL_SRC": str(nemo_rl_src),
            "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)  # its own local Ray: one Python version per cluster
-    proc = subprocess.run([python, "-m", "tests.support.nemo_rl_py312_collector"], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([python, "-m", module], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["python"].startswith("3.1") and tuple(map(int, out["python"].split(".")[:2])) >= (
-        3, 12)
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tuple(map(int, out["python"].split(".")[:2])) >= (3, 12)
+    return out
+
+
+def test_collector_progress_reaches_the_coordinator_py312(nemo_rl_src: Path) -> None:
+    out = _run_py312("tests.support.nemo_rl_py312_collector", nemo_rl_src)
     assert out["activated"] is True
     # Our patch swapped NeMo RL's actor classes.
     assert out["collector_class"] == "RLixAsyncTrajectoryCollectorImpl"
@@ -209,3 +219,23 @@ def test_collector_progress_reaches_the_coordinator_py312(nemo_rl_src: Path) -> 
     assert out["after_groups"] == [[3, 1], [2, 1], [1, 1]]
     assert out["buffer_size"] == 3 and out["buffer_valid"] == 3
     assert out["after_next_version"] == [4, 1]
+
+
+def test_unsupported_job_is_refused_before_setup_builds_anything_py312(
+    nemo_rl_src: Path,
+) -> None:
+    """NeMo RL's real ``grpo.setup``, imported as ``examples/run_grpo.py`` does, with master
+    configs built by NeMo RL's own loader (:mod:`tests.support.nemo_rl_py312_setup_check`)."""
+    out = _run_py312("tests.support.nemo_rl_py312_setup_check", nemo_rl_src)
+    assert out["activated"] is True and out["setup_is_wrapped"] is True
+    # NeMo RL's default recipe: DTensor policy, synchronous GRPO; refused, each key named.
+    assert out["default_refused"] is not None
+    assert {"grpo.async_grpo.enabled", "policy.megatron_cfg.enabled"} <= set(
+        out["default_refused"])
+    assert "nothing was started" in out["default_message"]
+    assert out["ray_initialized"] is False  # refused before NeMo RL's setup touched Ray
+    # Its Megatron example is still synchronous GRPO.
+    assert "grpo.async_grpo.enabled" in out["megatron_example"]
+    # The exact NeMo RL command lines of the GPU gates pass (gate 1; gate 2's two; gate 3's).
+    assert out["gate_jobs"] == {"gate1:nemo_rl": [], "gate2:nemo_rl_a": [],
+                                "gate2:nemo_rl_b": [], "gate3:nemo_rl": []}

@@ -1,0 +1,194 @@
+"""Which NeMo RL jobs the coordinator takes: the check ``grpo.setup`` runs first under the gate
+(no NeMo RL needed). NeMo RL's real configs and ``setup``:
+``tests/integration/test_nemo_rl_pipeline.py::test_unsupported_job_is_refused_before_setup_builds_anything_py312``."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlix_plugins.adapters.nemo_rl_support import (
+    CHECKED_KEYS,
+    UNSET,
+    check_supported_job,
+    unsupported_settings,
+)
+from rlix_plugins.errors import RegistrationError, UnsupportedJobError
+from rlix_plugins.patches.nemo_rl import wrap_setup
+
+GATES = Path(__file__).resolve().parents[2] / "gates"
+
+
+def _nested(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Hydra-style ``a.b.c: v`` overrides (``+`` appends a key) as nested dicts."""
+    out: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.lstrip("+").split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _gate_jobs() -> dict[str, dict[str, Any]]:
+    """Every NeMo RL job of the gate configs, as the overrides make it (gate 1's single job
+    and the ``nemo_rl`` entries of gates 2 and 3)."""
+    jobs: dict[str, dict[str, Any]] = {}
+    for path in (GATES / "nemo_rl_gate1.yaml", GATES / "gate2.yaml", GATES / "gate3.yaml"):
+        raw = yaml.safe_load(path.read_text())
+        entries = raw.get("nemo_rl") or [{"name": "nemo_rl", "overrides": raw["overrides"]}]
+        for entry in entries:
+            jobs[f"{path.stem}:{entry['name']}"] = _nested(entry["overrides"])
+    return jobs
+
+
+def _supported() -> dict[str, Any]:
+    return copy.deepcopy(_gate_jobs()["nemo_rl_gate1:nemo_rl"])
+
+
+def _set(config: dict[str, Any], dotted: str, value: object) -> dict[str, Any]:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return config
+
+
+def test_every_gate_job_is_supported() -> None:
+    jobs = _gate_jobs()
+    assert len(jobs) == 4  # gate 1's job, gate 2's two, gate 3's NeMo RL one
+    for name, config in jobs.items():
+        assert unsupported_settings(config) == (), name
+        check_supported_job(config)
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("grpo.async_grpo.enabled", False),
+    ("policy.megatron_cfg.enabled", False),
+    ("policy.generation.backend", "sglang"),
+    ("policy.generation.vllm_cfg.async_engine", False),
+    ("policy.generation.vllm_cfg.tensor_parallel_size", 2),
+    ("policy.generation.vllm_cfg.pipeline_parallel_size", 2),
+    ("policy.generation.vllm_cfg.tensor_parallel_size", True),  # a bool is no size
+    ("policy.generation.colocated.enabled", True),
+    ("policy.generation.quant_cfg", {"algorithm": "fp8"}),
+    ("data_plane.enabled", True),
+])
+def test_each_unsupported_setting_is_named_with_what_is_valid(key: str, value: object) -> None:
+    config = _set(_supported(), key, value)
+    (problem,) = unsupported_settings(config)
+    assert (problem.key, problem.found) == (key, value)
+    with pytest.raises(UnsupportedJobError) as info:
+        check_supported_job(config)
+    message = str(info.value)
+    assert f"{key}={value!r} (valid: {problem.valid})" in message
+    assert "nothing was started" in message and "unset RLIX_CONTROL_PLANE" in message
+    assert info.value.problems == (problem,)
+    # A registration error: callers that refuse bad registrations refuse this too.
+    assert isinstance(info.value, RegistrationError)
+
+
+def test_nemo_rl_defaults_dtensor_and_sync_are_all_named_at_once() -> None:
+    # NeMo RL's default recipe: DTensor policy, synchronous GRPO and vLLM engine, colocated.
+    config = {
+        "grpo": {"async_grpo": {"enabled": False}},
+        "policy": {"dtensor_cfg": {"enabled": True}, "megatron_cfg": {"enabled": False},
+                   "generation": {"backend": "vllm", "colocated": {"enabled": True},
+                                  "vllm_cfg": {"async_engine": False}}},
+    }
+    keys = [p.key for p in unsupported_settings(config)]
+    assert keys == ["grpo.async_grpo.enabled", "policy.megatron_cfg.enabled",
+                    "policy.generation.vllm_cfg.async_engine",
+                    "policy.generation.colocated.enabled"]
+    problems = {p.key: p for p in unsupported_settings(config)}
+    assert "DTensor" in problems["policy.megatron_cfg.enabled"].why
+
+
+def test_absent_keys_count_as_nemo_rls_defaults() -> None:
+    problems = unsupported_settings({})
+    # Absent booleans are NeMo RL's False; absent sizes, quantization and data plane are fine.
+    assert [p.key for p in problems] == [k for k in CHECKED_KEYS if k not in (
+        "policy.generation.quant_cfg", "data_plane.enabled",
+        "policy.generation.vllm_cfg.tensor_parallel_size",
+        "policy.generation.vllm_cfg.pipeline_parallel_size")]
+    assert all(p.found is UNSET for p in problems)
+    assert "=<unset> (valid: true)" in problems[0].describe()
+
+
+def test_truthy_strings_are_not_true() -> None:
+    # A YAML "true" string would pass NeMo RL's own truthiness checks but is no boolean.
+    config = _set(_supported(), "policy.megatron_cfg.enabled", "true")
+    assert [p.key for p in unsupported_settings(config)] == ["policy.megatron_cfg.enabled"]
+
+
+class _Model:
+    """Attribute access, as NeMo RL's pydantic MasterConfig (whose ``policy`` is a dict)."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+def test_attribute_configs_are_read_like_nemo_rls_master_config() -> None:
+    plain = _supported()
+    model = _Model(grpo=_Model(async_grpo=_Model(enabled=True)), policy=plain["policy"],
+                   data_plane=None)
+    assert unsupported_settings(model) == ()
+    model.grpo.async_grpo.enabled = False
+    assert [p.key for p in unsupported_settings(model)] == ["grpo.async_grpo.enabled"]
+
+
+def test_a_policy_factory_is_refused_once() -> None:
+    def make_policy(**kwargs: Any) -> None:
+        raise AssertionError("never built")
+
+    (problem,) = unsupported_settings(_supported(), policy_factory=make_policy)
+    assert problem.key == "setup(policy_factory=...)"
+    assert "make_policy" in str(problem.found)
+    # run_grpo.py passes a factory exactly when the data plane is on: named once, by its key.
+    with_plane = _set(_supported(), "data_plane.enabled", True)
+    keys = [p.key for p in unsupported_settings(with_plane, policy_factory=make_policy)]
+    assert keys == ["data_plane.enabled"]
+
+
+class _RecordingSetup:
+    """FAKE of NeMo RL's ``grpo.setup`` (its real one needs Python >= 3.12 and a cluster):
+    records calls, returns a marker."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def __call__(self, master_config: Any, tokenizer: Any, dataset: Any, val_dataset: Any,
+                 processor: Any = None, policy_factory: Any = None) -> str:
+        self.calls.append(((master_config, tokenizer, dataset, val_dataset),
+                           {"processor": processor, "policy_factory": policy_factory}))
+        return "built"
+
+
+def test_patched_setup_refuses_before_nemo_rls_setup_runs() -> None:
+    stock = _RecordingSetup()
+    setup = wrap_setup(stock)
+    config = _set(_supported(), "policy.megatron_cfg.enabled", False)
+    with pytest.raises(UnsupportedJobError, match=r"policy\.megatron_cfg\.enabled="):
+        setup(config, "tok", "data", None)
+    with pytest.raises(UnsupportedJobError, match=r"setup\(policy_factory=\.\.\.\)"):
+        setup(_supported(), "tok", "data", None, policy_factory=dict)
+    assert stock.calls == []
+    # A supported job reaches NeMo RL's setup with its arguments unchanged.
+    good = _supported()
+    assert setup(good, "tok", "data", None) == "built"
+    assert stock.calls == [((good, "tok", "data", None),
+                            {"processor": None, "policy_factory": None})]
+
+
+def test_patched_setup_leaves_a_malformed_call_to_nemo_rl() -> None:
+    stock = _RecordingSetup()
+    with pytest.raises(TypeError):  # NeMo RL's own error for a call that fits no signature
+        wrap_setup(stock)(tokenizer="tok")
+    assert stock.calls == []
