@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
+from rlix_plugins.adapters.job_support import UNSET
 from rlix_plugins.adapters.nemo_rl_support import (
     CHECKED_KEYS,
-    UNSET,
     check_supported_job,
     unsupported_settings,
 )
