@@ -5,9 +5,15 @@ module during ``import verl`` in EVERY process that imports veRL (driver, TaskRu
 vLLM servers, agent-loop workers); with ``RLIX_CONTROL_PLANE=rlix`` that installs the
 post-import hook which applies :class:`VerlPatch` (activation.PATCHES["verl"]). Unset, nothing
 is hooked and veRL runs unchanged. On an existing Ray cluster, workers do not inherit the
-driver's shell: the patch wraps ``main_ppo.get_ppo_ray_runtime_env`` so the driver forwards every
+driver's shell: the patch wraps ``get_ppo_ray_runtime_env`` so the driver forwards every
 ``RLIX_*`` variable (and ``PIPELINE_ID``, ``ROLL_RAY_NAMESPACE``, ``VERL_USE_EXTERNAL_MODULES``)
-through ``runtime_env.env_vars``.
+through ``runtime_env.env_vars``. It is wrapped where veRL defines it (``constants_ppo``) as
+well as in ``main_ppo``: ``python -m verl.trainer.main_ppo`` runs main_ppo as ``__main__``,
+whose ``from verl.trainer.constants_ppo import get_ppo_ray_runtime_env`` runs after
+``import verl`` applied this patch, so it binds the wrapper only if ``constants_ppo`` holds it.
+The same wrapper refuses a job the coordinator cannot time-share
+(:func:`~rlix_plugins.adapters.verl_support.check_supported_job`): veRL's ``run_ppo`` calls it
+with the job's config before ``ray.init``, the driver's first look at the config.
 
 What is applied (official seams first; every change goes through ``set_attribute`` or a
 registry entry with an undo step, so ``revert`` restores veRL exactly):
@@ -22,7 +28,8 @@ registry entry with an undo step, so ``revert`` restores veRL exactly):
 * ``CheckpointEngineRegistry["rlix_cache"]`` -> the CPU-cache checkpoint engine;
 * ``agent_loop_tq.AgentLoopWorkerTQ`` -> :class:`~.verl_agent_loop.RLixAgentLoopWorkerTQ`,
   which counts each stored trajectory (per-trajectory progress);
-* ``main_ppo.get_ppo_ray_runtime_env`` -> forwards the RLix environment to Ray workers.
+* ``constants_ppo.get_ppo_ray_runtime_env`` and ``main_ppo.get_ppo_ray_runtime_env`` ->
+  check the job is supported, then forward the RLix environment to Ray workers.
 
 Plug points that live in modules needing vLLM or Megatron (:data:`DEFERRED_PLUG_POINTS`) are
 checked where they are used (the replica loader, the worker-side NCCL calls), not in every
@@ -76,6 +83,7 @@ _LLM = "verl.workers.rollout.llm_server"
 _REPLICA = "verl.workers.rollout.replica"
 _CKPT = "verl.checkpoint_engine.base"
 _MAIN = "verl.trainer.main_ppo"
+_CONSTANTS = "verl.trainer.constants_ppo"
 _VLLM_SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 _ENGINE_WORKERS = "verl.workers.engine_workers"
 _AGENT_TQ = "verl.trainer.ppo.v1.agent_loop_tq"
@@ -158,6 +166,10 @@ CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
               PlugKind.SUBCLASS, ("reject_request",)),
     PlugPoint("runtime env", f"{_MAIN}:get_ppo_ray_runtime_env", PlugKind.WRAP, ("config",),
               "forward RLix variables to workers of an existing Ray cluster"),
+    PlugPoint("runtime env (definition)", f"{_CONSTANTS}:get_ppo_ray_runtime_env",
+              PlugKind.WRAP, ("config",),
+              "`python -m verl.trainer.main_ppo` binds it from here; run_ppo calls it with the "
+              "job's config before ray.init: unsupported jobs are refused there"),
 )
 
 DEFERRED_PLUG_POINTS: tuple[PlugPoint, ...] = (
@@ -211,18 +223,29 @@ def _rlix_vllm_loader() -> type:
 
 
 def forwarding_runtime_env(original: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
-    """Wrap veRL's runtime-env builder so the RLix variables reach every Ray worker.
+    """Wrap veRL's runtime-env builder so the RLix variables reach every Ray worker, after
+    refusing a job the coordinator cannot time-share.
 
     veRL drops variables already set in the driver's shell (a local cluster inherits them),
-    which loses them on an existing cluster; they are added back after its filter.
+    which loses them on an existing cluster; they are added back after its filter. veRL's
+    ``run_ppo`` calls the builder with the job's config before ``ray.init``: an unsupported
+    job (:func:`~rlix_plugins.adapters.verl_support.check_supported_job`) stops there, before
+    anything is started. Wrapping a wrapper returns it unchanged.
     """
+    if getattr(original, "_rlix_forwarding", False):
+        return original
 
     def get_ppo_ray_runtime_env(config: Any = None) -> dict[str, Any]:
+        if config is not None:
+            from rlix_plugins.adapters.verl_support import check_supported_job
+
+            check_supported_job(config)
         env = original(config)
         env.setdefault("env_vars", {}).update(forwarded_env())
         return env
 
     get_ppo_ray_runtime_env.__wrapped__ = original  # type: ignore[attr-defined]
+    get_ppo_ray_runtime_env._rlix_forwarding = True  # type: ignore[attr-defined]
     return get_ppo_ray_runtime_env
 
 
@@ -284,9 +307,12 @@ class VerlPatch(HostPatch):
 
             self.set_attribute(importlib.import_module(_AGENT_TQ), "AgentLoopWorkerTQ",
                                rlix_agent_loop_worker_actor())
-        main = sys.modules[_MAIN]
-        self.set_attribute(main, "get_ppo_ray_runtime_env",
-                           forwarding_runtime_env(main.get_ppo_ray_runtime_env))
+        # The definition first: a `python -m verl.trainer.main_ppo` driver binds it from there.
+        for name in (_CONSTANTS, _MAIN):
+            module = importlib.import_module(name)
+            wrapped = forwarding_runtime_env(module.get_ppo_ray_runtime_env)
+            if wrapped is not module.get_ppo_ray_runtime_env:
+                self.set_attribute(module, "get_ppo_ray_runtime_env", wrapped)
 
 
 def factory() -> HostPatch:

@@ -35,6 +35,7 @@ from typing import Any
 
 from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineWithCache
 
+from rlix_plugins.adapters.verl_support import CACHE_BACKEND
 from rlix_plugins.errors import WeightCacheError, WeightSyncError
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
@@ -44,7 +45,7 @@ from rlix_plugins.values import as_index
 logger = logging.getLogger(__name__)
 
 #: backend name in veRL's CheckpointEngineRegistry (``rollout.checkpoint_engine.backend``)
-BACKEND = "rlix_cache"
+BACKEND = CACHE_BACKEND
 #: how long a rollout worker waits for the offer of the version it was asked to load
 OFFER_WAIT_S = 120.0
 

@@ -286,6 +286,11 @@ class RLixTrainerMixin:
     global_steps: int
 
     def _init_resource_pool_mgr(self) -> None:
+        from rlix_plugins.adapters.verl_support import check_supported_job
+
+        # The first step of veRL's init: refuse an unsupported job before any worker exists
+        # (veRL's own driver refused it already; a driver of the job's own may not have).
+        check_supported_job(self.config, driver=False)
         # veRL's (and separate_async's) role -> worker mapping, with RLix's training-worker
         # subclass: hybrid replicas receive from the CPU cache, Megatron groups are rebound.
         super()._init_resource_pool_mgr()  # type: ignore[misc]

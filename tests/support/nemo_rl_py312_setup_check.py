@@ -57,7 +57,7 @@ def main() -> dict[str, Any]:
     try:
         setup(master("examples/configs/grpo_math_1B.yaml", []), None, None, None)
     except UnsupportedJobError as error:
-        refused = [p.key for p in error.problems]  # type: ignore[attr-defined]
+        refused = [p.key for p in error.problems]
         message = str(error)
 
     gate_jobs: dict[str, list[str]] = {}

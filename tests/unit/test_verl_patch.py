@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.verl_env import REPO_ROOT, VerlEnv
+from tests.fixtures.verl_env import ACTIVATION_ENV, REPO_ROOT, VerlEnv
 
 pytestmark = pytest.mark.verl
 
 
 def _stock() -> dict[str, Any]:
+    import verl.trainer.constants_ppo as constants_ppo
     import verl.trainer.main_ppo as main_ppo
     import verl.trainer.ppo.v1.agent_loop_tq as agent_loop_tq
     import verl.workers.rollout.router as router
@@ -29,6 +30,7 @@ def _stock() -> dict[str, Any]:
         "vllm": RolloutReplicaRegistry._registry["vllm"],
         "engines": dict(CheckpointEngineRegistry._registry),
         "env": main_ppo.get_ppo_ray_runtime_env,
+        "env_definition": constants_ppo.get_ppo_ray_runtime_env,
         "agent": agent_loop_tq.AgentLoopWorkerTQ,
     }
 
@@ -60,6 +62,7 @@ def test_apply_replaces_the_real_classes_and_revert_restores_them(verl_env: Verl
         assert now["vllm"]().__name__ == "RLixvLLMReplica"
         assert now["engines"][BACKEND] is RLixCacheCheckpointEngine
         assert now["env"] is not before["env"]
+        assert now["env_definition"] is not before["env_definition"]
         assert now["agent"] is not before["agent"]
     finally:
         patch.revert()
@@ -189,3 +192,36 @@ def test_worker_subclass_installed_in_the_role_mapping(verl_env: VerlEnv) -> Non
         assert hasattr(getattr(cls, name), MAGIC_ATTR), name
     assert mapping[Role.Critic] is critic
     assert install_worker_classes(mapping) == []  # already RLix's
+
+
+#: A job veRL's own config checks accept on this CPU box, with an engine and a checkpoint
+#: backend the coordinator cannot time-share.
+UNSUPPORTED_JOB = (
+    "trainer.v1.trainer_mode=separate_async", "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.rollout.name=sglang", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1", "data.train_batch_size=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+)
+
+
+def test_main_ppo_as_a_module_refuses_an_unsupported_job_before_ray_starts(
+    verl_env: VerlEnv, tmp_path: Any
+) -> None:
+    """The documented launch line, ``python -m verl.trainer.main_ppo``: veRL's driver runs as
+    ``__main__`` and binds ``get_ppo_ray_runtime_env`` from ``constants_ppo``; the refusal
+    coming from our wrapper shows it bound ours (before the fix it bound veRL's own there, so
+    an existing Ray cluster's workers never got the RLix variables)."""
+    env = {**os.environ, **ACTIVATION_ENV, "HYDRA_FULL_ERROR": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *UNSUPPORTED_JOB],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "UnsupportedJobError" in out and "rlix_plugins/patches/verl.py" in out
+    assert "actor_rollout_ref.rollout.name='sglang' (valid: 'vllm')" in out
+    assert ("actor_rollout_ref.rollout.checkpoint_engine.backend='naive' "
+            "(valid: 'rlix_cache')") in out
+    assert "ray init kwargs" not in out  # veRL prints it right before ray.init

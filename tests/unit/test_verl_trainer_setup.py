@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from rlix_plugins.errors import UnsupportedJobError
 from rlix_plugins.patches import verl_trainer
 from rlix_plugins.patches.verl_trainer import rlix_trainer_class
 
@@ -24,6 +25,9 @@ class FakeVerlTrainer:
             actor=SimpleNamespace(strategy="fsdp"), rollout=rollout))
         self.fail = fail
         self.calls: list[str] = []
+
+    def _init_resource_pool_mgr(self) -> None:
+        self.calls.append("veRL maps roles to workers")
 
     def init(self) -> None:
         self.calls.append("veRL builds workers and replicas")
@@ -89,3 +93,20 @@ def test_a_failed_init_leaves_the_coordinator(monkeypatch: pytest.MonkeyPatch,
         t.init()
     assert t.calls[-1] == "close" and t.calls.count("close") == 1
     assert t._rlix_adapter is None
+
+
+def test_an_unsupported_job_is_refused_before_verl_maps_any_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The FAKE trainer's job: veRL's default "naive" backend, no rollout engine named.
+    t = rlix_trainer_class(FakeVerlTrainer)()
+
+    def claim(trainer: Any) -> None:
+        raise AssertionError("an unsupported job must not claim GPUs")
+
+    monkeypatch.setattr(verl_trainer, "claim_adapter", claim)
+    with pytest.raises(UnsupportedJobError) as info:
+        t._init_resource_pool_mgr()
+    assert [p.key for p in info.value.problems] == [
+        "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.checkpoint_engine.backend"]
+    assert t.calls == [] and t._rlix_adapter is None
