@@ -304,69 +304,66 @@ def _apply_grpo(patch: NemoRlPatch, module: Any) -> None:
                         make_checkpoint_manager_class(module.CheckpointManager))
 
 
+def _wrap_bound(stock: Callable[..., Any],
+                body: Callable[[inspect.BoundArguments], Any]) -> Callable[..., Any]:
+    """``stock`` with ``body(bound arguments)`` run in its place; a call that does not fit
+    ``stock``'s signature goes to ``stock`` as it is (NeMo RL raises its own error)."""
+    signature = inspect.signature(stock)
+
+    @functools.wraps(stock)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return stock(*args, **kwargs)
+        return body(bound)
+
+    return wrapper
+
+
 def wrap_setup(stock: Callable[..., Any]) -> Callable[..., Any]:
     """``grpo.setup`` that first checks the job is one the coordinator can time-share
     (:func:`~rlix_plugins.adapters.nemo_rl_support.check_supported_job`): an unsupported one
     is refused with every unsupported setting named, before NeMo RL builds anything."""
-    signature = inspect.signature(stock)
 
-    @functools.wraps(stock)
-    def setup(*args: Any, **kwargs: Any) -> Any:
+    def setup(bound: inspect.BoundArguments) -> Any:
         from rlix_plugins.adapters.nemo_rl_support import check_supported_job
 
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError:
-            # NeMo RL raises its own error for a call that does not fit its signature.
-            return stock(*args, **kwargs)
         check_supported_job(bound.arguments.get("master_config"),
                             bound.arguments.get("policy_factory"))
-        return stock(*args, **kwargs)
+        return stock(*bound.args, **bound.kwargs)
 
-    return setup
+    return _wrap_bound(stock, setup)
 
 
 def wrap_async_grpo_train(stock: Callable[..., Any]) -> Callable[..., Any]:
     """``async_grpo_train`` that first tells the driver's pipeline the step the run starts at
     (``grpo_save_state.current_step``, > 0 on a resume), then runs NeMo RL's loop unchanged,
     and clears the pipeline's demand however the loop leaves (``training_run``)."""
-    signature = inspect.signature(stock)
 
-    @functools.wraps(stock)
-    def async_grpo_train(*args: Any, **kwargs: Any) -> Any:
+    def async_grpo_train(bound: inspect.BoundArguments) -> Any:
         from rlix_plugins.adapters.nemo_rl import training_run
 
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError:
-            # NeMo RL raises its own error for a call that does not fit its signature.
-            return stock(*args, **kwargs)
         with training_run(bound.arguments.get("grpo_save_state")):
-            return stock(*args, **kwargs)
+            return stock(*bound.args, **bound.kwargs)
 
-    return async_grpo_train
+    return _wrap_bound(stock, async_grpo_train)
 
 
 def wrap_validate(stock: Callable[..., Any]) -> Callable[..., Any]:
     """NeMo RL's ``validate`` with the validation's trajectories reported as the pipeline's
     demand while it runs, cleared when it returns or raises (``validation_demand``)."""
-    signature = inspect.signature(stock)
 
-    @functools.wraps(stock)
-    def validate(*args: Any, **kwargs: Any) -> Any:
+    def validate(bound: inspect.BoundArguments) -> Any:
         from rlix_plugins.adapters.nemo_rl import validation_demand
 
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError:
-            return stock(*args, **kwargs)
         with validation_demand(bound.arguments.get("val_dataloader"),
                                bound.arguments.get("master_config"),
                                bound.arguments.get("step")) as loader:
             bound.arguments["val_dataloader"] = loader
             return stock(*bound.args, **bound.kwargs)
 
-    return validate
+    return _wrap_bound(stock, validate)
 
 
 def _apply_async(patch: NemoRlPatch, module: Any) -> None:

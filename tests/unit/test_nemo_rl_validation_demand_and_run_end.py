@@ -129,6 +129,29 @@ def test_validation_reports_its_demand_while_it_runs(coordinator: Any,
 
 
 @pytest.mark.integration
+def test_the_patched_validate_hands_nemo_rls_loop_the_counted_loader(
+    coordinator: Any, pipeline: NemoRlPipeline,
+) -> None:
+    """``grpo.validate`` as the patch replaces it (``wrap_validate``), called with NeMo RL's
+    argument names: the same demand as ``validation_demand`` around the loop, the result
+    passed back."""
+    from rlix_plugins.patches.nemo_rl import wrap_validate
+
+    seen: list[int | None] = []
+
+    def stock(policy_generation: Any, val_dataloader: Any, tokenizer: Any,
+              val_task_to_env: Any, step: int, master_config: Any) -> str:
+        fake_validate(val_dataloader, master_config, seen, lambda: _demand(coordinator))
+        return "validation metrics"
+
+    loader = FakeValLoader(batches=5, prompts=10)
+    assert wrap_validate(stock)(None, loader, None, {}, step=2,
+                                master_config=VAL_CFG) == "validation metrics"
+    assert seen == [24, 16, 8] and loader.iterated == 4
+    assert _demand(coordinator) == 0  # the validation stream ended, nothing else reported
+
+
+@pytest.mark.integration
 def test_validation_that_raises_leaves_no_demand(coordinator: Any,
                                                  pipeline: NemoRlPipeline) -> None:
     _train_demand(pipeline, 1)
