@@ -30,12 +30,17 @@ class RegistrationError(RlixPluginsError, ValueError):
 
 class UnsupportedJobError(RegistrationError):
     """A host job is configured in a way the coordinator cannot time-share (NeMo RL: a
-    DTensor policy, a synchronous trainer or vLLM engine, colocated inference, ...). Raised
-    before anything is started; ``problems`` holds one record per unsupported setting."""
+    DTensor policy, a synchronous trainer or vLLM engine, colocated inference, ...; veRL: the
+    legacy trainer, another rollout engine or checkpoint backend). Raised before anything is
+    started; ``problems`` holds one record per unsupported setting."""
 
-    def __init__(self, message: str, problems: tuple[object, ...]) -> None:
+    def __init__(self, message: str, problems: tuple[object, ...] = ()) -> None:
         super().__init__(message)
         self.problems = problems
+
+    def __reduce__(self) -> tuple[type[UnsupportedJobError], tuple[str, tuple[object, ...]]]:
+        # Raised inside Ray actors (veRL's TaskRunner): pickled with its problems.
+        return (type(self), (str(self), self.problems))
 
 
 class UnknownPipelineError(RlixPluginsError, KeyError):

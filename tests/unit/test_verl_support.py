@@ -48,6 +48,17 @@ def test_each_unsupported_setting_is_named_with_what_is_valid(key: str, job: Any
     assert "veRL job" in str(info.value) and info.value.problems == (problem,)
 
 
+def test_the_error_survives_pickling_with_its_problems() -> None:
+    # The trainer's check raises inside veRL's TaskRunner actor; Ray pickles the error back.
+    import pickle
+
+    with pytest.raises(UnsupportedJobError) as info:
+        check_supported_job(_job(backend="naive"))
+    again = pickle.loads(pickle.dumps(info.value))
+    assert type(again) is UnsupportedJobError and str(again) == str(info.value)
+    assert again.problems == info.value.problems
+
+
 def test_the_trainers_own_check_skips_use_v1() -> None:
     # A v1 trainer is running; a driver of the job's own may not have set the flag.
     assert unsupported_settings(_job(use_v1=False), driver=False) == ()
