@@ -324,7 +324,8 @@ def _wrap_bound(stock: Callable[..., Any],
 def wrap_setup(stock: Callable[..., Any]) -> Callable[..., Any]:
     """``grpo.setup`` that first checks the job is one the coordinator can time-share
     (:func:`~rlix_plugins.adapters.nemo_rl_support.check_supported_job`): an unsupported one
-    is refused with every unsupported setting named, before NeMo RL builds anything."""
+    is refused with every unsupported setting named, before NeMo RL builds any cluster or
+    worker."""
 
     def setup(bound: inspect.BoundArguments) -> Any:
         from rlix_plugins.adapters.nemo_rl_support import check_supported_job
