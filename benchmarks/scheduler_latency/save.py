@@ -72,9 +72,12 @@ def measure(pipelines: int, gpus: int, repeats: int, seed: int = 0) -> SaveRow:
             files.append((time.perf_counter() - w0) * 1e3)
             plans.append((t1 - t0) * 1e3)
             dumps.append((t2 - t1) * 1e3)
-    plan, dump, file = (statistics.median(x) for x in (plans, dumps, files))
-    return SaveRow(pipelines, gpus, round(plan, 3), round(dump, 3), round(file, 3),
-                   round(size / 1024, 1), round(dump / plan, 2), round(file / plan, 2))
+    # Ratios of the times as reported (rounded to the microsecond), so the JSON agrees with
+    # itself: from the unrounded medians they could differ in the last digit.
+    plan, dump, file = (round(statistics.median(x), 3) for x in (plans, dumps, files))
+    plan = max(plan, 0.001)
+    return SaveRow(pipelines, gpus, plan, dump, file, round(size / 1024, 1),
+                   round(dump / plan, 2), round(file / plan, 2))
 
 
 def plot(rows: list[SaveRow], path: Path) -> None:
