@@ -114,8 +114,9 @@ def raise_if_unsupported(host: str, problems: Iterable[JobProblem]) -> None:
         return
     lines = "\n".join(f"  - {p.describe()}" for p in found)
     raise UnsupportedJobError(
-        f"rlix: this {host} job cannot be time-shared under RLIX_CONTROL_PLANE=rlix (nothing "
-        "was started; unset RLIX_CONTROL_PLANE to run it unchanged, or change):\n" + lines,
+        f"rlix: this {host} job cannot be time-shared under RLIX_CONTROL_PLANE=rlix (refused "
+        "before any worker was started or GPU claimed; unset RLIX_CONTROL_PLANE to run it "
+        "unchanged, or change):\n" + lines,
         found,
     )
 

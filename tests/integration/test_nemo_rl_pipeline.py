@@ -15,8 +15,8 @@ the real receiver extension inside each vLLM engine.
 :mod:`tests.support.nemo_rl_py312_collector` with the interpreter named by ``NEMO_RL_PY312``.
 
 ``test_unsupported_job_is_refused_before_setup_builds_anything_py312``: NeMo RL's real
-``grpo.setup`` under the gate refuses its default recipe (DTensor, synchronous GRPO) before Ray
-is touched; the gates' NeMo RL command lines, composed by NeMo RL's own config loader, pass.
+``grpo.setup`` under the gate refuses its default recipe (DTensor, synchronous GRPO) before it
+touches Ray; the gates' NeMo RL command lines, composed by NeMo RL's own config loader, pass.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def test_unsupported_job_is_refused_before_setup_builds_anything_py312(
     assert out["default_refused"] is not None
     assert {"grpo.async_grpo.enabled", "policy.megatron_cfg.enabled"} <= set(
         out["default_refused"])
-    assert "nothing was started" in out["default_message"]
+    assert "before any worker was started or GPU claimed" in out["default_message"]
     assert out["ray_initialized"] is False  # refused before NeMo RL's setup touched Ray
     # Its Megatron example is still synchronous GRPO.
     assert "grpo.async_grpo.enabled" in out["megatron_example"]

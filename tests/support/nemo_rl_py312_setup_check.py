@@ -7,7 +7,7 @@ activated, it imports ``setup`` the way ``examples/run_grpo.py`` does (a module-
 (NeMo RL's ``load_config`` + ``parse_hydra_overrides`` + ``MasterConfig``) from NeMo RL's own
 example configs and from the gate configs' NeMo RL jobs (``gpu_mode.load_jobs``: the exact
 command lines the GPU gates launch), calls ``setup`` with NeMo RL's default recipe and reports
-what was refused, and what Ray saw (nothing may have been started).
+what was refused, and whether Ray was started (``setup`` must refuse before it touches Ray).
 
 Prints one JSON line (the last line of stdout).
 """

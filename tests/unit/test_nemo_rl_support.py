@@ -89,7 +89,8 @@ def test_each_unsupported_setting_is_named_with_what_is_valid(key: str, value: o
         check_supported_job(config)
     message = str(info.value)
     assert f"{key}={value!r} (valid: {problem.valid})" in message
-    assert "nothing was started" in message and "unset RLIX_CONTROL_PLANE" in message
+    assert "before any worker was started or GPU claimed" in message
+    assert "unset RLIX_CONTROL_PLANE" in message
     assert info.value.problems == (problem,)
     # A registration error: callers that refuse bad registrations refuse this too.
     assert isinstance(info.value, RegistrationError)
