@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,37 +18,31 @@ from rlix_plugins.adapters.nemo_rl_support import (
     unsupported_settings,
 )
 from rlix_plugins.errors import RegistrationError, UnsupportedJobError
+from rlix_plugins.gates.gpu_mode import GpuGateOptions, load_jobs
 from rlix_plugins.patches.nemo_rl import wrap_setup
 
 GATES = Path(__file__).resolve().parents[2] / "gates"
 
 
-def _nested(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Hydra-style ``a.b.c: v`` overrides (``+`` appends a key) as nested dicts."""
-    out: dict[str, Any] = {}
-    for dotted, value in overrides.items():
-        *parents, leaf = dotted.lstrip("+").split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
 def _gate_jobs() -> dict[str, dict[str, Any]]:
-    """Every NeMo RL job of the gate configs, as the overrides make it (gate 1's single job
-    and the ``nemo_rl`` entries of gates 2 and 3)."""
+    """Every NeMo RL job of the GPU gates as nested dicts, from the exact Hydra overrides the
+    gates launch (``gpu_mode.load_jobs``: gate 1's job, gate 2's two, gate 3's NeMo RL one)."""
     jobs: dict[str, dict[str, Any]] = {}
-    for path in (GATES / "nemo_rl_gate1.yaml", GATES / "gate2.yaml", GATES / "gate3.yaml"):
-        raw = yaml.safe_load(path.read_text())
-        entries = raw.get("nemo_rl") or [{"name": "nemo_rl", "overrides": raw["overrides"]}]
-        for entry in entries:
-            jobs[f"{path.stem}:{entry['name']}"] = _nested(entry["overrides"])
+    for gate in (1, 2, 3):
+        for job in load_jobs(GpuGateOptions(gate=gate, out_dir=GATES), exclusive=False):
+            cmd = list(job.command)
+            if "examples/run_grpo.py" not in cmd:
+                continue  # gate 3's ROLL job
+            config: dict[str, Any] = {}
+            for override in cmd[cmd.index("--config") + 2:]:
+                key, _, value = override.partition("=")
+                _set(config, key.lstrip("+"), yaml.safe_load(value))
+            jobs[f"gate{gate}:{job.name}"] = config
     return jobs
 
 
 def _supported() -> dict[str, Any]:
-    return copy.deepcopy(_gate_jobs()["nemo_rl_gate1:nemo_rl"])
+    return copy.deepcopy(_gate_jobs()["gate1:nemo_rl"])
 
 
 def _set(config: dict[str, Any], dotted: str, value: object) -> dict[str, Any]:
