@@ -81,6 +81,14 @@ def equals(expected: str) -> Callable[[object], bool]:
     return accepts
 
 
+def differs_from(refused: str) -> Callable[[object], bool]:
+    """Unset, or any string but ``refused`` (the host validates the rest itself)."""
+    def accepts(value: object) -> bool:
+        return value is UNSET or (isinstance(value, str) and value != refused)
+
+    return accepts
+
+
 def lookup(config: object, dotted: str) -> object:
     """``config``'s value at ``a.b.c``, through mappings and attributes; :data:`UNSET` when
     any part is absent."""
@@ -121,6 +129,6 @@ def raise_if_unsupported(host: str, problems: Iterable[JobProblem]) -> None:
     )
 
 
-__all__ = ["UNSET", "JobProblem", "JobRule", "equals", "is_false", "is_false_or_unset",
-           "is_none_or_unset", "is_one_or_unset", "is_true", "lookup", "raise_if_unsupported",
-           "unsupported"]
+__all__ = ["UNSET", "JobProblem", "JobRule", "differs_from", "equals", "is_false",
+           "is_false_or_unset", "is_none_or_unset", "is_one_or_unset", "is_true",
+           "lookup", "raise_if_unsupported", "unsupported"]

@@ -17,11 +17,14 @@ defaults (``False`` for the booleans it reads with ``.get(..., False)``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
 from rlix_plugins.adapters.job_support import (
+    UNSET,
     JobProblem,
     JobRule,
+    differs_from,
     equals,
     is_false,
     is_false_or_unset,
@@ -31,6 +34,21 @@ from rlix_plugins.adapters.job_support import (
     raise_if_unsupported,
     unsupported,
 )
+from rlix_plugins.values import is_int
+
+
+def _no_speculation(value: object) -> bool:
+    """No draft model: unset, null, or NeMo RL's own "off" (``num_speculative_tokens: 0``)."""
+    if value is UNSET or value is None:
+        return True
+    tokens = value.get("num_speculative_tokens") if isinstance(value, Mapping) else None
+    return is_int(tokens) and tokens == 0
+
+
+#: Why refits that NeMo RL post-processes are refused: NeMo RL's ``_load_weights`` and its
+#: weight-update lifecycle do more than vLLM's ``reload_weights``, which the receiver calls.
+_REFIT_EXTRAS = ("the selective sync loads the policy's weights through vLLM's own "
+                 "reload_weights, without NeMo RL's refit extras")
 
 _RULES: Final[tuple[JobRule, ...]] = (
     JobRule("grpo.async_grpo.enabled", is_true, "true",
@@ -60,6 +78,16 @@ _RULES: Final[tuple[JobRule, ...]] = (
     JobRule("policy.generation.quant_cfg", is_none_or_unset, "unset or null",
             "ModelOpt-quantized vLLM workers have no time-sharing subclass: their shards could "
             "not be preempted"),
+    JobRule("policy.generation.vllm_cfg.precision", differs_from("fp8"),
+            "any but 'fp8' (e.g. 'bfloat16')",
+            f"{_REFIT_EXTRAS}: NeMo RL's fp8 engines take their weights through its fp8 "
+            "loader (quantization.fp8.load_weights), which the receiver does not call (an fp8 "
+            "KV cache needs fp8 weights)"),
+    JobRule("policy.generation.vllm_kwargs.speculative_config", _no_speculation,
+            "unset, null or num_speculative_tokens: 0",
+            f"{_REFIT_EXTRAS}: draft weights ('draft.' names, MTP layers) go to vLLM's "
+            "drafter only through NeMo RL's _load_weights; a synced engine's drafter would "
+            "keep drafting with stale weights"),
     JobRule("data_plane.enabled", is_false_or_unset, "false or unset",
             "with the data plane, examples/run_grpo.py builds a TQPolicy through setup's "
             "policy_factory, which the patch does not plug: training would run without asking "

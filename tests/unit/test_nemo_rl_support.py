@@ -73,6 +73,9 @@ def test_every_gate_job_is_supported() -> None:
     ("policy.generation.colocated.enabled", True),
     ("policy.generation.quant_cfg", {"algorithm": "fp8"}),
     ("data_plane.enabled", True),
+    ("policy.generation.vllm_cfg.precision", "fp8"),
+    ("policy.generation.vllm_kwargs.speculative_config",
+     {"method": "eagle3", "num_speculative_tokens": 3}),
 ])
 def test_each_unsupported_setting_is_named_with_what_is_valid(key: str, value: object) -> None:
     config = _set(_supported(), key, value)
@@ -110,10 +113,23 @@ def test_absent_keys_count_as_nemo_rls_defaults() -> None:
     # Absent booleans are NeMo RL's False; absent sizes, quantization and data plane are fine.
     assert [p.key for p in problems] == [k for k in CHECKED_KEYS if k not in (
         "policy.generation.quant_cfg", "data_plane.enabled",
+        "policy.generation.vllm_cfg.precision",
+        "policy.generation.vllm_kwargs.speculative_config",
         "policy.generation.vllm_cfg.tensor_parallel_size",
         "policy.generation.vllm_cfg.pipeline_parallel_size")]
     assert all(p.found is UNSET for p in problems)
     assert "=<unset> (valid: true)" in problems[0].describe()
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("policy.generation.vllm_cfg.precision", "bfloat16"),
+    ("policy.generation.vllm_kwargs.speculative_config", None),
+    # NeMo RL's own "speculation off" (its vLLM worker drops such a config).
+    ("policy.generation.vllm_kwargs.speculative_config",
+     {"method": "eagle3", "num_speculative_tokens": 0}),
+])
+def test_refit_settings_the_receiver_handles_are_accepted(key: str, value: object) -> None:
+    assert unsupported_settings(_set(_supported(), key, value)) == ()
 
 
 def test_truthy_strings_are_not_true() -> None:
