@@ -76,6 +76,9 @@ def test_every_gate_job_is_supported() -> None:
     ("policy.generation.vllm_cfg.precision", "fp8"),
     ("policy.generation.vllm_kwargs.speculative_config",
      {"method": "eagle3", "num_speculative_tokens": 3}),
+    # a bool is no token count (False == 0 in Python, not to the check)
+    ("policy.generation.vllm_kwargs.speculative_config",
+     {"method": "eagle3", "num_speculative_tokens": False}),
 ])
 def test_each_unsupported_setting_is_named_with_what_is_valid(key: str, value: object) -> None:
     config = _set(_supported(), key, value)
