@@ -263,20 +263,19 @@ class RehearsalRuntime:
 
     # ------------------------------------------------------------------ setup
     def _start_engines(self) -> None:
-        from rlix_plugins.generation.tiny_engine import TinyEngineSpec, start_tiny_engine
+        from rlix_plugins.generation.tiny_engine import TinyEngineSpec, start_tiny_engines
         from rlix_plugins.training.vllm_receiver import EXTENSION_FQN
 
         os.environ["OMP_NUM_THREADS"] = "1"
         # The engines run only the receiver extension; host plugins stay off in them.
         os.environ["VLLM_PLUGINS"] = ""
-
-        async def start(bind: str) -> Any:
-            return start_tiny_engine(TinyEngineSpec(
-                Path(self.spec.model_dir), cpu_bind=bind, seed=self.spec.seed,
-                worker_extension_cls=EXTENSION_FQN))
-
-        for bind in self.spec.cpu_binds:
-            self._engines_raw.append(self._loop.run(start(bind), timeout=600))
+        # Started side by side off the loop; they bind to self._loop when it first uses them.
+        self._engines_raw.extend(start_tiny_engines(
+            [TinyEngineSpec(Path(self.spec.model_dir), cpu_bind=bind, seed=self.spec.seed,
+                            worker_extension_cls=EXTENSION_FQN)
+             for bind in self.spec.cpu_binds],
+            timeout_s=600.0,
+        ))
 
     def _build_version(self, version: int) -> None:
         """Cache ``version`` from the trainer's weights and make it the one synced.

@@ -6,12 +6,23 @@ engines built with the same seed hold identical weights (check with
 ``AsyncLLM.compute_weight_checksums`` where it matters). Engine args follow
 shared/notes/vllm-cpu.md: bfloat16, eager, a fixed 64 MiB KV cache (the default memory
 fraction fails on CPU), token-id prompts with no tokenizer.
+
+The model worker runs inside the EngineCore process (``UniProcExecutor``): one spawned process
+and one vLLM import per engine instead of two, about 12 of a 30 s start on this 2-core box
+(docs/generation.md). vLLM's CPU platform only offers its own multiprocess executor because
+that is where it sets a worker's OpenMP binding from ``VLLM_CPU_OMP_THREADS_BIND``; a tiny
+engine pins its EngineCore to ``cpu_bind`` instead, once it runs (:func:`pin_engine_core`).
+The EngineCore inherits ``OMP_NUM_THREADS``: keep it at the bound core count (1 in the tests
+and the rehearsals), or its OpenMP threads share the bound core.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,17 +67,22 @@ class TinyEngineSpec:
     max_num_seqs: int = 32
     worker_extension_cls: str = ""
 
+    def __post_init__(self) -> None:
+        if self.cpu_bind is not None:
+            _parse_cores(self.cpu_bind)  # a typed error before any process is spawned
+
 
 def start_tiny_engine(spec: TinyEngineSpec) -> Any:
     """Create a ``vllm.v1.engine.async_llm.AsyncLLM`` for the tiny model.
 
-    Must be called from a running event loop's thread (AsyncLLM starts its output handler
-    lazily there). ``VLLM_CPU_OMP_THREADS_BIND`` is read by the spawned EngineCore at start,
-    so it is set just for the creation and restored afterwards (left set, a later engine
-    without ``cpu_bind`` inherited this one's cores); without it two engines share core 0.
+    Called from a running event loop's thread, the engine's output handler starts there;
+    from a thread without one, it starts on the loop that first uses the engine. With
+    ``spec.cpu_bind`` its EngineCore process is pinned to those cores; without it two
+    engines compete for whichever core the scheduler picks.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     args = AsyncEngineArgs(
         model=str(spec.model_dir),
@@ -80,15 +96,100 @@ def start_tiny_engine(spec: TinyEngineSpec) -> Any:
         seed=spec.seed,
         worker_extension_cls=spec.worker_extension_cls,
         disable_log_stats=True,
+        # The class, not "uni": the CPU platform turns the string into "mp".
+        distributed_executor_backend=UniProcExecutor,
     )
-    key = "VLLM_CPU_OMP_THREADS_BIND"
-    before = os.environ.get(key)
+    engine = AsyncLLM.from_engine_args(args)
     if spec.cpu_bind is not None:
-        os.environ[key] = spec.cpu_bind
+        try:
+            pin_engine_core(engine, spec.cpu_bind)
+        except BaseException:
+            engine.shutdown()
+            raise
+    return engine
+
+
+def start_tiny_engines(specs: Sequence[TinyEngineSpec], timeout_s: float = 900.0) -> list[Any]:
+    """Start one tiny engine per spec at once; returns them in ``specs``' order.
+
+    Most of an engine's start is its EngineCore process importing vLLM, so EngineCores
+    starting side by side take about two thirds of the time of one after the other on a
+    2-core box (docs/generation.md). Each engine is created on a thread of its own, without
+    an event loop, so it binds to the loop that first uses it; call this from any thread but
+    that loop's. If any engine fails to start, the others are shut down and the first error
+    is raised.
+    """
+    engines: list[Any] = [None] * len(specs)
+    errors: list[BaseException] = []
+
+    def create(i: int, spec: TinyEngineSpec) -> None:
+        try:
+            engines[i] = start_tiny_engine(spec)
+        except BaseException as exc:  # re-raised on the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create, args=(i, spec), name=f"tiny-engine-{i}",
+                                daemon=True) for i, spec in enumerate(specs)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        errors.append(TimeoutError(f"tiny engines not started within {timeout_s:.0f}s"))
+    if errors:
+        for engine in engines:
+            if engine is not None:
+                engine.shutdown()
+        raise errors[0]
+    return engines
+
+
+def pin_engine_core(engine: Any, cpu_bind: str) -> None:
+    """Pin every thread of ``engine``'s EngineCore process(es) to the cores of ``cpu_bind``.
+
+    ``engine`` is an ``AsyncLLM`` or an ``LLM``. Threads the EngineCore starts later inherit
+    the affinity of the thread that starts them, so pinning the running process covers them
+    (with the worker inside the EngineCore, its model runs on the main thread).
+    """
+    cores = _parse_cores(cpu_bind)
+    for pid in engine_core_pids(engine):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+
+
+def engine_core_pids(engine: Any) -> list[int]:
+    """Process ids of the EngineCore process(es) of an ``AsyncLLM`` or ``LLM`` (vLLM 0.32's
+    ``engine_core.resources.engine_manager.processes``); a ``TypeError`` naming the missing
+    attribute where a vLLM keeps them elsewhere or the engine runs in-process."""
+    client = getattr(engine, "llm_engine", engine).engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    processes = getattr(manager, "processes", None)
+    if not processes:
+        raise TypeError(
+            f"{type(engine).__name__} has no EngineCore processes at "
+            "engine_core.resources.engine_manager.processes (an in-process engine, or a vLLM "
+            "other than 0.32); cannot pin it"
+        )
+    return [p.pid for p in processes if p.pid is not None]
+
+
+def _parse_cores(cpu_bind: str) -> list[int]:
+    """Core ids of a ``VLLM_CPU_OMP_THREADS_BIND``-style list for one engine (``"0"``,
+    ``"0,2"``, ``"0-3"``); anything else is a ``ValueError`` naming the valid forms."""
+    cores: list[int] = []
     try:
-        return AsyncLLM.from_engine_args(args)
-    finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        for part in cpu_bind.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cores.extend(range(first, last + 1))
+    except ValueError:
+        raise ValueError(
+            f"cpu_bind {cpu_bind!r} is not a list of core ids; valid: '0', '0,2', '0-3'"
+        ) from None
+    return cores

@@ -326,13 +326,22 @@ def test_stale_router_copy_is_rejected_at_the_gate_and_redispatched_fake_lagging
     pair.run(go(), timeout=60)
 
 
-def _stress(pair: VllmPair, n: int, seed: int, mode: RedispatchMode) -> None:
+def _stress(pair: VllmPair, n: int, seed: int, mode: RedispatchMode,
+            paced_by: int = 0) -> None:
+    """``n`` requests under random preempt/wake/activate chaos, none lost or duplicated.
+
+    ``paced_by`` > 0: a preemption waits until that many requests completed since the last
+    one. RESTART re-runs a preempted request from its first token, so unpaced chaos (a
+    preemption every 0.03-0.25 s) can preempt a long request on every one of its dispatches
+    on a slow box; paced by completions, the rate follows the engines' speed, not the clock.
+    """
     rng = random.Random(seed)
     prompts = make_prompts(n, seed=seed)
     reqs = requests(prompts, [rng.randrange(8, 65) for _ in range(n)], f"stress{seed}")
 
     async def chaos(rig: Rig, stop: asyncio.Event, counts: Counter[str]) -> None:
         crng = random.Random(seed + 1)
+        paced_until = 0
         while not stop.is_set():
             await asyncio.sleep(crng.uniform(0.03, 0.25))
             snap = rig.view.snapshot()
@@ -345,10 +354,11 @@ def _stress(pair: VllmPair, n: int, seed: int, mode: RedispatchMode) -> None:
             elif sleeping and (not snap.active or crng.random() < 0.6):
                 await rig.life.wake([crng.choice(sleeping)])
                 counts["wake"] += 1
-            elif snap.active:
+            elif snap.active and rig.router.stats().completed >= paced_until:
                 k = len(snap.active) if crng.random() < 0.15 else 1  # sometimes all of them
                 await rig.life.preempt(crng.sample(snap.active, k))
                 counts["preempt"] += 1
+                paced_until = rig.router.stats().completed + paced_by
         snap = rig.view.snapshot()
         if snap.ranks_in(ShardStatus.SLEEPING):
             await rig.life.wake(snap.ranks_in(ShardStatus.SLEEPING))
@@ -382,7 +392,20 @@ def test_stress_200_requests_random_preempt_wake(vllm_pair_clean: VllmPair) -> N
 def test_stress_1000_requests_random_preempt_wake(
     vllm_pair_clean: VllmPair, mode: RedispatchMode
 ) -> None:
-    _stress(vllm_pair_clean, 1000, seed=200, mode=mode)
+    _stress(vllm_pair_clean, 1000, seed=200, mode=mode, paced_by=24)
+
+
+def test_each_engine_core_runs_pinned_to_its_own_core(vllm_pair: VllmPair) -> None:
+    # Started side by side with their workers inside the EngineCore: each EngineCore (every
+    # thread of it, the model runs on its main thread) on the core it was given, so the two
+    # engines never share one core; the test process itself stays unpinned.
+    from rlix_plugins.generation.tiny_engine import engine_core_pids
+
+    for core, engine in enumerate(vllm_pair.engines):
+        (pid,) = engine_core_pids(engine)
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        assert {frozenset(os.sched_getaffinity(t)) for t in tids} == {frozenset({core})}
+    assert os.sched_getaffinity(0) == set(range(os.cpu_count() or 1))
 
 
 def test_plugin_and_worker_extension_reach_the_vllm_worker_process(vllm_pair: VllmPair) -> None:

@@ -56,7 +56,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineRig]:
     pytest.importorskip("vllm")
     from rlix_plugins.generation.tiny_engine import (
         TinyEngineSpec,
-        start_tiny_engine,
+        start_tiny_engines,
         write_tiny_llama,
     )
     from rlix_plugins.training.vllm_receiver import EXTENSION_FQN
@@ -69,13 +69,12 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineRig]:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, saved["PYTHONPATH"]) if p)
     loop = LoopThread("obs-engines", default_timeout=600.0)
 
-    async def start(bind: str) -> Any:
-        # Created on the loop the controller and router use: AsyncLLM binds to it.
-        return start_tiny_engine(TinyEngineSpec(model_dir, cpu_bind=bind, seed=0,
-                                                worker_extension_cls=EXTENSION_FQN))
-
     try:
-        engines = [loop.run(start(b), timeout=900) for b in ("0", "1")]
+        # Started side by side, off the loop; they bind to the loop the controller and router
+        # use when it first uses them.
+        engines = start_tiny_engines(
+            [TinyEngineSpec(model_dir, cpu_bind=b, seed=0, worker_extension_cls=EXTENSION_FQN)
+             for b in ("0", "1")], timeout_s=900.0)
     finally:
         for k, v in saved.items():
             if v is None:

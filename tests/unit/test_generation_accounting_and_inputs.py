@@ -268,13 +268,33 @@ def test_sampling_options_the_wrapper_sets_are_refused_with_a_typed_error(key: s
 # -- tiny engine environment ------------------------------------------------------------
 
 
-def test_tiny_engine_cpu_bind_does_not_leak_into_later_engines(
+class FakeEngineCoreClient:
+    """FAKE ``AsyncLLM``: no engine, only where vLLM 0.32 keeps its EngineCore processes
+    (``engine_core.resources.engine_manager.processes``), here one real child process."""
+
+    def __init__(self, pid: int) -> None:
+        process = type("Proc", (), {"pid": pid})()
+        manager = type("Manager", (), {"processes": [process]})()
+        resources = type("Resources", (), {"engine_manager": manager})()
+        self.engine_core = type("Client", (), {"resources": resources})()
+        self.shut_down = False
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def test_tiny_engine_pins_its_engine_core_and_leaves_the_environment_alone(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    # start_tiny_engine set VLLM_CPU_OMP_THREADS_BIND and left it set: a later engine asked
-    # for no binding (or the rest of the process) inherited the first engine's core.
+    # The worker runs inside the EngineCore (UniProcExecutor, passed as the class: the CPU
+    # platform turns "uni" into "mp"); the EngineCore is pinned once it runs, so nothing of
+    # the process-wide environment changes (VLLM_CPU_OMP_THREADS_BIND or OMP_PLACES set
+    # meanwhile would reach other threads' processes, and OMP_PROC_BIND pinned the caller).
     pytest.importorskip("vllm")
+    import subprocess
+
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     from rlix_plugins.generation.tiny_engine import (
         TinyEngineSpec,
@@ -282,19 +302,48 @@ def test_tiny_engine_cpu_bind_does_not_leak_into_later_engines(
         write_tiny_llama,
     )
 
-    seen: list[str | None] = []
+    child = subprocess.Popen(["sleep", "60"])
+    backends: list[Any] = []
+    env_seen: list[dict[str, str]] = []
 
-    def fake_from_engine_args(args: Any) -> str:  # FAKE: no engine is started
-        seen.append(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
-        return "FAKE engine"
+    def fake_from_engine_args(args: Any) -> FakeEngineCoreClient:  # FAKE: no engine
+        backends.append(args.distributed_executor_backend)
+        env_seen.append(dict(os.environ))
+        return FakeEngineCoreClient(child.pid)
 
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_from_engine_args)
-    model = write_tiny_llama(tmp_path / "m")
-    start_tiny_engine(TinyEngineSpec(model, cpu_bind="1"))
-    start_tiny_engine(TinyEngineSpec(model))
-    assert seen == ["1", None]
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    env_before = dict(os.environ)
+    try:
+        model = write_tiny_llama(tmp_path / "m")
+        start_tiny_engine(TinyEngineSpec(model))
+        assert os.sched_getaffinity(child.pid) == os.sched_getaffinity(0)  # not pinned
+        start_tiny_engine(TinyEngineSpec(model, cpu_bind="0"))
+        assert os.sched_getaffinity(child.pid) == {0}
+        assert os.sched_getaffinity(0) != {0} or os.cpu_count() == 1  # the caller is not
+        assert backends == [UniProcExecutor] * 2
+        assert env_seen == [env_before] * 2 and dict(os.environ) == env_before
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_pinning_an_engine_without_engine_core_processes_is_a_typed_error(
+    tmp_path: Any,
+) -> None:
+    from rlix_plugins.generation.tiny_engine import pin_engine_core
+
+    engine = FakeEngineCoreClient(0)
+    engine.engine_core.resources.engine_manager.processes = []
+    with pytest.raises(TypeError, match=r"engine_core\.resources\.engine_manager\.processes"):
+        pin_engine_core(engine, "0")
+
+
+@pytest.mark.parametrize("bind", ["", "a", "1-0", "-1", "0,,1", "0-"])
+def test_tiny_engine_refuses_a_malformed_cpu_bind(tmp_path: Any, bind: str) -> None:
+    from rlix_plugins.generation.tiny_engine import TinyEngineSpec
+
+    with pytest.raises(ValueError, match=r"cpu_bind .* valid: '0', '0,2', '0-3'"):
+        TinyEngineSpec(tmp_path, cpu_bind=bind)
 
 
 # -- request bookkeeping when the state owner cannot be read -----------------------------------
