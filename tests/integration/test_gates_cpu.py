@@ -21,7 +21,8 @@ import pytest
 from rlix_plugins.adapters.observability import read_observations
 from rlix_plugins.gates.observed import request_totals
 
-# Engine start dominates (12-25 s each on a quiet box, minutes when the box is loaded).
+# Engine start dominates (a pipeline's two engines about 25 s on a quiet box, minutes when
+# the box is loaded).
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
