@@ -116,17 +116,25 @@ def start_tiny_engines(specs: Sequence[TinyEngineSpec], timeout_s: float = 900.0
     starting side by side take about two thirds of the time of one after the other on a
     2-core box (docs/generation.md). Each engine is created on a thread of its own, without
     an event loop, so it binds to the loop that first uses it; call this from any thread but
-    that loop's. If any engine fails to start, the others are shut down and the first error
-    is raised.
+    that loop's. If any engine fails to start (or ``timeout_s`` passes), the others are shut
+    down, those still starting as soon as they are up, and the first error is raised.
     """
     engines: list[Any] = [None] * len(specs)
     errors: list[BaseException] = []
+    lock = threading.Lock()
+    gave_up = False
 
     def create(i: int, spec: TinyEngineSpec) -> None:
         try:
-            engines[i] = start_tiny_engine(spec)
+            engine = start_tiny_engine(spec)
         except BaseException as exc:  # re-raised on the caller's thread below
             errors.append(exc)
+            return
+        with lock:
+            if not gave_up:
+                engines[i] = engine
+                return
+        engine.shutdown()  # started after the caller gave up: nobody else would stop it
 
     threads = [threading.Thread(target=create, args=(i, spec), name=f"tiny-engine-{i}",
                                 daemon=True) for i, spec in enumerate(specs)]
@@ -135,9 +143,11 @@ def start_tiny_engines(specs: Sequence[TinyEngineSpec], timeout_s: float = 900.0
     deadline = time.monotonic() + timeout_s
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() for t in threads):
-        errors.append(TimeoutError(f"tiny engines not started within {timeout_s:.0f}s"))
-    if errors:
+    with lock:
+        if any(t.is_alive() for t in threads):
+            errors.append(TimeoutError(f"tiny engines not started within {timeout_s:.0f}s"))
+        gave_up = bool(errors)
+    if gave_up:
         for engine in engines:
             if engine is not None:
                 engine.shutdown()

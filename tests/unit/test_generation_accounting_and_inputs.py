@@ -327,6 +327,32 @@ def test_tiny_engine_pins_its_engine_core_and_leaves_the_environment_alone(
         child.wait()
 
 
+def test_engines_started_together_are_all_shut_down_when_one_fails(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # No engine is left running when another fails: started ones are shut down, the first
+    # error reaches the caller.
+    pytest.importorskip("vllm")
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from rlix_plugins.generation.tiny_engine import TinyEngineSpec, start_tiny_engines
+
+    made: list[FakeEngineCoreClient] = []
+
+    def fake_from_engine_args(args: Any) -> FakeEngineCoreClient:  # FAKE: no engine
+        if args.seed == 1:
+            raise RuntimeError("engine 1 failed to start")
+        made.append(FakeEngineCoreClient(os.getpid()))
+        return made[-1]
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", fake_from_engine_args)
+    specs = [TinyEngineSpec(tmp_path, seed=s) for s in (0, 1, 2)]
+    with pytest.raises(RuntimeError, match="engine 1 failed to start"):
+        start_tiny_engines(specs)
+    assert len(made) == 2 and all(e.shut_down for e in made)
+    assert [e.shut_down for e in start_tiny_engines([specs[0], specs[2]])] == [False, False]
+
+
 def test_pinning_an_engine_without_engine_core_processes_is_a_typed_error(
     tmp_path: Any,
 ) -> None:
