@@ -8,12 +8,13 @@ shared/notes/vllm-cpu.md: bfloat16, eager, a fixed 64 MiB KV cache (the default 
 fraction fails on CPU), token-id prompts with no tokenizer.
 
 The model worker runs inside the EngineCore process (``UniProcExecutor``): one spawned process
-and one vLLM import per engine instead of two, about 12 of a 30 s start on this 2-core box
-(docs/generation.md). vLLM's CPU platform only offers its own multiprocess executor because
-that is where it sets a worker's OpenMP binding from ``VLLM_CPU_OMP_THREADS_BIND``; a tiny
-engine pins its EngineCore to ``cpu_bind`` instead, once it runs (:func:`pin_engine_core`).
-The EngineCore inherits ``OMP_NUM_THREADS``: keep it at the bound core count (1 in the tests
-and the rehearsals), or its OpenMP threads share the bound core.
+and one vLLM import per engine instead of two: 17.6 s against 29-42 s per start on this 2-core
+box (``python -m benchmarks.engine_start``, docs/generation.md). vLLM's CPU platform only
+offers its own multiprocess executor because that is where it sets a worker's OpenMP binding
+from ``VLLM_CPU_OMP_THREADS_BIND``; a tiny engine pins its EngineCore to ``cpu_bind`` instead,
+once it runs (:func:`pin_engine_core`). The EngineCore inherits ``OMP_NUM_THREADS``: keep it
+at the bound core count (1 in the tests and the rehearsals), or its OpenMP threads share the
+bound core.
 """
 
 from __future__ import annotations
@@ -72,19 +73,12 @@ class TinyEngineSpec:
             _parse_cores(self.cpu_bind)  # a typed error before any process is spawned
 
 
-def start_tiny_engine(spec: TinyEngineSpec) -> Any:
-    """Create a ``vllm.v1.engine.async_llm.AsyncLLM`` for the tiny model.
-
-    Called from a running event loop's thread, the engine's output handler starts there;
-    from a thread without one, it starts on the loop that first uses the engine. With
-    ``spec.cpu_bind`` its EngineCore process is pinned to those cores; without it two
-    engines compete for whichever core the scheduler picks.
-    """
+def tiny_engine_args(spec: TinyEngineSpec) -> Any:
+    """The ``vllm.engine.arg_utils.AsyncEngineArgs`` of ``spec``'s engine."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-    args = AsyncEngineArgs(
+    return AsyncEngineArgs(
         model=str(spec.model_dir),
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -99,7 +93,19 @@ def start_tiny_engine(spec: TinyEngineSpec) -> Any:
         # The class, not "uni": the CPU platform turns the string into "mp".
         distributed_executor_backend=UniProcExecutor,
     )
-    engine = AsyncLLM.from_engine_args(args)
+
+
+def start_tiny_engine(spec: TinyEngineSpec) -> Any:
+    """Create a ``vllm.v1.engine.async_llm.AsyncLLM`` for the tiny model.
+
+    Called from a running event loop's thread, the engine's output handler starts there;
+    from a thread without one, it starts on the loop that first uses the engine. With
+    ``spec.cpu_bind`` its EngineCore process is pinned to those cores; without it two
+    engines compete for whichever core the scheduler picks.
+    """
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(tiny_engine_args(spec))
     if spec.cpu_bind is not None:
         try:
             pin_engine_core(engine, spec.cpu_bind)
@@ -113,8 +119,8 @@ def start_tiny_engines(specs: Sequence[TinyEngineSpec], timeout_s: float = 900.0
     """Start one tiny engine per spec at once; returns them in ``specs``' order.
 
     Most of an engine's start is its EngineCore process importing vLLM, so EngineCores
-    starting side by side take about two thirds of the time of one after the other on a
-    2-core box (docs/generation.md). Each engine is created on a thread of its own, without
+    starting side by side take about half the time of one after the other on a 2-core
+    box (``benchmarks/engine_start``). Each engine is created on a thread of its own, without
     an event loop, so it binds to the loop that first uses it; call this from any thread but
     that loop's. If any engine fails to start (or ``timeout_s`` passes), the others are shut
     down, those still starting as soon as they are up, and the first error is raised.
