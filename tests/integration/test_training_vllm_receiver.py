@@ -124,3 +124,67 @@ def test_vllm_engine_weights_replaced_through_worker_extension(
     finally:
         receiver.close()
         cache.close()
+
+
+def _shard(t: torch.Tensor, rank: int, parts: int) -> torch.Tensor:
+    """Rows ``rank`` of ``parts`` (vLLM's vocab-parallel embedding and LM head)."""
+    return t.chunk(parts, dim=0)[rank]
+
+
+def test_tensor_parallel_engine_gets_an_offer_per_worker(
+    weight_receiver_engine_tp2: ReceiverEngine, weight_receiver_engine: ReceiverEngine
+) -> None:
+    """A real tp=2 engine (two vLLM worker processes): each worker is a receiver of its own
+    in the sync, through shared memory, ZMQ and a gloo broadcast group; each loads the whole
+    version and keeps its slice (its embedding and LM-head rows are exactly that slice), and
+    the engine generates what the one-worker engine generates with the same weights."""
+    from rlix_plugins.training.vllm_receiver import engines_synced
+
+    engine, single = weight_receiver_engine_tp2, weight_receiver_engine
+    cfg = engine.config
+    w1 = tiny_llama_hf_weights(cfg, seed=1)
+    w2 = tiny_llama_hf_weights(cfg, seed=2)
+    cache = BucketCache("ft_vllm_tp", CacheConfig(bucket_bytes=320 << 10, ram_reserve_bytes=0))
+    receiver = VllmEngineReceiver("tp0", engine.llm)
+    reference = VllmEngineReceiver("one", single.llm)
+    assert receiver.num_workers == 2 and reference.receivers() == (reference,)
+    workers = receiver.receivers()
+    assert [w.shard_id for w in workers] == ["tp0@w0", "tp0@w1"]
+    outputs: dict[int, list[list[int]]] = {}
+    try:
+        for version, (kind, w) in enumerate(
+            [(TransportKind.SHM, w1), (TransportKind.ZMQ, w2), (TransportKind.GLOO, w1)],
+            start=1,
+        ):
+            cache.build(version, w.items())
+            cache.activate(version)
+            opts = SyncOptions(transports={h.shard_id: kind for h in workers},
+                               ack_timeout_s=120)
+            report = sync_version(cache, version, workers, options=opts)
+            assert engines_synced(report.succeeded, report.failed) == ("tp0",), report
+            assert {o.transport for o in report.outcomes} == {kind}
+            assert receiver.weight_version() == version
+            per_worker = engine.llm.collective_rpc("rlix_param_checksums")
+            for rank, sums in enumerate(per_worker):
+                assert sums["model.norm.weight"] == _fp(w["model.norm.weight"])  # replicated
+                for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    assert sums[name] == _fp(_shard(w[name], rank, 2)), (rank, name)
+            outputs[version] = _greedy(engine)
+            sync_version(cache, version, reference.receivers(),
+                         options=SyncOptions(ack_timeout_s=120))
+            assert _greedy(engine) == _greedy(single), version  # the sharded layers too
+        assert outputs[1] != outputs[2] and outputs[3] == outputs[1]
+
+        # one worker's corrupted bucket fails the engine: no common version, resync restores
+        cache.build(4, w2.items())
+        with cache.pinned(4) as cv:
+            cv.buckets[1].storage[200] ^= 0xFF
+        with pytest.raises(ChecksumMismatchError, match=r"tp0@w"):
+            sync_version(cache, 4, workers, options=SyncOptions(ack_timeout_s=120))
+        assert receiver.weight_version() is None
+        sync_version(cache, 3, workers, options=SyncOptions(ack_timeout_s=120))
+        assert receiver.weight_version() == 3 and _greedy(engine) == outputs[1]
+    finally:
+        receiver.close()
+        reference.close()
+        cache.close()
