@@ -37,6 +37,10 @@ from rlix_plugins.adapters.job_support import (
 from rlix_plugins.values import is_int
 
 
+def _positive_int_or_unset(value: object) -> bool:
+    return value is UNSET or (is_int(value) and int(value) >= 1)
+
+
 def _no_speculation(value: object) -> bool:
     """No draft model: unset, null, or NeMo RL's own "off" (``num_speculative_tokens: 0``)."""
     if value is UNSET or value is None:
@@ -65,12 +69,13 @@ _RULES: Final[tuple[JobRule, ...]] = (
     JobRule("policy.generation.vllm_cfg.async_engine", is_true, "true",
             "the time-sharing worker subclasses NeMo RL's async vLLM worker; the synchronous "
             "VllmGenerationWorker cannot be preempted"),
-    *(
-        JobRule(f"policy.generation.vllm_cfg.{size}", is_one_or_unset, "1",
-                "the selective sync's receiver takes one vLLM worker per engine; "
-                "multi-worker (tensor- or pipeline-parallel) engines are not wired")
-        for size in ("tensor_parallel_size", "pipeline_parallel_size")
-    ),
+    JobRule("policy.generation.vllm_cfg.tensor_parallel_size", _positive_int_or_unset,
+            "an int >= 1",
+            "each of the engine's vLLM workers receives the synced version on its own and "
+            "keeps its slice"),
+    JobRule("policy.generation.vllm_cfg.pipeline_parallel_size", is_one_or_unset, "1",
+            "the selective sync hands every vLLM worker the whole version; a pipeline stage "
+            "would be handed the other stages' layers (not wired)"),
     JobRule("policy.generation.colocated.enabled", is_false, "false",
             "the coordinator shares GPUs by partial overlap of separate training and inference "
             "clusters (policy.generation.rlix); colocated inference keeps NeMo RL's own "

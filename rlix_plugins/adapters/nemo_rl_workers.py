@@ -402,30 +402,44 @@ class RLixVllmWorkerMixin:
         """
         from rlix_plugins.training.transports.selection import local_host_id
 
-        return {"host": local_host_id()}
+        # NeMo RL's own attributes (VllmGenerationWorker.__init__): the engine's vLLM workers,
+        # each a receiver of its own in the sync
+        workers = int(getattr(self, "tensor_parallel_size", 1) or 1) * int(
+            getattr(self, "pipeline_parallel_size", 1) or 1)
+        return {"host": local_host_id(), "workers": workers}
 
-    async def rlix_receive_weights(self, offer: dict[str, Any]) -> dict[str, Any]:
-        """Receiver side of the selective sync: the engine's worker runs the receiver extension
-        (``rlix_receive_weights``), which pulls the offered version bucket by bucket from the
-        sender's transport. Only the offer (plain data) crosses the engine's RPC."""
+    async def rlix_receive_weights(
+        self, offer: dict[str, Any] | list[dict[str, Any]]
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Receiver side of the selective sync: the engine's workers run the receiver
+        extension (``rlix_receive_weights``), which pulls the offered version bucket by bucket
+        from the sender's transport. Only the offers (plain data) cross the engine's RPC: one
+        offer for a one-worker engine, a list (one per worker, rank order) otherwise, answered
+        with the workers' results in that order (a failed worker's as a ``failed`` record)."""
         replies = await self._rlix().engine.collective_rpc("rlix_receive_weights",
                                                            args=(offer,))
-        if len(replies) != 1:
+        expected = 1 if isinstance(offer, Mapping) else len(offer)
+        if len(replies) != expected:
             raise WeightSyncError(
-                f"{len(replies)} vLLM workers answered one offer; the receiver supports one "
-                "worker per engine (tensor parallel size 1)"
+                f"{len(replies)} vLLM workers answered {expected} offer(s): send one offer "
+                "per worker of the engine"
             )
-        result: dict[str, Any] = replies[0]
-        self._rlix_weights_discarded = False
-        return result
+        if all(not (isinstance(r, Mapping) and r.get("failed")) for r in replies):
+            self._rlix_weights_discarded = False
+        if isinstance(offer, Mapping):
+            result: dict[str, Any] = replies[0]
+            return result
+        return list(replies)
 
     async def rlix_weight_version(self) -> int | None:
-        """The version the engine holds (applied completely), or None: never synced, a sync
-        failed, or a level-2 sleep discarded the weights since the last complete sync."""
+        """The version every worker of the engine holds (applied completely), or None: never
+        synced, a sync failed, or a level-2 sleep discarded the weights since the last
+        complete sync."""
+        from rlix_plugins.training.vllm_receiver import common_version
+
         if getattr(self, "_rlix_weights_discarded", False):
             return None
-        replies = await self._rlix().engine.collective_rpc("rlix_weight_version")
-        return None if replies[0] is None else int(replies[0])
+        return common_version(await self._rlix().engine.collective_rpc("rlix_weight_version"))
 
 
 class RLixVllmAsyncGenerationWorkerImpl(

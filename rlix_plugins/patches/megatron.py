@@ -44,6 +44,12 @@ from rlix_plugins.training.nccl_lifecycle import (
     init_keywords,
 )
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
+from rlix_plugins.training.vllm_receiver import (
+    EngineCall,
+    EngineWorkers,
+    engine_shard_id,
+    engines_synced,
+)
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
 
 logger = logging.getLogger(__name__)
@@ -170,19 +176,30 @@ class RLixMegatronWorkerMixin:
         """
         import ray
 
-        from rlix_plugins.training.sync import SyncOptions, sync_version
+        from rlix_plugins.training.sync import ReceiverHandle, SyncOptions, sync_version
 
         if not receivers:
             return {"version": version, "shards": [], "transports": {}, "bytes": 0,
                     "buckets": 0, "seconds": 0.0}
         # Where each receiver runs decides its transport; ask them all at once.
         locations = ray.get([actor.rlix_receiver_location.remote() for _, actor in receivers])
-        handles = [RayWorkerReceiver(str(sid), actor, str(loc["host"]))
-                   for (sid, actor), loc in zip(receivers, locations, strict=True)]
+        handles: list[ReceiverHandle] = []
+        for (sid, actor), loc in zip(receivers, locations, strict=True):
+            workers = int(loc.get("workers", 1))
+            if workers == 1:
+                handles.append(RayWorkerReceiver(str(sid), actor, str(loc["host"])))
+            else:  # a tensor-parallel engine: one receiver per vLLM worker, one Ray call
+                handles.extend(EngineWorkers(
+                    str(sid), workers,
+                    _engine_call(actor),
+                    ReceiverLocation(host=str(loc["host"])),
+                ).receivers)
         report = sync_version(self._rlix_cache(), version, handles,
                               options=SyncOptions(ack_timeout_s=ack_timeout_s))
-        return {"version": report.version, "shards": list(report.succeeded),
-                "transports": {o.shard_id: o.transport.value for o in report.outcomes},
+        return {"version": report.version,
+                "shards": list(engines_synced(report.succeeded, report.failed)),
+                "transports": {engine_shard_id(o.shard_id): o.transport.value
+                               for o in report.outcomes},
                 "bytes": report.total_bytes, "buckets": report.num_buckets,
                 "seconds": report.seconds}
 
@@ -239,6 +256,17 @@ class RLixMegatronWorkerMixin:
                 report.replaced, sorted(roots), report.objects_visited, report.seconds,
             )
         return report
+
+
+def _engine_call(actor: Any) -> EngineCall:
+    """One Ray call of ``actor.rlix_receive_weights`` with every worker's offer."""
+
+    def call(offers: list[dict[str, Any]]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = actor.rlix_receive_weights.remote(
+            offers).future()
+        return future
+
+    return call
 
 
 class RayWorkerReceiver(AddressedReceiver):

@@ -46,6 +46,8 @@ from rlix_plugins.training.wire import ReceiveResult, SyncOffer
 if TYPE_CHECKING:
     import torch
 
+    from rlix_plugins.training.sync import ReceiverHandle
+
 logger = logging.getLogger(__name__)
 
 EXTENSION_FQN = "rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension"
@@ -231,7 +233,7 @@ class EngineWorkers:
         self._lock = threading.Lock()
         self._sync_id: str | None = None
         self._parked: dict[int, tuple[SyncOffer, concurrent.futures.Future[ReceiveResult]]] = {}
-        self.receivers: tuple[AddressedReceiver, ...] = tuple(
+        self.receivers: tuple[ReceiverHandle, ...] = tuple(
             _WorkerReceiver(self, rank, location) for rank in range(num_workers)
         )
 
@@ -329,7 +331,7 @@ class VllmEngineReceiver(AddressedReceiver):
             EngineWorkers(shard_id, self.num_workers, self._call_all, self.location)
         )
 
-    def receivers(self) -> tuple[AddressedReceiver, ...]:
+    def receivers(self) -> tuple[ReceiverHandle, ...]:
         """The sync's receivers for this engine: itself, or one per worker."""
         return (self,) if self._workers is None else self._workers.receivers
 
