@@ -138,7 +138,7 @@ def test_the_first_heartbeat_comes_after_the_registration(
 
     monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
     monkeypatch.setenv("RLIX_NAMESPACE", coordinator.namespace)
-    monkeypatch.setenv("RLIX_LEASE_S", "1.5")
+    monkeypatch.setenv("RLIX_LEASE_S", "3")
     monkeypatch.setenv(ENV_PIPELINE_ID, "ft_00000000b3a7")
     monkeypatch.setattr(nemo_rl, "_pipeline", None)
     monkeypatch.setattr(nemo_rl, "_pending_policy", None)
@@ -161,7 +161,7 @@ def test_the_first_heartbeat_comes_after_the_registration(
             assert beating_at_registration == [False]  # was [True]
             thread = pipeline.hooks._heartbeat_thread  # type: ignore[attr-defined]
             assert thread is not None and thread.is_alive()  # started once registered
-            time.sleep(1.2)  # two beat intervals (lease 1.5 s / 3)
+            time.sleep(2.2)  # two beat intervals (lease 3 s / 3; 1.5 s expired on a busy box)
         finally:
             generation.weight_synchronizer.shutdown()
     assert "heartbeat failed" not in caplog.text, caplog.text
