@@ -60,17 +60,32 @@ def write_tiny_llama(directory: Path) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class TinyEngineSpec:
-    """Arguments of one tiny engine. ``cpu_bind`` pins its EngineCore (``"0"``, ``"1"``)."""
+    """Arguments of one tiny engine. ``cpu_bind`` pins its EngineCore (``"0"``, ``"1"``).
+
+    ``tensor_parallel_size`` > 1 runs vLLM's multiprocess executor (one worker process per
+    rank, over gloo); vLLM binds worker ``r``'s OpenMP threads to the ``r``-th entry of
+    ``VLLM_CPU_OMP_THREADS_BIND`` (``"0|1"``), which the caller sets (``cpu_bind`` is for a
+    one-worker engine only).
+    """
 
     model_dir: Path
     cpu_bind: str | None = None
     seed: int = 0
     max_num_seqs: int = 32
     worker_extension_cls: str = ""
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.cpu_bind is not None:
             _parse_cores(self.cpu_bind)  # a typed error before any process is spawned
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r} must be an int >= 1")
+        if tp > 1 and self.cpu_bind is not None:
+            raise ValueError(
+                f"cpu_bind={self.cpu_bind!r} pins a one-worker engine; a tensor_parallel_size="
+                f"{tp} engine's workers are bound by VLLM_CPU_OMP_THREADS_BIND (e.g. '0|1')"
+            )
 
 
 def tiny_engine_args(spec: TinyEngineSpec) -> Any:
@@ -91,7 +106,9 @@ def tiny_engine_args(spec: TinyEngineSpec) -> Any:
         worker_extension_cls=spec.worker_extension_cls,
         disable_log_stats=True,
         # The class, not "uni": the CPU platform turns the string into "mp".
-        distributed_executor_backend=UniProcExecutor,
+        distributed_executor_backend=(
+            UniProcExecutor if spec.tensor_parallel_size == 1 else "mp"),
+        tensor_parallel_size=spec.tensor_parallel_size,
     )
 
 

