@@ -373,6 +373,34 @@ def test_tiny_engine_refuses_a_malformed_cpu_bind(tmp_path: Any, bind: str) -> N
         TinyEngineSpec(tmp_path, cpu_bind=bind)
 
 
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"tensor_parallel_size": 0}, r"tensor_parallel_size=0 must be an int >= 1"),
+    ({"tensor_parallel_size": True}, r"tensor_parallel_size=True must be an int >= 1"),
+    ({"tensor_parallel_size": 2, "cpu_bind": "0"},
+     r"pins a one-worker engine; .* VLLM_CPU_OMP_THREADS_BIND"),
+])
+def test_tiny_engine_refuses_a_bad_tensor_parallel_spec(
+    tmp_path: Any, kwargs: dict[str, Any], match: str
+) -> None:
+    from rlix_plugins.generation.tiny_engine import TinyEngineSpec
+
+    with pytest.raises(ValueError, match=match):
+        TinyEngineSpec(tmp_path, **kwargs)
+
+
+def test_a_tensor_parallel_tiny_engine_runs_vllms_worker_processes(tmp_path: Any) -> None:
+    # one worker process per rank (vLLM's multiprocess executor); one rank stays in-process
+    pytest.importorskip("vllm")
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    from rlix_plugins.generation.tiny_engine import TinyEngineSpec, tiny_engine_args
+
+    tp2 = tiny_engine_args(TinyEngineSpec(tmp_path, tensor_parallel_size=2))
+    assert (tp2.distributed_executor_backend, tp2.tensor_parallel_size) == ("mp", 2)
+    one = tiny_engine_args(TinyEngineSpec(tmp_path))
+    assert (one.distributed_executor_backend, one.tensor_parallel_size) == (UniProcExecutor, 1)
+
+
 # -- request bookkeeping when the state owner cannot be read -----------------------------------
 
 
