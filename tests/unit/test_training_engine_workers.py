@@ -183,6 +183,15 @@ def test_a_worker_refuses_offers_for_another_engine_size_and_keeps_its_version()
     assert worker.rlix_weight_version() == 5
 
 
+def test_a_single_offer_to_a_multi_worker_engine_is_answered_at_once_as_failed() -> None:
+    # every worker would dial the one control channel the offer names
+    engine = FakeTpEngine(_load_all, _load_all)
+    replies = engine.collective_rpc("rlix_receive_weights", (_offer("s", "e").to_dict(),))
+    assert [r["failed"] for r in replies] == [True, True]
+    assert "one offer for an engine of 2 workers" in replies[0]["error"]
+    assert engine.collective_rpc("rlix_weight_version") == [None, None]
+
+
 def test_engine_names_fold_back_and_versions_must_agree() -> None:
     assert engine_shard_id("shard3@w12") == "shard3" and engine_shard_id("a@b") == "a@b"
     assert engines_synced(["a@w0", "a@w1", "b", "c@w0"], failed=["c@w1"]) == ("a", "b")
