@@ -197,7 +197,8 @@ def worker_shard_id(shard_id: str, rank: int) -> str:
 
 def engine_shard_id(shard_id: str) -> str:
     """The engine a sync receiver belongs to: ``"shard0@w1"`` -> ``"shard0"`` (a one-worker
-    engine's receiver is named like the engine)."""
+    engine's receiver is named like the engine, so an engine's own id must not end in
+    ``@w<digits>``)."""
     return _WORKER_SUFFIX.sub("", shard_id)
 
 
