@@ -88,6 +88,13 @@ class TinyEngineSpec:
             )
 
 
+def threads_bind_per_rank(tensor_parallel_size: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value for a tensor-parallel engine: worker ``r`` on
+    the ``r``-th core this process may run on (wrapping around), e.g. ``"0|1"``."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[r % len(cores)]) for r in range(tensor_parallel_size))
+
+
 def tiny_engine_args(spec: TinyEngineSpec) -> Any:
     """The ``vllm.engine.arg_utils.AsyncEngineArgs`` of ``spec``'s engine."""
     from vllm.engine.arg_utils import AsyncEngineArgs

@@ -119,11 +119,7 @@ class RlixWeightReceiverExtension:
         )
         return result.to_dict()
 
-    def _rlix_own_offer(
-        self, offer: Mapping[str, Any] | Sequence[Mapping[str, Any]]
-    ) -> Mapping[str, Any]:
-        if isinstance(offer, Mapping):
-            return offer
+    def _rlix_own_offer(self, offer: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
         if isinstance(offer, (str, bytes)) or not isinstance(offer, Sequence):
             raise WeightSyncError(
                 f"malformed sync offer {offer!r}: expected a mapping or a list of them"

@@ -10,7 +10,6 @@ run here.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ def test_a_push_reaches_every_worker_of_a_tensor_parallel_engine(
 ) -> None:
     import torch
 
-    from rlix_plugins.generation.tiny_engine import write_tiny_llama
+    from rlix_plugins.generation.tiny_engine import threads_bind_per_rank, write_tiny_llama
     from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
     from tests.support.nemo_rl_actors import (
         CpuGenerationWorker,
@@ -38,15 +37,14 @@ def test_a_push_reaches_every_worker_of_a_tensor_parallel_engine(
         return f"{checksum_tensor(raw, ChecksumKind.FLETCHER64):016x}"
 
     model_dir = str(write_tiny_llama(tmp_path / "tiny_llama"))
-    cores = sorted(os.sched_getaffinity(0))
-    bind = "|".join(str(cores[r % len(cores)]) for r in range(2))
+    bind = threads_bind_per_rank(2)
     gen = CpuGenerationWorker.options(
         num_cpus=0, max_concurrency=1000,
         runtime_env=nemo_rl_runtime_env({"VLLM_CPU_OMP_THREADS_BIND": bind})).remote(64)
     policy = ray_session.remote(FakePolicyWorker).options(
         num_cpus=0, runtime_env=nemo_rl_runtime_env()).remote(model_dir)
     try:
-        ray_session.get(gen.cpu_start_tp.remote(model_dir, 2), timeout=600)
+        ray_session.get(gen.cpu_start.remote(model_dir, None, 2), timeout=600)
         assert ray_session.get(gen.rlix_receiver_location.remote())["workers"] == 2
         names = ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"]
         for version in (0, 1):

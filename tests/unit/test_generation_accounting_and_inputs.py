@@ -388,7 +388,7 @@ def test_tiny_engine_refuses_a_bad_tensor_parallel_spec(
         TinyEngineSpec(tmp_path, **kwargs)
 
 
-def test_a_tensor_parallel_tiny_engine_runs_vllms_worker_processes(tmp_path: Any) -> None:
+def test_a_tensor_parallel_tiny_engine_asks_for_vllms_multiprocess_executor(tmp_path: Any) -> None:
     # one worker process per rank (vLLM's multiprocess executor); one rank stays in-process
     pytest.importorskip("vllm")
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
@@ -399,6 +399,16 @@ def test_a_tensor_parallel_tiny_engine_runs_vllms_worker_processes(tmp_path: Any
     assert (tp2.distributed_executor_backend, tp2.tensor_parallel_size) == ("mp", 2)
     one = tiny_engine_args(TinyEngineSpec(tmp_path))
     assert (one.distributed_executor_backend, one.tensor_parallel_size) == (UniProcExecutor, 1)
+
+
+def test_threads_bind_per_rank_uses_this_process_cores_in_rank_order() -> None:
+    import os
+
+    from rlix_plugins.generation.tiny_engine import threads_bind_per_rank
+
+    cores = sorted(os.sched_getaffinity(0))
+    parts = threads_bind_per_rank(3).split("|")
+    assert parts == [str(cores[r % len(cores)]) for r in range(3)]
 
 
 # -- request bookkeeping when the state owner cannot be read -----------------------------------
