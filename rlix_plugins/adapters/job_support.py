@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Final
 
 from rlix_plugins.errors import UnsupportedJobError
-from rlix_plugins.values import is_int
 
 
 class _Unset:
@@ -68,10 +67,6 @@ def is_false_or_unset(value: object) -> bool:
 
 def is_none_or_unset(value: object) -> bool:
     return value is None or value is UNSET
-
-
-def is_one_or_unset(value: object) -> bool:
-    return value is UNSET or (is_int(value) and value == 1)
 
 
 def equals(expected: str) -> Callable[[object], bool]:
@@ -130,5 +125,5 @@ def raise_if_unsupported(host: str, problems: Iterable[JobProblem]) -> None:
 
 
 __all__ = ["UNSET", "JobProblem", "JobRule", "differs_from", "equals", "is_false",
-           "is_false_or_unset", "is_none_or_unset", "is_one_or_unset", "is_true",
+           "is_false_or_unset", "is_none_or_unset", "is_true",
            "lookup", "raise_if_unsupported", "unsupported"]

@@ -29,7 +29,6 @@ from rlix_plugins.adapters.job_support import (
     is_false,
     is_false_or_unset,
     is_none_or_unset,
-    is_one_or_unset,
     is_true,
     raise_if_unsupported,
     unsupported,
@@ -73,9 +72,10 @@ _RULES: Final[tuple[JobRule, ...]] = (
             "an int >= 1",
             "each of the engine's vLLM workers receives the synced version on its own and "
             "keeps its slice"),
-    JobRule("policy.generation.vllm_cfg.pipeline_parallel_size", is_one_or_unset, "1",
-            "the selective sync hands every vLLM worker the whole version; a pipeline stage "
-            "would be handed the other stages' layers (not wired)"),
+    JobRule("policy.generation.vllm_cfg.pipeline_parallel_size", _positive_int_or_unset,
+            "an int >= 1",
+            "each of the engine's vLLM workers receives the synced version on its own and "
+            "vLLM's loader keeps its stage's layers"),
     JobRule("policy.generation.colocated.enabled", is_false, "false",
             "the coordinator shares GPUs by partial overlap of separate training and inference "
             "clusters (policy.generation.rlix); colocated inference keeps NeMo RL's own "

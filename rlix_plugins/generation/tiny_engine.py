@@ -62,10 +62,12 @@ def write_tiny_llama(directory: Path) -> Path:
 class TinyEngineSpec:
     """Arguments of one tiny engine. ``cpu_bind`` pins its EngineCore (``"0"``, ``"1"``).
 
-    ``tensor_parallel_size`` > 1 runs vLLM's multiprocess executor (one worker process per
-    rank, over gloo); vLLM binds worker ``r``'s OpenMP threads to the ``r``-th entry of
-    ``VLLM_CPU_OMP_THREADS_BIND`` (``"0|1"``), which the caller sets (``cpu_bind`` is for a
-    one-worker engine only).
+    ``tensor_parallel_size`` * ``pipeline_parallel_size`` > 1 runs vLLM's multiprocess
+    executor (one worker process per rank, over gloo); vLLM binds worker ``r``'s OpenMP
+    threads to the ``r``-th entry of ``VLLM_CPU_OMP_THREADS_BIND`` (``"0|1"``), which the
+    caller sets (``cpu_bind`` is for a one-worker engine only). A pipeline-parallel engine
+    starts and loads weights on vllm-cpu 0.32 but cannot generate there (its second stage
+    fails on the intermediate tensors, measured 2026-11-28): use it for weight-path checks.
     """
 
     model_dir: Path
@@ -74,25 +76,35 @@ class TinyEngineSpec:
     max_num_seqs: int = 32
     worker_extension_cls: str = ""
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.cpu_bind is not None:
             _parse_cores(self.cpu_bind)  # a typed error before any process is spawned
-        tp = self.tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size={tp!r} must be an int >= 1")
-        if tp > 1 and self.cpu_bind is not None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name}={size!r} must be an int >= 1")
+        if self.workers > 1 and self.cpu_bind is not None:
             raise ValueError(
-                f"cpu_bind={self.cpu_bind!r} pins a one-worker engine; a tensor_parallel_size="
-                f"{tp} engine's workers are bound by VLLM_CPU_OMP_THREADS_BIND (e.g. '0|1')"
+                f"cpu_bind={self.cpu_bind!r} pins a one-worker engine; an engine of "
+                f"{self.workers} workers (tensor_parallel_size={self.tensor_parallel_size}, "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}) is bound by "
+                "VLLM_CPU_OMP_THREADS_BIND (e.g. '0|1', threads_bind_per_rank)"
             )
 
+    @property
+    def workers(self) -> int:
+        """The engine's worker processes: tensor * pipeline parallel size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
-def threads_bind_per_rank(tensor_parallel_size: int) -> str:
-    """A ``VLLM_CPU_OMP_THREADS_BIND`` value for a tensor-parallel engine: worker ``r`` on
-    the ``r``-th core this process may run on (wrapping around), e.g. ``"0|1"``."""
+
+def threads_bind_per_rank(workers: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value for an engine of ``workers`` worker processes
+    (tensor * pipeline parallel size): worker ``r`` on the ``r``-th core this process may run
+    on (wrapping around), e.g. ``"0|1"``."""
     cores = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cores[r % len(cores)]) for r in range(tensor_parallel_size))
+    return "|".join(str(cores[r % len(cores)]) for r in range(workers))
 
 
 def tiny_engine_args(spec: TinyEngineSpec) -> Any:
@@ -113,9 +125,9 @@ def tiny_engine_args(spec: TinyEngineSpec) -> Any:
         worker_extension_cls=spec.worker_extension_cls,
         disable_log_stats=True,
         # The class, not "uni": the CPU platform turns the string into "mp".
-        distributed_executor_backend=(
-            UniProcExecutor if spec.tensor_parallel_size == 1 else "mp"),
+        distributed_executor_backend=UniProcExecutor if spec.workers == 1 else "mp",
         tensor_parallel_size=spec.tensor_parallel_size,
+        pipeline_parallel_size=spec.pipeline_parallel_size,
     )
 
 

@@ -104,17 +104,19 @@ class CpuGenerationWorkerImpl(RLixVllmAsyncGenerationWorkerImpl):  # type: ignor
         self.llm = None
 
     async def cpu_start(self, model_dir: str, cpu_bind: str | None,
-                        tensor_parallel_size: int = 1) -> bool:
+                        tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> bool:
         """The engine, with NeMo RL's own size attributes set as its ``__init__`` sets them
-        from ``vllm_cfg``. A tensor-parallel engine's worker processes are bound by the
-        actor's ``VLLM_CPU_OMP_THREADS_BIND`` (``cpu_bind`` None)."""
+        from ``vllm_cfg``. A multi-worker engine's worker processes are bound by the actor's
+        ``VLLM_CPU_OMP_THREADS_BIND`` (``cpu_bind`` None)."""
         from rlix_plugins.generation.tiny_engine import TinyEngineSpec, start_tiny_engine
         from tests.support.nemo_rl_vllm_ext import EXTENSION_FQN
 
-        self.tensor_parallel_size, self.pipeline_parallel_size = tensor_parallel_size, 1
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.llm = start_tiny_engine(TinyEngineSpec(
             Path(model_dir), cpu_bind=cpu_bind, seed=0, worker_extension_cls=EXTENSION_FQN,
-            tensor_parallel_size=tensor_parallel_size))
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size))
         self.rlix_install()
         return True
 

@@ -377,9 +377,13 @@ def test_tiny_engine_refuses_a_malformed_cpu_bind(tmp_path: Any, bind: str) -> N
     ({"tensor_parallel_size": 0}, r"tensor_parallel_size=0 must be an int >= 1"),
     ({"tensor_parallel_size": True}, r"tensor_parallel_size=True must be an int >= 1"),
     ({"tensor_parallel_size": 2, "cpu_bind": "0"},
-     r"pins a one-worker engine; .* VLLM_CPU_OMP_THREADS_BIND"),
+     r"pins a one-worker engine; an engine of 2 workers .* VLLM_CPU_OMP_THREADS_BIND"),
+    ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size=0 must be an int >= 1"),
+    ({"pipeline_parallel_size": 1.0}, r"pipeline_parallel_size=1.0 must be an int >= 1"),
+    ({"pipeline_parallel_size": 2, "cpu_bind": "1"},
+     r"an engine of 2 workers \(tensor_parallel_size=1, pipeline_parallel_size=2\)"),
 ])
-def test_tiny_engine_refuses_a_bad_tensor_parallel_spec(
+def test_tiny_engine_refuses_a_bad_parallel_spec(
     tmp_path: Any, kwargs: dict[str, Any], match: str
 ) -> None:
     from rlix_plugins.generation.tiny_engine import TinyEngineSpec
@@ -388,7 +392,7 @@ def test_tiny_engine_refuses_a_bad_tensor_parallel_spec(
         TinyEngineSpec(tmp_path, **kwargs)
 
 
-def test_a_tensor_parallel_tiny_engine_asks_for_vllms_multiprocess_executor(tmp_path: Any) -> None:
+def test_a_multi_worker_tiny_engine_asks_for_vllms_multiprocess_executor(tmp_path: Any) -> None:
     # one worker process per rank (vLLM's multiprocess executor); one rank stays in-process
     pytest.importorskip("vllm")
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
@@ -396,9 +400,14 @@ def test_a_tensor_parallel_tiny_engine_asks_for_vllms_multiprocess_executor(tmp_
     from rlix_plugins.generation.tiny_engine import TinyEngineSpec, tiny_engine_args
 
     tp2 = tiny_engine_args(TinyEngineSpec(tmp_path, tensor_parallel_size=2))
-    assert (tp2.distributed_executor_backend, tp2.tensor_parallel_size) == ("mp", 2)
+    assert (tp2.distributed_executor_backend, tp2.tensor_parallel_size,
+            tp2.pipeline_parallel_size) == ("mp", 2, 1)
+    pp2 = tiny_engine_args(TinyEngineSpec(tmp_path, pipeline_parallel_size=2))
+    assert (pp2.distributed_executor_backend, pp2.tensor_parallel_size,
+            pp2.pipeline_parallel_size) == ("mp", 1, 2)
     one = tiny_engine_args(TinyEngineSpec(tmp_path))
-    assert (one.distributed_executor_backend, one.tensor_parallel_size) == (UniProcExecutor, 1)
+    assert (one.distributed_executor_backend, one.tensor_parallel_size,
+            one.pipeline_parallel_size) == (UniProcExecutor, 1, 1)
 
 
 def test_threads_bind_per_rank_uses_this_process_cores_in_rank_order() -> None:

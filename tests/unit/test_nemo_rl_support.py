@@ -68,8 +68,9 @@ def test_every_gate_job_is_supported() -> None:
     ("policy.generation.backend", "sglang"),
     ("policy.generation.vllm_cfg.async_engine", False),
     ("policy.generation.vllm_cfg.tensor_parallel_size", 0),
-    ("policy.generation.vllm_cfg.pipeline_parallel_size", 2),
+    ("policy.generation.vllm_cfg.pipeline_parallel_size", 0),
     ("policy.generation.vllm_cfg.tensor_parallel_size", True),  # a bool is no size
+    ("policy.generation.vllm_cfg.pipeline_parallel_size", 2.0),
     ("policy.generation.colocated.enabled", True),
     ("policy.generation.quant_cfg", {"algorithm": "fp8"}),
     ("data_plane.enabled", True),
@@ -128,6 +129,8 @@ def test_absent_keys_count_as_nemo_rls_defaults() -> None:
     # each vLLM worker of a tensor-parallel engine is a receiver of its own
     ("policy.generation.vllm_cfg.tensor_parallel_size", 2),
     ("policy.generation.vllm_cfg.tensor_parallel_size", 8),
+    # each stage's workers load the whole version; vLLM keeps the stage's layers
+    ("policy.generation.vllm_cfg.pipeline_parallel_size", 2),
     ("policy.generation.vllm_cfg.precision", "bfloat16"),
     ("policy.generation.vllm_kwargs.speculative_config", None),
     # NeMo RL's own "speculation off" (its vLLM worker drops such a config).
