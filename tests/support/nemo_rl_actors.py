@@ -176,15 +176,11 @@ def tiny_weights(model_dir: str, version: int) -> dict[str, Any]:
 
 def plain_checksums(model_dir: str, version: int) -> dict[str, str]:
     """Fletcher-64 of the parameters vLLM holds byte-for-byte (engine-comparable)."""
-    import torch
-
     from rlix_plugins.gates.trainer import plain_param
-    from rlix_plugins.training.checksum import ChecksumKind, checksum_tensor
+    from rlix_plugins.training.checksum import tensor_fingerprint
 
-    return {
-        n: f"{checksum_tensor(t.reshape(-1).view(torch.uint8), ChecksumKind.FLETCHER64):016x}"
-        for n, t in tiny_weights(model_dir, version).items() if plain_param(n)
-    }
+    return {n: tensor_fingerprint(t) for n, t in tiny_weights(model_dir, version).items()
+            if plain_param(n)}
 
 
 class FakePolicyWorker(RLixMegatronWorkerMixin):

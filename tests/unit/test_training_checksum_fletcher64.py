@@ -20,6 +20,7 @@ from rlix_plugins.training.checksum import (
     fletcher64_numpy,
     fletcher64_torch,
     segment_checksums,
+    tensor_fingerprint,
 )
 from rlix_plugins.training.receiver import StateDictTarget, ThreadReceiver
 from rlix_plugins.training.sync import SyncOptions, sync_version
@@ -116,3 +117,19 @@ def test_the_gpu_path_catches_the_same_single_word_changes_as_the_host() -> None
             got = segment_checksums_torch(on_gpu, SEG)
             assert got == segment_checksums(bad, SEG, ChecksumKind.FLETCHER64)
             assert got[1] != clean[1]
+
+
+def test_a_tensor_fingerprint_is_the_checksum_of_its_bytes_in_16_hex_digits() -> None:
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(64, 48, generator=g).to(torch.bfloat16)
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    fp = tensor_fingerprint(t)
+    assert fp == f"{fletcher64_numpy(raw):016x}" and len(fp) == 16
+    # a view with other strides: the bytes of its values in order, not of its storage
+    assert tensor_fingerprint(t.t()) == tensor_fingerprint(t.t().contiguous())
+    assert tensor_fingerprint(t.t()) != fp
+    # any dtype; a one-bit change shows
+    flipped = t.clone()
+    flipped.view(torch.int16)[5, 7] ^= 1
+    assert tensor_fingerprint(flipped) != fp
+    assert tensor_fingerprint(t.float()) != fp
