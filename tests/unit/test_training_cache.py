@@ -18,7 +18,7 @@ from rlix_plugins.errors import (
     UnknownWeightVersionError,
     WeightCacheError,
 )
-from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind
+from rlix_plugins.training.bucket_cache import SHM_PREFIX, BucketCache, CacheConfig, StorageKind
 from rlix_plugins.training.checksum import (
     ChecksumKind,
     checksum_bytes,
@@ -48,7 +48,10 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _shm_files() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("rlix-wcache-")}
+    """This process's bucket files: other processes (a test suite running alongside) make
+    their own, named by their pid."""
+    mine = f"{SHM_PREFIX}{os.getpid()}-"
+    return {f for f in os.listdir("/dev/shm") if f.startswith(mine)}
 
 
 @pytest.mark.parametrize("storage", [StorageKind.SHARED, StorageKind.PAGEABLE])
