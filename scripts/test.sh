@@ -49,6 +49,8 @@ if [ "$status" -eq 0 ]; then
   "$PY" -m pytest -m "not slow and not gpu and not verl" "$@" || status=$?
 fi
 if [ "$status" -ne 0 ]; then
+  echo "===== veRL suite stopped (mypy or the main suite failed); its output so far ====="
+  tail -n 40 "$scratch/verl.log"
   exit "$status"  # the trap stops the veRL suite
 fi
 verl_status=0
