@@ -33,8 +33,10 @@ class ObserverImpl:
         self.view = view
 
     async def watch(self, target_version: int, timeout_s: float) -> list[tuple[int, Any]]:
-        seen = []
         snap = await self.view.refresh()
+        # What the first read saw counts too: on a loaded box this call can start after the
+        # owner has already reached ``target_version``.
+        seen = [(snap.version, snap.active)]
         deadline = time.monotonic() + timeout_s
         while snap.version < target_version and time.monotonic() < deadline:
             snap = await self.view.wait_for_update(snap.version, deadline - time.monotonic())
