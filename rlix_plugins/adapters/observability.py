@@ -18,6 +18,8 @@ and the gate reads them back (:func:`read_observations`).
   first running request to the end of its last (:class:`BusyRecordingEngine`), a train step
   from the grant of its GPUs to their release (the coordinator hooks). The gate checks that
   no GPU was used by two stages at once from these, independently of the coordinator.
+* :class:`MemoryObserved`: device memory in use on the training GPUs right before the hooks
+  release them (only with ``RLIX_OBSERVE_GPU_MEMORY=1``; :mod:`rlix_plugins.adapters.gpu_memory`).
 
 Unset ``RLIX_OBSERVE_DIR``: nothing is probed or written. Lines are appended with one
 ``write(2)`` on an ``O_APPEND`` descriptor, so concurrent writers of one file never interleave
@@ -275,6 +277,68 @@ class BusyObserved:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryObserved:
+    """Device memory in use on a pipeline's training GPUs right before it released them.
+
+    Written by the hooks' ``after_training`` when ``RLIX_OBSERVE_GPU_MEMORY=1`` (GPU-mode
+    gates), after the host offloaded its training state, destroyed its NCCL groups and put
+    the overlapping shards to sleep, and before the release lets other shards wake there: the
+    moment gate 1's "< 2 GiB after sleep(2) + NCCL destroy" is about. ``used_bytes[i]`` is
+    GPU ``gpus[i]``'s memory in use as the driver reports it (every process), or None when it
+    could not be read (``error`` says why; the gate fails such a record, never skips it).
+    """
+
+    KIND: ClassVar[str] = "memory"
+
+    pipeline_id: str
+    step: int
+    gpus: tuple[int, ...]
+    used_bytes: tuple[int | None, ...]
+    time: float = field(default_factory=time.time)
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.gpus or any(not is_int(g) or g < 0 for g in self.gpus):
+            raise ObservationError(
+                f"memory record of {self.pipeline_id}: gpus must be a non-empty list of GPU "
+                f"ids, got {self.gpus!r}"
+            )
+        if len(self.used_bytes) != len(self.gpus):
+            raise ObservationError(
+                f"memory record of {self.pipeline_id}: {len(self.used_bytes)} readings for "
+                f"{len(self.gpus)} GPUs; expected one per GPU"
+            )
+        if any(u is not None and (not is_int(u) or u < 0) for u in self.used_bytes):
+            raise ObservationError(
+                f"memory record of {self.pipeline_id}: used_bytes must be integers >= 0 or "
+                f"null, got {self.used_bytes!r}"
+            )
+        if any(u is None for u in self.used_bytes) and not self.error:
+            raise ObservationError(
+                f"memory record of {self.pipeline_id}: a GPU without a reading needs the "
+                "error that prevented it"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.KIND, "pipeline_id": self.pipeline_id, "step": self.step,
+                "gpus": list(self.gpus), "used_bytes": list(self.used_bytes),
+                "time": self.time, "error": self.error}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> MemoryObserved:
+        raw = d["used_bytes"]
+        if not isinstance(raw, list):
+            raise ObservationError(f"used_bytes={raw!r} is not valid; expected a list of "
+                                   "integers or nulls")
+        return cls(
+            pipeline_id=str(d["pipeline_id"]), step=_int(d["step"], "step"),
+            gpus=_ints(d["gpus"], "gpus"),
+            used_bytes=tuple(_opt_int(v, f"used_bytes[{i}]", 0) for i, v in enumerate(raw)),
+            time=_seconds(d["time"], "time"), error=str(d.get("error") or ""),
+        )
+
+
 class BusyRecordingEngine:
     """:class:`~rlix_plugins.generation.engine.ShardEngine` wrapper that records when its
     shard computes: one :class:`BusyObserved` per stretch with >= 1 request running, handed
@@ -358,12 +422,15 @@ def recording_engines(engines: Sequence[Any], pipeline_id: str | None,
             for r, (e, g) in enumerate(zip(engines, per_rank, strict=True))]
 
 
-Observation: TypeAlias = ShardVersionsObserved | RouterCountersObserved | BusyObserved
+Observation: TypeAlias = (
+    ShardVersionsObserved | RouterCountersObserved | BusyObserved | MemoryObserved
+)
 _KINDS: dict[str, type[ShardVersionsObserved] | type[RouterCountersObserved]
-             | type[BusyObserved]] = {
+             | type[BusyObserved] | type[MemoryObserved]] = {
     ShardVersionsObserved.KIND: ShardVersionsObserved,
     RouterCountersObserved.KIND: RouterCountersObserved,
     BusyObserved.KIND: BusyObserved,
+    MemoryObserved.KIND: MemoryObserved,
 }
 
 
@@ -538,14 +605,16 @@ class Observations:
     router_counters: tuple[RouterCountersObserved, ...]
     files: tuple[str, ...]
     busy: tuple[BusyObserved, ...] = ()
+    memory: tuple[MemoryObserved, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.shard_versions and not self.router_counters and not self.busy
+        return not (self.shard_versions or self.router_counters or self.busy or self.memory)
 
     def pipelines(self) -> list[str]:
         ids = {r.pipeline_id for r in self.shard_versions}
         ids |= {r.pipeline_id for r in self.busy}
+        ids |= {r.pipeline_id for r in self.memory}
         return sorted(ids | {r.pipeline_id for r in self.router_counters})
 
 
@@ -580,6 +649,7 @@ def read_observations(directory: Path) -> Observations:
     versions: list[ShardVersionsObserved] = []
     counters: list[RouterCountersObserved] = []
     busy: list[BusyObserved] = []
+    memory: list[MemoryObserved] = []
     files = sorted(directory.glob("*.jsonl")) if directory.is_dir() else []
     for path in files:
         for i, raw in enumerate(path.read_bytes().splitlines(), start=1):
@@ -595,10 +665,12 @@ def read_observations(directory: Path) -> Observations:
                 versions.append(rec)
             elif isinstance(rec, BusyObserved):
                 busy.append(rec)
+            elif isinstance(rec, MemoryObserved):
+                memory.append(rec)
             else:
                 counters.append(rec)
     return Observations(directory, tuple(versions), tuple(counters),
-                        tuple(p.name for p in files), tuple(busy))
+                        tuple(p.name for p in files), tuple(busy), tuple(memory))
 
 
 def write_all(directory: Path, records: Iterable[Observation]) -> None:
@@ -614,6 +686,7 @@ __all__ = [
     "ENV_OBSERVE_DIR",
     "BusyObserved",
     "BusyRecordingEngine",
+    "MemoryObserved",
     "Observation",
     "ObservationError",
     "ObservationWriter",

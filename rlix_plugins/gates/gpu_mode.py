@@ -12,7 +12,8 @@ exclusive-allocation baseline) -> evaluate the criteria from the coordinator's t
 status, the jobs' exit codes, the utilisation samples and the jobs' observation records.
 
 The weights and requests criteria are judged from the records the NeMo RL jobs' shard
-controller and routers write (:mod:`rlix_plugins.gates.observed`); without records they FAIL
+controller and routers write (:mod:`rlix_plugins.gates.observed`), gate 1's memory criterion
+from the hooks' GPU memory readings before each training release; without records they FAIL
 with "not observed", never pass silently.
 """
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlix_plugins.adapters.gpu_memory import ENV_OBSERVE_GPU_MEMORY
 from rlix_plugins.adapters.observability import ENV_OBSERVE_DIR
 from rlix_plugins.errors import RlixPluginsError
 from rlix_plugins.gates.criteria import (
@@ -47,7 +49,11 @@ from rlix_plugins.gates.criteria import (
     steps_completed,
     time_sharing,
 )
-from rlix_plugins.gates.observed import observed_criteria, ownership_from_records
+from rlix_plugins.gates.observed import (
+    memory_from_records,
+    observed_criteria,
+    ownership_from_records,
+)
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
 from rlix_plugins.values import is_int
 
@@ -457,11 +463,11 @@ def _log_figures(out: Path, name: str) -> dict[str, int]:
 def shared_job_env(base: Mapping[str, str], out: Path, namespace: str,
                    ray_address: str) -> dict[str, str]:
     """Environment of the shared run's jobs: control plane on, its namespace, trace and
-    observation directories under ``out``, and this Ray's address (jobs join it, and so the
-    gate's coordinator, instead of starting their own)."""
+    observation directories under ``out`` (GPU memory readings on), and this Ray's address
+    (jobs join it, and so the gate's coordinator, instead of starting their own)."""
     return {**base, "RLIX_CONTROL_PLANE": "rlix", "RLIX_NAMESPACE": namespace,
             "RLIX_TRACE_DIR": str(out), ENV_OBSERVE_DIR: str(out / OBSERVE_SUBDIR),
-            "RAY_ADDRESS": ray_address}
+            ENV_OBSERVE_GPU_MEMORY: "1", "RAY_ADDRESS": ray_address}
 
 
 def _namespace_free(ray: Any, namespace: str) -> bool:
@@ -552,6 +558,9 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
     nemo_jobs = sum(1 for j in jobs if j.name != "roll")
     criteria.extend(observed_criteria([("shared", observe)], expected_pipelines=nemo_jobs))
     criteria.append(ownership_from_records(observe, expected_pipelines=nemo_jobs))
+    if opts.gate == 1:
+        # gates/nemo_rl_gate1.yaml: < 2 GiB on the training GPU after sleep(2) + NCCL destroy.
+        criteria.append(memory_from_records(observe, expected_pipelines=nemo_jobs))
     criteria.append(idle_below_exclusive(sampler.idle(t0, t1, 2), sampler.idle(t2, t3, 2)))
     result = GateResult(opts.gate, "gpu", tuple(criteria))
     (out / f"gate{opts.gate}_report.json").write_text(json.dumps({

@@ -1,4 +1,4 @@
-"""The weights and requests criteria judged from the jobs' observation records.
+"""The weights, requests, ownership and memory criteria judged from the jobs' observation records.
 
 GPU mode reads them from ``{--out}/observe`` (``RLIX_OBSERVE_DIR`` of the jobs it launched);
 the CPU rehearsals write the same records and are judged by the same functions, so this code
@@ -16,6 +16,10 @@ Weights, per record (a sync event of one pipeline):
 Requests, per pipeline: the last record of every router copy, summed: no request lost, none
 duplicated, none still in flight at the copy's last record, completed == submitted - cancelled
 (a request its caller cancelled is reported, not counted as lost), and > 0 requests completed.
+
+Memory (GPU-mode gate 1), per training release: the training GPUs' memory in use, read by the
+hooks right before the release (after the host's offload and NCCL destroy, the shards on
+those GPUs asleep), below the gate's limit; one record per release of each pipeline.
 
 No records at all = FAILED "not observed".
 """
@@ -43,6 +47,9 @@ WEIGHTS_REQUIREMENT = ("after each sync every active shard serves the trainer's 
 OWNERSHIP_REQUIREMENT = ("no GPU used by two pipelines' stages at once (the jobs' own records "
                          "of when each shard had requests running and each train step held "
                          "its GPUs)")
+GIB = 1 << 30
+#: gate 1's limit on the training GPU after sleep(2) + NCCL destroy (gates/nemo_rl_gate1.yaml)
+MEMORY_LIMIT_BYTES = 2 * GIB
 REQUESTS_REQUIREMENT = ("zero lost or duplicated requests (router bookkeeping from the jobs' "
                         "records: completed == submitted - cancelled, none in flight at the end)")
 
@@ -238,6 +245,60 @@ def ownership_from_records(directory: Path, *, expected_pipelines: int | None = 
     return CriterionResult(name, OWNERSHIP_REQUIREMENT, measured, result.passed and not gaps)
 
 
+def memory_requirement(limit_bytes: int) -> str:
+    return (f"training GPUs below {limit_bytes / GIB:g} GiB in use (every process, NVML) at "
+            "each release, after the shards' sleep and the NCCL destroy (the jobs' records)")
+
+
+def memory_from_records(directory: Path, *, limit_bytes: int = MEMORY_LIMIT_BYTES,
+                        expected_pipelines: int | None = None,
+                        name: str = "memory_released") -> CriterionResult:
+    """Every training release of ONE run measured (one memory record per train busy record of
+    the pipeline), every reading present and below ``limit_bytes``. No records, a reading
+    that failed, or fewer records than releases fail."""
+    requirement = memory_requirement(limit_bytes)
+    try:
+        obs = read_observations(directory)
+    except ObservationError as exc:
+        return CriterionResult(name, requirement, f"unreadable records: {exc}", False)
+    if not obs.memory:
+        return CriterionResult(name, requirement, f"not observed: no memory records in "
+                               f"{directory} (RLIX_OBSERVE_GPU_MEMORY=1 unset?)", False)
+    problems: list[str] = []
+    readings: list[tuple[int, str]] = []  # (bytes, where)
+    for rec in obs.memory:
+        for gpu, used in zip(rec.gpus, rec.used_bytes, strict=True):
+            where = f"{rec.pipeline_id} step {rec.step} GPU {gpu}"
+            if used is None:
+                problems.append(f"{where} not read: {rec.error}")
+            else:
+                readings.append((used, where))
+                if used >= limit_bytes:
+                    problems.append(f"{where}: {used / GIB:.2f} GiB")
+    releases: dict[str, int] = defaultdict(int)
+    for b in obs.busy:
+        if b.stage == "train":
+            releases[b.pipeline_id] += 1
+    measured_per: dict[str, int] = defaultdict(int)
+    for rec in obs.memory:
+        measured_per[rec.pipeline_id] += 1
+    for pid, n in sorted(releases.items()):
+        got = measured_per.get(pid, 0)
+        if got < n:
+            problems.append(f"{pid}: {got} memory records for {n} releases")
+    if expected_pipelines is not None and len(measured_per) < expected_pipelines:
+        problems.append(f"memory records of {len(measured_per)} of {expected_pipelines} "
+                        "pipelines")
+    measured = (f"{len(readings)} readings in {len(obs.memory)} releases of "
+                f"{len(measured_per)} pipeline(s)")
+    if readings:
+        top, where = max(readings)
+        measured += f", max {top / GIB:.2f} GiB ({where})"
+    if problems:
+        measured += f"; {len(problems)} problem(s), first: {problems[0]}"
+    return CriterionResult(name, requirement, measured, bool(readings) and not problems)
+
+
 def _coverage_gaps(
     runs: Sequence[tuple[str, set[str]]], expected_pipelines: int | None, kind: str
 ) -> list[str]:
@@ -272,8 +333,10 @@ def observed_criteria(
 
 
 __all__ = [
+    "MEMORY_LIMIT_BYTES",
     "RequestTotals",
     "StaleShard",
+    "memory_from_records",
     "observed_criteria",
     "ownership_from_records",
     "request_totals",

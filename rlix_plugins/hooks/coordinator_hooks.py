@@ -16,7 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlix_plugins.adapters.observability import BusyObserved, ObservationError, ObservationWriter
+from rlix_plugins.adapters.gpu_memory import (
+    GpuMemoryReader,
+    MemoryReadError,
+    memory_reader_from_env,
+)
+from rlix_plugins.adapters.observability import (
+    BusyObserved,
+    MemoryObserved,
+    ObservationError,
+    ObservationWriter,
+)
 from rlix_plugins.errors import CoordinatorUnavailableError, PipelineFailedError, ProtocolError
 from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN, SCHEDULER_ACTOR, cluster_id
 from rlix_plugins.protocol.types import (
@@ -84,6 +94,7 @@ class CoordinatorHooks:
         heartbeat: bool = True,
         clock: Callable[[], float] = time.monotonic,
         observer: ObservationWriter | None = None,
+        memory_reader: GpuMemoryReader | None = None,
     ) -> None:
         self.pipeline_id = pipeline_id
         self.settings = settings
@@ -97,6 +108,10 @@ class CoordinatorHooks:
         #: where train busy records go (``RLIX_OBSERVE_DIR`` unless given); off when unset
         self.observer = observer if observer is not None else ObservationWriter.from_env(
             pipeline_id)
+        #: reads the training GPUs' memory before each release (``RLIX_OBSERVE_GPU_MEMORY=1``
+        #: unless given); only used while :attr:`observer` writes records
+        self.memory_reader = (memory_reader if memory_reader is not None
+                              else memory_reader_from_env())
         #: the training GPUs and when they were granted, until after_training
         self._training: tuple[tuple[int, ...], float] | None = None
         #: (cluster, GPUs) held at INITIALIZATION by hold_for_setup, until release_setup_hold
@@ -185,12 +200,34 @@ class CoordinatorHooks:
                                                  max(time.time(), since)))
             except ObservationError:
                 logger.warning("step %d: train busy record not written", step, exc_info=True)
+            self._observe_memory(step, gpus)
         self._call(
             "notify_release_gpus",
             cluster_id=self.train_cluster_id,
             global_step=step,
             pipeline_id=self.pipeline_id,
         )
+
+    def _observe_memory(self, step: int, gpus: tuple[int, ...]) -> None:
+        """Record the training GPUs' memory in use (the host has offloaded its training state
+        and destroyed its NCCL groups, the overlapping shards sleep). A failed read is
+        recorded with its reason, never raised: the release must go out."""
+        reader = self.memory_reader
+        if reader is None or not self.observer.enabled:
+            return
+        used: list[int | None] = []
+        errors: list[str] = []
+        for g in gpus:
+            try:
+                used.append(reader.used_bytes(g))
+            except MemoryReadError as exc:
+                used.append(None)
+                errors.append(str(exc))
+        try:
+            self.observer.write(MemoryObserved(self.pipeline_id, step, gpus, tuple(used),
+                                               error="; ".join(errors)))
+        except ObservationError:
+            logger.warning("step %d: memory record not written", step, exc_info=True)
 
     def report_progress(
         self,

@@ -128,6 +128,7 @@ def test_hooks_block_release_report_and_keep_the_lease(
     monkeypatch.setenv("RLIX_NAMESPACE", coordinator.namespace)
     monkeypatch.setenv("RLIX_LEASE_S", "1.5")
     monkeypatch.setenv("RLIX_OBSERVE_DIR", str(tmp_path / "observe"))
+    monkeypatch.setenv("RLIX_OBSERVE_GPU_MEMORY", "1")
     settings = load_settings()
     pid, other = "ft_hooks0000001", "ft_hooksother01"
     register_pipeline(coordinator, pid, {"actor_train": [0, 1], "actor_infer": [0, 1, 2, 3]})
@@ -156,6 +157,12 @@ def test_hooks_block_release_report_and_keep_the_lease(
         (rec,) = read_observations(tmp_path / "observe").busy
         assert (rec.pipeline_id, rec.stage, rec.gpus) == (pid, "train", (0, 1))
         assert rec.end >= rec.start
+        # GPU memory readings on: this machine has no NVML nor nvidia-smi, so the record says
+        # why there is no figure (a gate fails it) and the release above still went out.
+        (mem,) = read_observations(tmp_path / "observe").memory
+        assert (mem.pipeline_id, mem.step, mem.gpus, mem.used_bytes) == (pid, 0, (0, 1),
+                                                                        (None, None))
+        assert "nvidia-smi" in mem.error  # NVML failed first; then nvidia-smi was absent or failed
         # Progress: 2% buckets; the scheduler sees the remaining demand.
         sent = []
         real_call = hooks._call
