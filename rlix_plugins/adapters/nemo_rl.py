@@ -55,6 +55,12 @@ from rlix_plugins.adapters.nemo_rl_progress import (
     validation_size,
     with_rank_load,
 )
+from rlix_plugins.adapters.observability import (
+    LifecycleObserved,
+    ObservationError,
+    ObservationWriter,
+    shard_gpus,
+)
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
 from rlix_plugins.errors import (
     CoordinatorUnavailableError,
@@ -199,8 +205,9 @@ class CacheSync:
 class NemoRlShardController(LifecycleShardController):
     """:class:`LifecycleShardController` whose weights come from the Megatron cache owner."""
 
-    def __init__(self, lifecycle: ShardLifecycle, state: ShardStateView, sync: CacheSync) -> None:
-        super().__init__(lifecycle, state, sync, sync.latest)
+    def __init__(self, lifecycle: ShardLifecycle, state: ShardStateView, sync: CacheSync,
+                 rank_gpus: Sequence[Sequence[int]] | None = None) -> None:
+        super().__init__(lifecycle, state, sync, sync.latest, rank_gpus=rank_gpus)
 
 
 # ---------------------------------------------------------------------------- pipeline
@@ -231,6 +238,8 @@ class NemoRlPipeline:
         self._run_over = False
         #: trajectories the running validation generates (None: no validation running)
         self._validation_target: int | None = None
+        #: NCCL destroy / re-init records for the gates (``RLIX_OBSERVE_DIR``; off when unset)
+        self._observer = ObservationWriter.from_env(pipeline_id)
 
     # registration -------------------------------------------------------------------------
     def register(self) -> None:
@@ -354,7 +363,9 @@ class NemoRlPipeline:
             owner = self.policy.worker_group.workers[0]
             lifecycle = ShardLifecycle(self.state, shards, PreemptionConfig())
             self._controller = NemoRlShardController(
-                lifecycle, self.state, CacheSync(owner, leaders, self.pipeline_id))
+                lifecycle, self.state, CacheSync(owner, leaders, self.pipeline_id),
+                rank_gpus=shard_gpus(self.layout.device_mappings()[ACTOR_INFER],
+                                     self.layout.infer_tp))
         return self._controller
 
     def attach_policy(self, policy: Any) -> None:
@@ -406,6 +417,7 @@ class NemoRlPipeline:
             # Policy.run_all_workers_single_data waits for the workers and returns results.
             self.policy.run_all_workers_single_data("rlix_reinit_parallel_state")
             self._nccl_destroyed = False
+            self._observe_nccl("nccl_reinit")
 
     def after_training(self) -> dict[str, float]:
         """Cache, offload, destroy NCCL groups, refresh active shards, release, re-request.
@@ -452,6 +464,18 @@ class NemoRlPipeline:
         self.policy.offload_after_refit()
         self.policy.run_all_workers_single_data("rlix_destroy_parallel_state")
         self._nccl_destroyed = True
+        self._observe_nccl("nccl_destroy")
+
+    def _observe_nccl(self, event: str) -> None:
+        """Record that every worker returned from the groups' destroy / re-init (evidence for
+        the gates' overlap-cycle criterion; never fails the step)."""
+        if not self._observer.enabled:
+            return
+        try:
+            self._observer.write(LifecycleObserved(self.pipeline_id, event, step=self.step,
+                                                   gpus=tuple(self.layout.train_gpus)))
+        except ObservationError:
+            logger.warning("step %d: %s record not written", self.step, event, exc_info=True)
 
     def hold_training(self) -> bool:
         """Take the training GPUs and groups back outside a step: NeMo RL saves its checkpoint
@@ -486,6 +510,7 @@ class NemoRlPipeline:
             self.policy.offload_after_refit()
             self.policy.run_all_workers_single_data("rlix_destroy_parallel_state")
             self._nccl_destroyed = True
+            self._observe_nccl("nccl_destroy")
         finally:
             self.hooks.after_training(self.step)
             self._holding_train = False

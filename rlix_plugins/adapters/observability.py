@@ -18,6 +18,9 @@ and the gate reads them back (:func:`read_observations`).
   first running request to the end of its last (:class:`BusyRecordingEngine`), a train step
   from the grant of its GPUs to their release (the coordinator hooks). The gate checks that
   no GPU was used by two stages at once from these, independently of the coordinator.
+* :class:`LifecycleObserved`: a shard preempted (which rank, on which GPUs), the Megatron
+  NCCL groups destroyed or re-initialised: with the expand and train busy records, what gate
+  1's overlap cycle is judged from.
 * :class:`MemoryObserved`: device memory in use on the training GPUs right before the hooks
   release them (only with ``RLIX_OBSERVE_GPU_MEMORY=1``; :mod:`rlix_plugins.adapters.gpu_memory`).
 
@@ -339,6 +342,64 @@ class MemoryObserved:
         )
 
 
+#: lifecycle events a record names: a shard preempted (abort, drain, sleep), the training
+#: side's Megatron NCCL groups destroyed or re-initialised
+LIFECYCLE_EVENTS = ("shrink", "nccl_destroy", "nccl_reinit")
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleObserved:
+    """One step of the time-sharing cycle, as the process that did it saw it end.
+
+    ``shrink``: shard ``rank`` (on ``gpus``) was preempted: aborted, drained, put to sleep
+    (the shard controller, once per rank it took down; a rank already asleep is not taken
+    down again and writes nothing). ``nccl_destroy`` / ``nccl_reinit``: the pipeline's
+    Megatron groups were destroyed after a step / re-made before one (the host adapter, after
+    the workers returned). The gate judges gate 1's overlap cycle from these, the expand
+    records and the train busy records (:func:`rlix_plugins.gates.observed.overlap_from_records`).
+    """
+
+    KIND: ClassVar[str] = "lifecycle"
+
+    pipeline_id: str
+    event: str
+    time: float = field(default_factory=time.time)
+    step: int | None = None
+    rank: int | None = None
+    gpus: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.event not in LIFECYCLE_EVENTS:
+            raise ObservationError(
+                f"lifecycle record of {self.pipeline_id}: event {self.event!r} is not one of "
+                f"{LIFECYCLE_EVENTS}"
+            )
+        if any(not is_int(g) or g < 0 for g in self.gpus):
+            raise ObservationError(
+                f"lifecycle record of {self.pipeline_id}: gpus must be GPU ids, got "
+                f"{self.gpus!r}"
+            )
+        shrink = self.event == "shrink"
+        if shrink != (self.rank is not None):
+            raise ObservationError(
+                f"lifecycle record of {self.pipeline_id}: a shrink names its rank and only a "
+                f"shrink does (event {self.event!r}, rank {self.rank!r})"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.KIND, "pipeline_id": self.pipeline_id, "event": self.event,
+                "time": self.time, "step": self.step, "rank": self.rank,
+                "gpus": list(self.gpus)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LifecycleObserved:
+        return cls(
+            pipeline_id=str(d["pipeline_id"]), event=str(d["event"]),
+            time=_seconds(d["time"], "time"), step=_opt_int(d.get("step"), "step"),
+            rank=_opt_int(d.get("rank"), "rank", 0), gpus=_ints(d.get("gpus", []), "gpus"),
+        )
+
+
 class BusyRecordingEngine:
     """:class:`~rlix_plugins.generation.engine.ShardEngine` wrapper that records when its
     shard computes: one :class:`BusyObserved` per stretch with >= 1 request running, handed
@@ -424,13 +485,15 @@ def recording_engines(engines: Sequence[Any], pipeline_id: str | None,
 
 Observation: TypeAlias = (
     ShardVersionsObserved | RouterCountersObserved | BusyObserved | MemoryObserved
+    | LifecycleObserved
 )
 _KINDS: dict[str, type[ShardVersionsObserved] | type[RouterCountersObserved]
-             | type[BusyObserved] | type[MemoryObserved]] = {
+             | type[BusyObserved] | type[MemoryObserved] | type[LifecycleObserved]] = {
     ShardVersionsObserved.KIND: ShardVersionsObserved,
     RouterCountersObserved.KIND: RouterCountersObserved,
     BusyObserved.KIND: BusyObserved,
     MemoryObserved.KIND: MemoryObserved,
+    LifecycleObserved.KIND: LifecycleObserved,
 }
 
 
@@ -606,15 +669,18 @@ class Observations:
     files: tuple[str, ...]
     busy: tuple[BusyObserved, ...] = ()
     memory: tuple[MemoryObserved, ...] = ()
+    lifecycle: tuple[LifecycleObserved, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.shard_versions or self.router_counters or self.busy or self.memory)
+        return not (self.shard_versions or self.router_counters or self.busy or self.memory
+                    or self.lifecycle)
 
     def pipelines(self) -> list[str]:
         ids = {r.pipeline_id for r in self.shard_versions}
         ids |= {r.pipeline_id for r in self.busy}
         ids |= {r.pipeline_id for r in self.memory}
+        ids |= {r.pipeline_id for r in self.lifecycle}
         return sorted(ids | {r.pipeline_id for r in self.router_counters})
 
 
@@ -650,6 +716,7 @@ def read_observations(directory: Path) -> Observations:
     counters: list[RouterCountersObserved] = []
     busy: list[BusyObserved] = []
     memory: list[MemoryObserved] = []
+    lifecycle: list[LifecycleObserved] = []
     files = sorted(directory.glob("*.jsonl")) if directory.is_dir() else []
     for path in files:
         for i, raw in enumerate(path.read_bytes().splitlines(), start=1):
@@ -667,10 +734,13 @@ def read_observations(directory: Path) -> Observations:
                 busy.append(rec)
             elif isinstance(rec, MemoryObserved):
                 memory.append(rec)
+            elif isinstance(rec, LifecycleObserved):
+                lifecycle.append(rec)
             else:
                 counters.append(rec)
     return Observations(directory, tuple(versions), tuple(counters),
-                        tuple(p.name for p in files), tuple(busy), tuple(memory))
+                        tuple(p.name for p in files), tuple(busy), tuple(memory),
+                        tuple(lifecycle))
 
 
 def write_all(directory: Path, records: Iterable[Observation]) -> None:
@@ -684,8 +754,10 @@ def write_all(directory: Path, records: Iterable[Observation]) -> None:
 __all__ = [
     "BUSY_STAGES",
     "ENV_OBSERVE_DIR",
+    "LIFECYCLE_EVENTS",
     "BusyObserved",
     "BusyRecordingEngine",
+    "LifecycleObserved",
     "MemoryObserved",
     "Observation",
     "ObservationError",

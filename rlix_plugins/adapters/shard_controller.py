@@ -8,7 +8,9 @@ supply the sync and version functions and the engines behind the lifecycle.
 After every expand and every active refresh (:meth:`LifecycleShardController.refresh`) the
 controller asks each ACTIVE shard's engine which weight version it holds and records it
 (:class:`~rlix_plugins.adapters.observability.ShardVersionsObserved`) when ``RLIX_OBSERVE_DIR``
-is set; the validation gates judge those records. Nothing is probed when it is unset.
+is set, and every rank a shrink took down
+(:class:`~rlix_plugins.adapters.observability.LifecycleObserved`); the validation gates judge
+those records. Nothing is probed when it is unset.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlix_plugins.adapters.observability import (
+    LifecycleObserved,
     ObservationWriter,
     ShardVersionsObserved,
     VersionProbe,
@@ -55,6 +58,8 @@ class LifecycleShardController:
             ``weight_version()``; an engine without it reports None).
         observer: where version records go (default: ``RLIX_OBSERVE_DIR`` and ``PIPELINE_ID``
             of the constructing process; off when unset).
+        rank_gpus: each dp rank's global GPU ids, named in the shrink records (the gates tell
+            the shard that overlaps the training GPUs by them); unknown when None.
         loop: the event loop the engines are bound to (default: a loop of this controller).
     """
 
@@ -68,6 +73,7 @@ class LifecycleShardController:
         probe: VersionProbe | None = None,
         observer: ObservationWriter | None = None,
         loop: LoopThread | None = None,
+        rank_gpus: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._state = state
@@ -80,6 +86,8 @@ class LifecycleShardController:
         self._owns_loop = loop is None
         self._lock = threading.Lock()
         self._step: int | None = None
+        self._rank_gpus = (None if rank_gpus is None
+                           else tuple(tuple(int(g) for g in gpus) for gpus in rank_gpus))
 
     @property
     def observer(self) -> ObservationWriter:
@@ -140,6 +148,13 @@ class LifecycleShardController:
         todo = [r for r in ranks if statuses[r] is not ShardStatus.SLEEPING]
         if todo:
             self._loop_thread().run(self._lifecycle.preempt(todo))
+            writer = self._observer
+            if writer.enabled and writer.pipeline_id is not None:
+                for r in todo:
+                    gpus = self._rank_gpus[r] if self._rank_gpus and r < len(self._rank_gpus) \
+                        else ()
+                    writer.write(LifecycleObserved(writer.pipeline_id, "shrink",
+                                                   step=self._step, rank=r, gpus=gpus))
 
     def expand(self, dp_ranks: Sequence[int]) -> None:
         """Wake sleeping ranks, sync the newest cached weights to exactly them, activate.
@@ -245,10 +260,12 @@ class LifecycleShardController:
             "version": self._version,
             "probe": self._probe,
             "observer": self._observer,
+            "rank_gpus": self._rank_gpus,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         LifecycleShardController.__init__(
             self, state["lifecycle"], state["state"], state["sync"], state["version"],
             probe=state.get("probe"), observer=state.get("observer"),
+            rank_gpus=state.get("rank_gpus"),
         )

@@ -126,6 +126,22 @@ def compare_checksums(expected: Mapping[str, str], actual: Mapping[str, str]) ->
     )
 
 
+def reactivations(events: Sequence[tuple[str, int]], ranks: set[int]) -> int:
+    """How many preemptions of ``ranks`` were followed by an expand of the same rank (a
+    wake that no preemption preceded, e.g. the first one, counts for nothing)."""
+    down: set[int] = set()
+    count = 0
+    for kind, rank in events:
+        if rank not in ranks:
+            continue
+        if kind == "preempt":
+            down.add(rank)
+        elif kind == "expand" and rank in down:
+            down.discard(rank)
+            count += 1
+    return count
+
+
 def no_double_ownership(
     name: str, intervals: Sequence[Interval], *, source: str, tolerance_s: float = 0.0
 ) -> CriterionResult:

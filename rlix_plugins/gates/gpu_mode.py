@@ -52,6 +52,7 @@ from rlix_plugins.gates.criteria import (
 from rlix_plugins.gates.observed import (
     memory_from_records,
     observed_criteria,
+    overlap_from_records,
     ownership_from_records,
 )
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
@@ -559,6 +560,11 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
     criteria.extend(observed_criteria([("shared", observe)], expected_pipelines=nemo_jobs))
     criteria.append(ownership_from_records(observe, expected_pipelines=nemo_jobs))
     if opts.gate == 1:
+        # The overlap shard's preempt/wake cycle and the NCCL destroy/re-init of every step,
+        # from the job's own records (the rehearsal judges its records with the same code).
+        criteria.append(overlap_from_records(
+            observe, steps=min((j.steps for j in jobs if j.name != "roll"), default=None),
+            expected_pipelines=nemo_jobs))
         # gates/nemo_rl_gate1.yaml: < 2 GiB on the training GPU after sleep(2) + NCCL destroy.
         criteria.append(memory_from_records(observe, expected_pipelines=nemo_jobs))
     criteria.append(idle_below_exclusive(sampler.idle(t0, t1, 2), sampler.idle(t2, t3, 2)))

@@ -48,13 +48,14 @@ from typing import Any, TypeVar
 from rlix_plugins.adapters.observability import (
     BusyObserved,
     BusyRecordingEngine,
+    LifecycleObserved,
     ObservationWriter,
     RouterCountersObserved,
     ShardVersionsObserved,
     collective_rpc_version_probe,
 )
 from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
-from rlix_plugins.gates.criteria import compare_checksums
+from rlix_plugins.gates.criteria import compare_checksums, reactivations
 from rlix_plugins.gates.timeline import Interval, RunRecord
 from rlix_plugins.generation.engine import GenerationRequest, GenerationResult
 from rlix_plugins.generation.loop_thread import LoopThread
@@ -162,22 +163,6 @@ class PipelineRun(RunRecord):
     overlap_reactivations: int = 0
 
 
-def reactivations(events: list[tuple[str, int]], ranks: set[int]) -> int:
-    """How many preemptions of ``ranks`` were followed by an expand of the same rank (a
-    wake that no preemption preceded, e.g. the first one, counts for nothing)."""
-    down: set[int] = set()
-    count = 0
-    for kind, rank in events:
-        if rank not in ranks:
-            continue
-        if kind == "preempt":
-            down.add(rank)
-        elif kind == "expand" and rank in down:
-            down.discard(rank)
-            count += 1
-    return count
-
-
 class AsyncEngineReceiver:
     """:class:`~rlix_plugins.training.sync.ReceiverHandle` for an in-process ``AsyncLLM``: the
     worker extension's ``rlix_receive_weights`` runs through ``collective_rpc`` on the engine's
@@ -255,6 +240,7 @@ class RehearsalRuntime:
         from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
 
         self.trainer = TinyLlamaTrainer(Path(spec.model_dir), seed=spec.seed)
+        self.trainer.on_nccl = self._observe_lifecycle
         self.cache = BucketCache(pipeline_id, CacheConfig(bucket_bytes=spec.bucket_bytes,
                                                           ram_reserve_bytes=0))
         self.expected: dict[int, dict[str, str]] = {}
@@ -348,6 +334,15 @@ class RehearsalRuntime:
             writer.pipeline_id, event, version, tuple(sorted(synced)),
             {r: v for r, v in versions.items() if r in still}, step=self._step))
 
+    def _observe_lifecycle(self, event: str, *, rank: int | None = None,
+                           gpus: tuple[int, ...] = ()) -> None:
+        """A shard preempted, or the trainer's groups destroyed / re-made (as the shard
+        controller and the NeMo RL adapter record them in a real job)."""
+        writer = self._observer
+        if writer.enabled and writer.pipeline_id is not None:
+            writer.write(LifecycleObserved(writer.pipeline_id, event, step=self._step,
+                                           rank=rank, gpus=gpus))
+
     # ------------------------------------------------------------------ ShardController
     def _statuses(self) -> tuple[ShardStatus, ...]:
         return self.store.snapshot().statuses
@@ -360,6 +355,8 @@ class RehearsalRuntime:
             if todo:
                 self._loop.run(self.lifecycle.preempt(todo))
                 self.rank_events.extend(("preempt", r) for r in todo)
+                for r in todo:
+                    self._observe_lifecycle("shrink", rank=r, gpus=(self.spec.infer_gpus[r],))
 
     def expand(self, dp_ranks: Sequence[int]) -> None:
         with self._sync_lock:

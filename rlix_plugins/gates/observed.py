@@ -32,13 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlix_plugins.adapters.observability import (
+    BusyObserved,
+    LifecycleObserved,
     ObservationError,
     Observations,
     RouterCountersObserved,
     ShardVersionsObserved,
     read_observations,
 )
-from rlix_plugins.gates.criteria import CriterionResult, no_double_ownership
+from rlix_plugins.gates.criteria import CriterionResult, no_double_ownership, reactivations
 from rlix_plugins.gates.timeline import Interval
 from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN
 
@@ -299,6 +301,118 @@ def memory_from_records(directory: Path, *, limit_bytes: int = MEMORY_LIMIT_BYTE
     return CriterionResult(name, requirement, measured, bool(readings) and not problems)
 
 
+OVERLAP_REQUIREMENT = (
+    "the shard on the training GPUs preempted for a train step and woken+synced+activated "
+    "again after it (>= 1 cycle; every preemption but the last followed by a wake); the NCCL "
+    "groups destroyed before every release of the training GPUs and re-initialised in every "
+    "step that follows a destroy (the jobs' records)")
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapCycle:
+    """One pipeline's overlap cycle as its records show it."""
+
+    pipeline_id: str
+    train_steps: int
+    overlap_ranks: tuple[int, ...]
+    preemptions: int
+    for_training: int
+    reactivations: int
+    destroys_missing: int
+    reinits_missing: int
+
+    @property
+    def ok(self) -> bool:
+        return (self.for_training >= 1 and self.reactivations >= 1
+                and self.reactivations >= self.preemptions - 1
+                and self.destroys_missing == 0 and self.reinits_missing == 0)
+
+    def describe(self) -> str:
+        return (f"{self.pipeline_id}: overlap shard(s) {list(self.overlap_ranks)}: "
+                f"{self.preemptions} preemptions ({self.for_training} before a train step), "
+                f"{self.reactivations} followed by wake+sync+activate; {self.train_steps} train "
+                f"steps, {self.destroys_missing} without an NCCL destroy before the release, "
+                f"{self.reinits_missing} without a re-init after an earlier destroy")
+
+
+def overlap_cycle(pipeline_id: str, train: Sequence[BusyObserved],
+                  lifecycle: Sequence[LifecycleObserved],
+                  expands: Sequence[ShardVersionsObserved]) -> OverlapCycle:
+    """Gate 1's overlap cycle of one pipeline from its records of ONE run.
+
+    Overlap ranks: ranks whose shrink records name a GPU of a train busy record. A shrink of
+    such a rank before its first expand is the host's setup (NeMo RL loads every shard, the
+    first refit puts them to sleep), not a preemption for training. A preemption counts as
+    for a train step when a train step on the rank's GPUs starts after it and before the
+    rank's next expand. NCCL: every train step's interval (grant to release) holds a destroy,
+    and every step after a destroy holds a re-init (the first step may use groups made at
+    start-up)."""
+    train = sorted(train, key=lambda b: b.start)
+    train_gpus = {g for b in train for g in b.gpus}
+    shrinks = [r for r in lifecycle if r.event == "shrink" and r.rank is not None]
+    rank_gpus = {r.rank: set(r.gpus) for r in shrinks if r.rank is not None}
+    overlap = {rank for rank, gpus in rank_gpus.items() if gpus & train_gpus}
+    events: list[tuple[float, str, int]] = [(r.time, "preempt", r.rank) for r in shrinks
+                                            if r.rank in overlap]
+    events += [(e.time, "expand", rank) for e in expands if e.event == "expand"
+               for rank in e.synced if rank in overlap]
+    events.sort()
+    seen_expand: set[int] = set()
+    counted: list[tuple[float, str, int]] = []
+    for t, kind, rank in events:
+        if kind == "expand":
+            seen_expand.add(rank)
+        elif rank not in seen_expand:
+            continue  # the host's setup sleep: the coordinator never woke this shard yet
+        counted.append((t, kind, rank))
+    preempts = [(t, rank) for t, kind, rank in counted if kind == "preempt"]
+    for_training = 0
+    for t, rank in preempts:
+        nxt = min((t2 for t2, k2, r2 in counted if k2 == "expand" and r2 == rank and t2 > t),
+                  default=float("inf"))
+        if any(t <= b.start < nxt and set(b.gpus) & rank_gpus[rank] for b in train):
+            for_training += 1
+    destroys = sorted(r.time for r in lifecycle if r.event == "nccl_destroy")
+    reinits = sorted(r.time for r in lifecycle if r.event == "nccl_reinit")
+    destroys_missing = sum(1 for b in train
+                           if not any(b.start <= t <= b.end for t in destroys))
+    reinits_missing = sum(1 for b in train
+                          if any(t < b.start for t in destroys)
+                          and not any(b.start <= t <= b.end for t in reinits))
+    return OverlapCycle(pipeline_id, len(train), tuple(sorted(overlap)), len(preempts),
+                        for_training, reactivations([(k, r) for _, k, r in counted], overlap),
+                        destroys_missing, reinits_missing)
+
+
+def overlap_from_records(directory: Path, *, steps: int | None = None,
+                         expected_pipelines: int | None = None,
+                         name: str = "overlap_cycle") -> CriterionResult:
+    """:func:`overlap_cycle` of every pipeline with train records in ``directory`` (one run);
+    fewer train steps than ``steps``, no overlap shard or fewer pipelines than expected fail."""
+    try:
+        obs = read_observations(directory)
+    except ObservationError as exc:
+        return CriterionResult(name, OVERLAP_REQUIREMENT, f"unreadable records: {exc}", False)
+    pipelines = sorted({b.pipeline_id for b in obs.busy if b.stage == "train"})
+    if not pipelines:
+        return CriterionResult(name, OVERLAP_REQUIREMENT,
+                               f"not observed: no train records in {directory}", False)
+    cycles = [overlap_cycle(
+        pid, [b for b in obs.busy if b.pipeline_id == pid and b.stage == "train"],
+        [r for r in obs.lifecycle if r.pipeline_id == pid],
+        [r for r in obs.shard_versions if r.pipeline_id == pid]) for pid in pipelines]
+    gaps = [f"{c.pipeline_id}: {c.train_steps} of {steps} train steps recorded"
+            for c in cycles if steps is not None and c.train_steps < steps]
+    gaps += [f"{c.pipeline_id}: no shard on its training GPUs was ever shrunk"
+             for c in cycles if not c.overlap_ranks]
+    if expected_pipelines is not None and len(cycles) < expected_pipelines:
+        gaps.append(f"train records of {len(cycles)} of {expected_pipelines} pipelines")
+    measured = "; ".join(c.describe() for c in cycles) + (
+        "; " + "; ".join(gaps) if gaps else "")
+    return CriterionResult(name, OVERLAP_REQUIREMENT, measured,
+                           all(c.ok for c in cycles) and not gaps)
+
+
 def _coverage_gaps(
     runs: Sequence[tuple[str, set[str]]], expected_pipelines: int | None, kind: str
 ) -> list[str]:
@@ -334,10 +448,13 @@ def observed_criteria(
 
 __all__ = [
     "MEMORY_LIMIT_BYTES",
+    "OverlapCycle",
     "RequestTotals",
     "StaleShard",
     "memory_from_records",
     "observed_criteria",
+    "overlap_cycle",
+    "overlap_from_records",
     "ownership_from_records",
     "request_totals",
     "requests_from_records",

@@ -48,7 +48,11 @@ from rlix_plugins.gates.criteria import (
     weights_current,
 )
 from rlix_plugins.gates.nemo_rehearsal import PipelineRun, PipelineSpec
-from rlix_plugins.gates.observed import observed_criteria, ownership_from_records
+from rlix_plugins.gates.observed import (
+    observed_criteria,
+    overlap_from_records,
+    ownership_from_records,
+)
 from rlix_plugins.gates.roll_sequence import RollRun, RollSequencePipeline, RollSpec
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
 
@@ -355,6 +359,11 @@ def evaluate(gate: int, steps: int, shared: PhaseResult,
             names=("weights_observed", "requests_observed")))
         criteria.append(ownership_from_records(observe_dir / shared.mode,
                                                expected_pipelines=len(shared.nemo)))
+        if gate == 1:
+            # GPU mode's gate-1 check, on this run's records (the same code in CI).
+            criteria.append(overlap_from_records(observe_dir / shared.mode, steps=steps,
+                                                 expected_pipelines=len(shared.nemo),
+                                                 name="overlap_cycle_observed"))
     shared_idle = measure_idle(shared.busy, NUM_GPUS, shared.start, shared.end)
     figures: dict[str, Any] = {"shared": dataclasses.asdict(shared_idle)}
     if exclusive is not None:

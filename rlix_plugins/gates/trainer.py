@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,11 +84,16 @@ class TinyLlamaTrainer:
         self.lifecycle.initialize()
         self.steps_done = 0
         self.cycles = 0
+        #: told ``"nccl_reinit"`` / ``"nccl_destroy"`` once the groups are re-made / gone
+        #: (the rehearsal records them as a host adapter does)
+        self.on_nccl: Callable[[str], None] | None = None
 
     def ensure_groups(self) -> None:
         """Re-initialise Megatron's groups if the last step destroyed them (before a step)."""
         if not self.lifecycle.initialized:
             self.lifecycle.reinitialize()
+            if self.on_nccl is not None:
+                self.on_nccl("nccl_reinit")
 
     def train_step(
         self, samples: Sequence[tuple[Sequence[int], Sequence[int]]], step: int
@@ -131,6 +136,8 @@ class TinyLlamaTrainer:
         self.optimizer.step()
         report = self.lifecycle.destroy()
         self.cycles += 1
+        if self.on_nccl is not None:
+            self.on_nccl("nccl_destroy")
         self.steps_done += 1
         return TrainStepStats(step, float(loss.detach()), baseline, len(samples),
                               report.destroyed)

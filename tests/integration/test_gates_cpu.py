@@ -103,6 +103,9 @@ def test_gate1_cpu_rehearsal(tmp_path: Path) -> None:
     proc, report = _run_gate(1, tmp_path)
     crit = _check_common(1, tmp_path, proc, report)
     assert crit["overlap_cycle"]["passed"]
+    # GPU mode's check of the same cycle, from the run's records, agrees
+    observed = crit["overlap_cycle_observed"]
+    assert observed["passed"] and f"{STEPS} train steps, 0 without" in observed["measured"]
     (a,) = [p for p in report["phases"]["shared"]["pipelines"] if "audit" in p]
     # the overlap shard went down for a train step and came back synced (not necessarily in
     # every step: it may still be asleep when the next step trains)

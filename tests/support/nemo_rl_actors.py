@@ -492,11 +492,16 @@ def _alive(handle: Any, within_s: float = 15.0) -> bool:
 
 
 def start_harness(gen_workers: list[Any], model_dir: str, namespace: str, *,
-                  prompts_per_step: int, during_training: int, lease_s: float) -> Any:
+                  prompts_per_step: int, during_training: int, lease_s: float,
+                  observe_dir: Path | None = None) -> Any:
     """The harness actor with the control plane on, in ``namespace`` (``lease_s``: the
-    coordinator's pipeline lease; the heartbeat runs every third of it)."""
-    env = nemo_rl_runtime_env({"RLIX_CONTROL_PLANE": "rlix", "RLIX_NAMESPACE": namespace,
-                               "RLIX_LEASE_S": str(lease_s)})
+    coordinator's pipeline lease; the heartbeat runs every third of it; ``observe_dir``: the
+    gates' observation records go there, as ``RLIX_OBSERVE_DIR`` of a gate's job)."""
+    extra = {"RLIX_CONTROL_PLANE": "rlix", "RLIX_NAMESPACE": namespace,
+             "RLIX_LEASE_S": str(lease_s)}
+    if observe_dir is not None:
+        extra["RLIX_OBSERVE_DIR"] = str(observe_dir)
+    env = nemo_rl_runtime_env(extra)
     actor = ray.remote(NemoRlDriverHarness).options(
         num_cpus=0, max_concurrency=4, runtime_env=env, name=f"nemo-harness-{uuid.uuid4().hex[:6]}",
     )

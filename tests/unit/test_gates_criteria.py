@@ -15,12 +15,12 @@ from rlix_plugins.gates.criteria import (
     idle_below_exclusive,
     measure_idle,
     no_double_ownership,
+    reactivations,
     requests_accounted,
     steps_completed,
     time_sharing,
     weights_current,
 )
-from rlix_plugins.gates.nemo_rehearsal import reactivations
 from rlix_plugins.gates.timeline import (
     Interval,
     busy_share,

@@ -80,7 +80,7 @@ def test_absent_directory_reads_empty(tmp_path: Path) -> None:
     ("{not json", "not a JSON object"),
     ("[1, 2]", "expected a JSON object"),
     ('{"kind": "weights"}', "kind 'weights' is not valid; expected one of busy, "
-                            "memory, router_counters, shard_versions"),
+                            "lifecycle, memory, router_counters, shard_versions"),
     ('{"kind": "shard_versions", "pipeline_id": "p"}', "malformed shard_versions record"),
     ('{"kind": "router_counters", "pipeline_id": "p", "copy_id": "c", "submitted": 5, '
      '"completed": 1, "redispatched": 0, "lost": 0, "duplicated": 0, "cancelled": 0, '

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from rlix_plugins.adapters.observability import ObservationWriter
+from rlix_plugins.adapters.observability import ObservationWriter, read_observations
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
 from rlix_plugins.errors import ShardStateError
 from rlix_plugins.generation import ShardLifecycle
@@ -48,8 +49,8 @@ class Rig:
         return self.store.snapshot().statuses
 
 
-@pytest.fixture
-def rig() -> Iterator[Rig]:
+def make_rig(observer: ObservationWriter,
+             rank_gpus: Sequence[Sequence[int]] | None = None) -> Iterator[Rig]:
     """Two shards, shard 0 ACTIVE and shard 1 SLEEPING (preempted once), nothing cached."""
     store = ShardStateStore(2)
     view = LocalShardState(store)
@@ -58,8 +59,8 @@ def rig() -> Iterator[Rig]:
     weights = Weights()
     loop = LoopThread(name="test-shard-controller")
     controller = LifecycleShardController(
-        lifecycle, view, weights.sync, weights.latest,
-        observer=ObservationWriter(None, None), loop=loop,
+        lifecycle, view, weights.sync, weights.latest, observer=observer, loop=loop,
+        rank_gpus=rank_gpus,
     )
     controller.shrink([1])
     calls.clear()
@@ -67,6 +68,30 @@ def rig() -> Iterator[Rig]:
         yield Rig(store, controller, weights, calls)
     finally:
         loop.close()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    yield from make_rig(ObservationWriter(None, None))
+
+
+def test_each_rank_a_shrink_takes_down_is_recorded_with_its_gpus(tmp_path: Path) -> None:
+    """The gates tell the shard on the training GPUs by these records (overlap cycle)."""
+    for rig in make_rig(ObservationWriter(tmp_path, "ft_shrinks00001"), [(4,), (5,)]):
+        rig.weights.version = 1
+        rig.controller.expand([1])
+        rig.controller.shrink([0, 1])
+        rig.controller.shrink([1])  # already asleep: nothing taken down, nothing recorded
+        # the coordinator actor's copy keeps them (its local state view cannot be pickled
+        # here: the state round trip without pickle)
+        copy = LifecycleShardController.__new__(LifecycleShardController)
+        copy.__setstate__(rig.controller.__getstate__())
+        assert copy._rank_gpus == ((4,), (5,))
+        copy.close()
+    recs = read_observations(tmp_path).lifecycle
+    # the fixture's first shrink of rank 1, then ranks 0 and 1
+    assert [(r.event, r.rank, r.gpus) for r in recs] == [
+        ("shrink", 1, (5,)), ("shrink", 0, (4,)), ("shrink", 1, (5,))]
 
 
 @pytest.mark.parametrize("op", ["shrink", "expand"])
