@@ -87,6 +87,15 @@ def _ints(value: Any, field: str) -> tuple[int, ...]:
     return tuple(_int(v, f"{field}[{i}]", 0) for i, v in enumerate(value))
 
 
+def _check_gpus(what: str, gpus: tuple[int, ...], *, empty_ok: bool = False) -> None:
+    """GPU ids (integers >= 0), at least one unless ``empty_ok``."""
+    if (not gpus and not empty_ok) or any(not is_int(g) or g < 0 for g in gpus):
+        raise ObservationError(
+            f"{what}: gpus must be a {'' if empty_ok else 'non-empty '}list of GPU ids, got "
+            f"{gpus!r}"
+        )
+
+
 def _seconds(value: Any, field: str) -> float:
     """A finite JSON number (wall-clock seconds)."""
     if not is_finite(value):
@@ -255,11 +264,7 @@ class BusyObserved:
                 f"busy record of {self.pipeline_id}: stage {self.stage!r} is not one of "
                 f"{BUSY_STAGES}"
             )
-        if not self.gpus or any(not is_int(g) or g < 0 for g in self.gpus):
-            raise ObservationError(
-                f"busy record of {self.pipeline_id}: gpus must be a non-empty list of GPU ids, "
-                f"got {self.gpus!r}"
-            )
+        _check_gpus(f"busy record of {self.pipeline_id}", self.gpus)
         if not self.end >= self.start:
             raise ObservationError(
                 f"busy record of {self.pipeline_id}: ends at {self.end} before it starts "
@@ -302,11 +307,7 @@ class MemoryObserved:
     error: str = ""
 
     def __post_init__(self) -> None:
-        if not self.gpus or any(not is_int(g) or g < 0 for g in self.gpus):
-            raise ObservationError(
-                f"memory record of {self.pipeline_id}: gpus must be a non-empty list of GPU "
-                f"ids, got {self.gpus!r}"
-            )
+        _check_gpus(f"memory record of {self.pipeline_id}", self.gpus)
         if len(self.used_bytes) != len(self.gpus):
             raise ObservationError(
                 f"memory record of {self.pipeline_id}: {len(self.used_bytes)} readings for "
@@ -374,11 +375,7 @@ class LifecycleObserved:
                 f"lifecycle record of {self.pipeline_id}: event {self.event!r} is not one of "
                 f"{LIFECYCLE_EVENTS}"
             )
-        if any(not is_int(g) or g < 0 for g in self.gpus):
-            raise ObservationError(
-                f"lifecycle record of {self.pipeline_id}: gpus must be GPU ids, got "
-                f"{self.gpus!r}"
-            )
+        _check_gpus(f"lifecycle record of {self.pipeline_id}", self.gpus, empty_ok=True)
         shrink = self.event == "shrink"
         if shrink != (self.rank is not None):
             raise ObservationError(

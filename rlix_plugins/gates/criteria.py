@@ -79,6 +79,8 @@ class WeightCheck:
     checksums_match: bool
     #: which parameters differ (:meth:`ChecksumDiff.describe`); empty when they match
     mismatch: str = ""
+    #: how many parameters' checksums were compared (0: not recorded)
+    params_compared: int = 0
 
     @property
     def ok(self) -> bool:

@@ -55,7 +55,7 @@ from rlix_plugins.adapters.observability import (
     collective_rpc_version_probe,
 )
 from rlix_plugins.adapters.pipeline_coordinator import PipelineCoordinator
-from rlix_plugins.gates.criteria import compare_checksums, reactivations
+from rlix_plugins.gates.criteria import WeightCheck, compare_checksums, reactivations
 from rlix_plugins.gates.timeline import Interval, RunRecord
 from rlix_plugins.generation.engine import GenerationRequest, GenerationResult
 from rlix_plugins.generation.loop_thread import LoopThread
@@ -112,25 +112,6 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class SyncCheck:
-    """Engine-side weight state of one shard right after a sync, vs the trainer's."""
-
-    step: int
-    dp_rank: int
-    kind: str  # "expand" | "refresh" | "initial"
-    expected_version: int
-    engine_version: int | None
-    checksums_match: bool
-    params_compared: int
-    #: which parameters differ (missing / extra / different names); empty when they match
-    mismatch: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.engine_version == self.expected_version and self.checksums_match
-
-
-@dataclass(frozen=True, slots=True)
 class RequestAudit:
     """Every request the pipeline submitted and what came back (lost/duplicate check)."""
 
@@ -148,7 +129,7 @@ class RequestAudit:
 @dataclass(slots=True)
 class PipelineRun(RunRecord):
     """What one run of the step loop did (returned to the gate)."""
-    sync_checks: list[SyncCheck] = field(default_factory=list)
+    sync_checks: list[WeightCheck] = field(default_factory=list)
     audit: RequestAudit | None = None
     losses: list[float] = field(default_factory=list)
     preemptions: int = 0
@@ -202,7 +183,7 @@ class RehearsalRuntime:
         self.infer_cluster = cluster_id(pipeline_id, ACTOR_INFER)
         self.train_cluster = cluster_id(pipeline_id, ACTOR_TRAIN)
         self.busy: list[Interval] = []
-        self.sync_checks: list[SyncCheck] = []
+        self.sync_checks: list[WeightCheck] = []
         self.expands = 0
         self.rank_events: list[tuple[str, int]] = []
         self._step = 0
@@ -311,8 +292,9 @@ class RehearsalRuntime:
             # Exact name sets, not the names both sides have: a parameter the engine lacks
             # (or one it has extra) must fail the check, not drop out of it.
             diff = compare_checksums(expected, sums)
-            self.sync_checks.append(SyncCheck(self._step, r, kind, version, v, diff.ok,
-                                              diff.compared, diff.describe()))
+            self.sync_checks.append(WeightCheck(
+                self.spec.label, self._step, r, kind, version, v, diff.ok, diff.describe(),
+                params_compared=diff.compared))
 
     # ------------------------------------------------------------------ observation records
     def _on_counters(self, counters: RouterCounters) -> None:

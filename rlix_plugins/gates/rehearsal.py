@@ -38,7 +38,6 @@ from rlix_plugins.gates.criteria import (
     IdleShare,
     RequestCount,
     RunCount,
-    WeightCheck,
     idle_below_exclusive,
     measure_idle,
     no_double_ownership,
@@ -343,8 +342,7 @@ def evaluate(gate: int, steps: int, shared: PhaseResult,
     runs = [RunCount(f"{mode}/{r.label}", r.steps_done, r.steps_target, r.error)
             for mode, r in every]
     criteria.append(steps_completed(runs))
-    checks = [WeightCheck(f"{p.mode}/{r.label}", c.step, c.dp_rank, c.kind, c.expected_version,
-                          c.engine_version, c.checksums_match, c.mismatch)
+    checks = [dataclasses.replace(c, label=f"{p.mode}/{r.label}")
               for p in phases for r in p.nemo for c in r.sync_checks]
     criteria.append(weights_current(checks))
     counts = [RequestCount(f"{p.mode}/{r.label}", a.submitted, a.completed, a.duplicates,

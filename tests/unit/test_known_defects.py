@@ -23,7 +23,7 @@ from rlix_plugins.coordinator.core.state import SchedulerState
 from rlix_plugins.coordinator.core.status import build_status, format_status
 from rlix_plugins.errors import CorruptStateError, RequestStateError
 from rlix_plugins.gates import criteria
-from rlix_plugins.gates.criteria import WeightCheck, weights_current
+from rlix_plugins.gates.criteria import weights_current
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.protocol import Priority
 from tests.core_builders import cycle, new_state, observable, register
@@ -145,9 +145,7 @@ def test_sync_check_compares_the_exact_parameter_sets(engine: dict[str, str],
     assert not check.ok and not check.checksums_match
     assert problem in check.mismatch
     # the gate's criterion names it too
-    crit = weights_current([WeightCheck("p", check.step, check.dp_rank, check.kind,
-                                        check.expected_version, check.engine_version,
-                                        check.checksums_match, check.mismatch)])
+    crit = weights_current([check])
     assert not crit.passed and problem in crit.measured
 
 
