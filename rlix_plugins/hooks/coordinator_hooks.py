@@ -220,9 +220,10 @@ class CoordinatorHooks:
         for g in gpus:
             try:
                 used.append(reader.used_bytes(g))
-            except MemoryReadError as exc:
+            except Exception as exc:  # whatever a reader raises, the release must go out
                 used.append(None)
-                errors.append(str(exc))
+                errors.append(str(exc) if isinstance(exc, MemoryReadError)
+                              else f"GPU {g}: {type(exc).__name__}: {exc}")
         try:
             self.observer.write(MemoryObserved(self.pipeline_id, step, gpus, tuple(used),
                                                error="; ".join(errors)))

@@ -152,6 +152,8 @@ class ListReader:
 
     def used_bytes(self, gpu: int) -> int:
         self.calls.append(f"read {gpu}")
+        if gpu == 7:
+            raise ZeroDivisionError("a reader's own bug")
         if gpu not in self.used:
             raise MemoryReadError(f"GPU {gpu}: not on this node")
         return self.used[gpu]
@@ -184,6 +186,16 @@ def test_hooks_read_the_training_gpus_after_training_and_before_the_release(
     (rec,) = read_observations(tmp_path).memory
     assert (rec.step, rec.gpus, rec.used_bytes) == (4, (0, 1), (600 << 20, None))
     assert rec.error == "GPU 1: not on this node"
+
+
+def test_a_reader_that_raises_anything_never_holds_up_the_release(tmp_path: Path) -> None:
+    calls: list[str] = []
+    hooks = hooks_with(tmp_path, calls, ListReader(calls, {}))
+    hooks._training = ((7,), 0.0)  # as before_training leaves it after a grant of GPU 7
+    hooks.after_training(0)
+    assert calls == ["read 7", "notify_release_gpus"]
+    (rec,) = read_observations(tmp_path).memory
+    assert rec.used_bytes == (None,) and rec.error == "GPU 7: ZeroDivisionError: a reader's own bug"
 
 
 def test_hooks_read_nothing_when_no_records_are_written(tmp_path: Path) -> None:
