@@ -105,7 +105,12 @@ class NvmlMemoryReader:
         if self._choose() == "nvml":
             try:
                 handle = self._nvml.nvmlDeviceGetHandleByIndex(gpu)
-                return int(self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
+                v2 = getattr(self._nvml, "nvmlMemory_v2", None)
+                # v1's ``used`` counts memory the driver reserves (hundreds of MiB on an
+                # A100); v2 reports it apart, so ``used`` is what processes hold (as nvidia-smi)
+                info = (self._nvml.nvmlDeviceGetMemoryInfo(handle) if v2 is None
+                        else self._nvml.nvmlDeviceGetMemoryInfo(handle, version=v2))
+                return int(info.used)
             except Exception as exc:  # NVML raises its own error types
                 raise MemoryReadError(
                     f"GPU {gpu}: NVML read failed ({type(exc).__name__}: {exc})"
@@ -117,8 +122,10 @@ class NvmlMemoryReader:
                 capture_output=True, text=True, timeout=10, check=False,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise MemoryReadError(f"GPU {gpu}: nvidia-smi failed ({exc}); "
-                                  f"{self._why_not}") from None
+            # Hung or gone: not asked again (each read runs before a GPU release).
+            self._backend = None
+            self._unavailable = f"GPU {gpu}: nvidia-smi failed ({exc}); {self._why_not}"
+            raise MemoryReadError(self._unavailable) from None
         if done.returncode != 0:
             raise MemoryReadError(
                 f"GPU {gpu}: nvidia-smi exited {done.returncode}: "

@@ -57,7 +57,6 @@ from rlix_plugins.adapters.nemo_rl_progress import (
 )
 from rlix_plugins.adapters.observability import (
     LifecycleObserved,
-    ObservationError,
     ObservationWriter,
     shard_gpus,
 )
@@ -474,8 +473,8 @@ class NemoRlPipeline:
         try:
             self._observer.write(LifecycleObserved(self.pipeline_id, event, step=self.step,
                                                    gpus=tuple(self.layout.train_gpus)))
-        except ObservationError:
-            logger.warning("step %d: %s record not written", self.step, event, exc_info=True)
+        except Exception:  # evidence only: never fails the step
+            logger.warning("step %s: %s record not written", self.step, event, exc_info=True)
 
     def hold_training(self) -> bool:
         """Take the training GPUs and groups back outside a step: NeMo RL saves its checkpoint

@@ -307,6 +307,8 @@ class MemoryObserved:
     error: str = ""
 
     def __post_init__(self) -> None:
+        _int(self.step, f"memory record of {self.pipeline_id}: step", 0)
+        _seconds(self.time, f"memory record of {self.pipeline_id}: time")
         _check_gpus(f"memory record of {self.pipeline_id}", self.gpus)
         if len(self.used_bytes) != len(self.gpus):
             raise ObservationError(
@@ -375,7 +377,11 @@ class LifecycleObserved:
                 f"lifecycle record of {self.pipeline_id}: event {self.event!r} is not one of "
                 f"{LIFECYCLE_EVENTS}"
             )
-        _check_gpus(f"lifecycle record of {self.pipeline_id}", self.gpus, empty_ok=True)
+        what = f"lifecycle record of {self.pipeline_id}"
+        _check_gpus(what, self.gpus, empty_ok=True)
+        _opt_int(self.step, f"{what}: step", 0)
+        _opt_int(self.rank, f"{what}: rank", 0)
+        _seconds(self.time, f"{what}: time")
         shrink = self.event == "shrink"
         if shrink != (self.rank is not None):
             raise ObservationError(

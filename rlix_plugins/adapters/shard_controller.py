@@ -148,13 +148,21 @@ class LifecycleShardController:
         todo = [r for r in ranks if statuses[r] is not ShardStatus.SLEEPING]
         if todo:
             self._loop_thread().run(self._lifecycle.preempt(todo))
-            writer = self._observer
-            if writer.enabled and writer.pipeline_id is not None:
-                for r in todo:
-                    gpus = self._rank_gpus[r] if self._rank_gpus and r < len(self._rank_gpus) \
-                        else ()
-                    writer.write(LifecycleObserved(writer.pipeline_id, "shrink",
-                                                   step=self._step, rank=r, gpus=gpus))
+            self._record_shrinks(todo)
+
+    def _record_shrinks(self, ranks: Sequence[int]) -> None:
+        """One lifecycle record per rank taken down (evidence only: never fails a shrink).
+        ``step`` is the driver's last refresh step: None in the coordinator's copy."""
+        writer = self._observer
+        if not writer.enabled or writer.pipeline_id is None:
+            return
+        for r in ranks:
+            gpus = self._rank_gpus[r] if self._rank_gpus and r < len(self._rank_gpus) else ()
+            try:
+                writer.write(LifecycleObserved(writer.pipeline_id, "shrink", step=self._step,
+                                               rank=r, gpus=gpus))
+            except Exception:
+                logger.warning("shrink record of rank %s not written", r, exc_info=True)
 
     def expand(self, dp_ranks: Sequence[int]) -> None:
         """Wake sleeping ranks, sync the newest cached weights to exactly them, activate.

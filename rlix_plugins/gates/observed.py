@@ -350,7 +350,10 @@ def overlap_cycle(pipeline_id: str, train: Sequence[BusyObserved],
     train = sorted(train, key=lambda b: b.start)
     train_gpus = {g for b in train for g in b.gpus}
     shrinks = [r for r in lifecycle if r.event == "shrink" and r.rank is not None]
-    rank_gpus = {r.rank: set(r.gpus) for r in shrinks if r.rank is not None}
+    rank_gpus: dict[int, set[int]] = defaultdict(set)
+    for r in shrinks:
+        if r.rank is not None:
+            rank_gpus[r.rank] |= set(r.gpus)
     overlap = {rank for rank, gpus in rank_gpus.items() if gpus & train_gpus}
     events: list[tuple[float, str, int]] = [(r.time, "preempt", r.rank) for r in shrinks
                                             if r.rank in overlap]
@@ -374,8 +377,15 @@ def overlap_cycle(pipeline_id: str, train: Sequence[BusyObserved],
             for_training += 1
     destroys = sorted(r.time for r in lifecycle if r.event == "nccl_destroy")
     reinits = sorted(r.time for r in lifecycle if r.event == "nccl_reinit")
-    destroys_missing = sum(1 for b in train
-                           if not any(b.start <= t <= b.end for t in destroys))
+    nccl = sorted((r.time, r.event) for r in lifecycle if r.event != "shrink")
+
+    def ends_destroyed(b: BusyObserved) -> bool:
+        """The step's last NCCL event before its release is a destroy (a re-init after the
+        destroy would leave the groups alive on released GPUs)."""
+        inside = [e for t, e in nccl if b.start <= t <= b.end]
+        return bool(inside) and inside[-1] == "nccl_destroy"
+
+    destroys_missing = sum(1 for b in train if not ends_destroyed(b))
     reinits_missing = sum(1 for b in train
                           if any(t < b.start for t in destroys)
                           and not any(b.start <= t <= b.end for t in reinits))

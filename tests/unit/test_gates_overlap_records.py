@@ -95,6 +95,25 @@ def test_a_missing_step_of_the_cycle_fails(tmp_path: Path, skip: str, expected: 
     assert not ok and expected in measured, measured
 
 
+def test_a_preemption_no_train_step_followed_is_not_counted_for_training(
+        tmp_path: Path) -> None:
+    """Shard 0 taken down and woken again with no train step between: a preemption, but not
+    one for training (only the three before train steps are)."""
+    ok, measured = judge(tmp_path, [*nemo_rl_run(), shrink(4, 0), expand(5, 0)])
+    assert ok, measured
+    assert "4 preemptions (3 before a train step), 3 followed by" in measured
+
+
+def test_groups_re_made_after_the_destroy_of_a_step_fail(tmp_path: Path) -> None:
+    """The step's last NCCL event before the release must be the destroy."""
+    recs = [r for r in nemo_rl_run() if not (isinstance(r, LifecycleObserved)
+                                              and r.event == "nccl_reinit" and r.time == 31.5)]
+    recs += [nccl(31.2, "nccl_destroy"), nccl(38.5, "nccl_reinit")]
+    recs = [r for r in recs if not (isinstance(r, LifecycleObserved) and r.time == 39)]
+    ok, measured = judge(tmp_path, recs)
+    assert not ok and "1 without an NCCL destroy before the release" in measured, measured
+
+
 def test_a_shard_that_never_left_the_training_gpu_fails(tmp_path: Path) -> None:
     """Only the setup sleep: shard 0 was never preempted for a train step."""
     recs = [r for r in nemo_rl_run() if not (isinstance(r, LifecycleObserved)
@@ -125,6 +144,10 @@ def test_lifecycle_records_round_trip_and_bad_ones_are_refused(tmp_path: Path) -
         LifecycleObserved(P, "shrink")
     with pytest.raises(ObservationError, match="a shrink names its rank and only a shrink"):
         LifecycleObserved(P, "nccl_destroy", rank=0)
+    with pytest.raises(ObservationError, match="rank=-1 is not valid"):
+        LifecycleObserved(P, "shrink", rank=-1)
+    with pytest.raises(ObservationError, match=r"step=1\.5 is not valid"):
+        LifecycleObserved(P, "nccl_reinit", step=1.5)  # type: ignore[arg-type]
     line = json.dumps({"kind": "lifecycle", "pipeline_id": P, "event": "shrink", "time": 1.0,
                        "rank": -1})
     with pytest.raises(ObservationError, match=r"x.jsonl:2: rank=-1 is not valid"):

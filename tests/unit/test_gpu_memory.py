@@ -95,6 +95,35 @@ def test_without_nvml_the_reader_asks_nvidia_smi_for_that_gpu() -> None:
         failing.used_bytes(3)
 
 
+def test_nvml_v2_is_asked_when_the_module_has_it() -> None:
+    """v1's ``used`` includes driver-reserved memory; v2 reports it apart."""
+    asked: list[object] = []
+
+    def info(handle: int, version: object = None) -> Any:
+        asked.append(version)
+        return types.SimpleNamespace(used=(5 << 20) if version == "v2" else (900 << 20))
+
+    nvml = fake_nvml({0: 0})
+    nvml.nvmlMemory_v2 = "v2"
+    nvml.nvmlDeviceGetMemoryInfo = info
+    assert NvmlMemoryReader(nvml=nvml).used_bytes(0) == 5 << 20
+    assert asked == ["v2"]
+
+
+def test_a_hung_nvidia_smi_is_not_asked_again() -> None:
+    calls: list[str] = []
+
+    def hung(argv: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(argv[-1])
+        raise subprocess.TimeoutExpired(argv, 10)
+
+    reader = NvmlMemoryReader(nvml=fake_nvml({}, init_error=RuntimeError("x")), run=hung)
+    for gpu in (0, 1):
+        with pytest.raises(MemoryReadError, match="GPU 0: nvidia-smi failed"):
+            reader.used_bytes(gpu)
+    assert calls == ["0"]
+
+
 @pytest.mark.parametrize("text", ["", "N/A", "12\n13", "1.5"])
 def test_nvidia_smi_output_that_is_not_one_integer_is_an_error(text: str) -> None:
     with pytest.raises(MemoryReadError, match="expected one integer"):
@@ -196,6 +225,19 @@ def test_a_reader_that_raises_anything_never_holds_up_the_release(tmp_path: Path
     assert calls == ["read 7", "notify_release_gpus"]
     (rec,) = read_observations(tmp_path).memory
     assert rec.used_bytes == (None,) and rec.error == "GPU 7: ZeroDivisionError: a reader's own bug"
+
+
+@pytest.mark.parametrize("step", [None, 2.0, -1])
+def test_a_record_that_cannot_be_built_never_holds_up_the_release(tmp_path: Path,
+                                                                    step: Any) -> None:
+    """A host passing a step the record refuses (None, a float, a negative) still releases,
+    and writes nothing the gate could not read back."""
+    calls: list[str] = []
+    hooks = hooks_with(tmp_path, calls, ListReader(calls, {0: 1, 1: 1}))
+    hooks.before_training(0)
+    hooks.after_training(step)
+    assert calls[-1] == "notify_release_gpus"
+    assert read_observations(tmp_path).memory == ()
 
 
 def test_hooks_read_nothing_when_no_records_are_written(tmp_path: Path) -> None:
