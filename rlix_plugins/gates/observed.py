@@ -26,7 +26,7 @@ No records at all = FAILED "not observed".
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,16 +215,23 @@ def requests_from_records(
                            all(t.ok for t in totals) and not missing)
 
 
+def _read_run(directory: Path, name: str, requirement: str) -> Observations | CriterionResult:
+    """One run's records, or the criterion FAILED with the reader's message (file, line)."""
+    try:
+        return read_observations(directory)
+    except ObservationError as exc:
+        return CriterionResult(name, requirement, f"unreadable records: {exc}", False)
+
+
 def ownership_from_records(directory: Path, *, expected_pipelines: int | None = None,
                            name: str = "ownership_observed") -> CriterionResult:
     """No GPU used by two pipelines' stages at once, judged from the jobs' own busy records
     (generation shards with requests running, train steps between grant and release) of ONE
     run: evidence independent of the coordinator's bookkeeping. No records, or records of
     fewer pipelines than expected, fail."""
-    try:
-        obs = read_observations(directory)
-    except ObservationError as exc:
-        return CriterionResult(name, OWNERSHIP_REQUIREMENT, f"unreadable records: {exc}", False)
+    obs = _read_run(directory, name, OWNERSHIP_REQUIREMENT)
+    if isinstance(obs, CriterionResult):
+        return obs
     intervals = [
         Interval(g, f"{r.pipeline_id}_{ACTOR_INFER if r.stage == 'generation' else ACTOR_TRAIN}",
                  r.stage, r.start, r.end)
@@ -259,10 +266,9 @@ def memory_from_records(directory: Path, *, limit_bytes: int = MEMORY_LIMIT_BYTE
     the pipeline), every reading present and below ``limit_bytes``. No records, a reading
     that failed, or fewer records than releases fail."""
     requirement = memory_requirement(limit_bytes)
-    try:
-        obs = read_observations(directory)
-    except ObservationError as exc:
-        return CriterionResult(name, requirement, f"unreadable records: {exc}", False)
+    obs = _read_run(directory, name, requirement)
+    if isinstance(obs, CriterionResult):
+        return obs
     if not obs.memory:
         return CriterionResult(name, requirement, f"not observed: no memory records in "
                                f"{directory} (RLIX_OBSERVE_GPU_MEMORY=1 unset?)", False)
@@ -277,15 +283,10 @@ def memory_from_records(directory: Path, *, limit_bytes: int = MEMORY_LIMIT_BYTE
                 readings.append((used, where))
                 if used >= limit_bytes:
                     problems.append(f"{where}: {used / GIB:.2f} GiB")
-    releases: dict[str, int] = defaultdict(int)
-    for b in obs.busy:
-        if b.stage == "train":
-            releases[b.pipeline_id] += 1
-    measured_per: dict[str, int] = defaultdict(int)
-    for rec in obs.memory:
-        measured_per[rec.pipeline_id] += 1
+    releases = Counter(b.pipeline_id for b in obs.busy if b.stage == "train")
+    measured_per = Counter(rec.pipeline_id for rec in obs.memory)
     for pid, n in sorted(releases.items()):
-        got = measured_per.get(pid, 0)
+        got = measured_per[pid]
         if got < n:
             problems.append(f"{pid}: {got} memory records for {n} releases")
     if expected_pipelines is not None and len(measured_per) < expected_pipelines:
@@ -399,10 +400,9 @@ def overlap_from_records(directory: Path, *, steps: int | None = None,
                          name: str = "overlap_cycle") -> CriterionResult:
     """:func:`overlap_cycle` of every pipeline with train records in ``directory`` (one run);
     fewer train steps than ``steps``, no overlap shard or fewer pipelines than expected fail."""
-    try:
-        obs = read_observations(directory)
-    except ObservationError as exc:
-        return CriterionResult(name, OVERLAP_REQUIREMENT, f"unreadable records: {exc}", False)
+    obs = _read_run(directory, name, OVERLAP_REQUIREMENT)
+    if isinstance(obs, CriterionResult):
+        return obs
     pipelines = sorted({b.pipeline_id for b in obs.busy if b.stage == "train"})
     if not pipelines:
         return CriterionResult(name, OVERLAP_REQUIREMENT,
