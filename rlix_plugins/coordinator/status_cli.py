@@ -12,7 +12,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlix_plugins.cli import positive_int, positive_seconds
 from rlix_plugins.settings import load_settings
@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="with --watch: stop after N prints",
+    )
+    parser.add_argument(
+        "--wire",
+        action="store_true",
+        help="print what each pipeline sent over the protocol instead: calls, refused calls, "
+        "the classes of its progress reports and priorities (RLix's own for ROLL pipelines)",
     )
     parser.add_argument(
         "--timeout",
@@ -101,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     if args.count is not None and args.watch is None:
         print("error: --count needs --watch SECONDS")
         return 2
+    if args.wire and args.watch is not None:
+        print("error: --wire prints once; it does not take --watch")
+        return 2
     settings = load_settings()
     namespace = args.namespace or settings.namespace
     try:
@@ -110,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
     except CoordinatorUnavailableError as exc:
         print(f"error: {exc}")
         return 2
+    if args.wire:
+        return _show_wire(plane.scheduler, namespace, timeout_s=args.timeout, as_json=args.json)
     watching = args.watch is not None
 
     def show(status: CoordinatorStatus) -> None:
@@ -119,9 +130,32 @@ def run(args: argparse.Namespace) -> int:
     try:
         watch(lambda: plane.status(args.timeout), show, every_s=args.watch, count=args.count)
     except GetTimeoutError:
-        print(f"error: the scheduler in namespace {namespace!r} did not answer within "
-              f"{args.timeout:g}s (busy or stuck: see its log); retry with a larger --timeout")
+        print(_no_answer(namespace, args.timeout))
         return 2
     except KeyboardInterrupt:
         pass  # the way out of --watch
     return 0
+
+
+def _show_wire(scheduler: Any, namespace: str, *, timeout_s: float, as_json: bool) -> int:
+    """Print the scheduler's wire log (``--wire``): a block per pipeline, or JSON."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    from rlix_plugins.coordinator.service.wire_log import format_wire
+
+    try:
+        wire = ray.get(scheduler.get_wire_log.remote(), timeout=timeout_s)
+    except GetTimeoutError:
+        print(_no_answer(namespace, timeout_s))
+        return 2
+    if as_json:
+        print(json.dumps({pid: dataclasses.asdict(w) for pid, w in wire.items()}, indent=2))
+    else:
+        print(format_wire(wire))
+    return 0
+
+
+def _no_answer(namespace: str, timeout_s: float) -> str:
+    return (f"error: the scheduler in namespace {namespace!r} did not answer within "
+            f"{timeout_s:g}s (busy or stuck: see its log); retry with a larger --timeout")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from rlix_plugins.coordinator.service.wire_log import PipelineWire
 from rlix_plugins.gates.timeline import Interval, busy_share, double_ownership, pipeline_of
 
 
@@ -251,3 +252,48 @@ def time_sharing(coordinator: Sequence[Interval], gate: int) -> CriterionResult:
     return CriterionResult(
         "time_sharing", f"GPUs used by {desc} in turn (coordinator trace; >= 1 GPU)",
         f"{per_gpu or 'no GPU in the trace'}; shared: {shared_gpus}", bool(shared_gpus))
+
+
+#: RLix's own wire classes, as the coordinator unpickles them (real RLix or its stand-in)
+RLIX_PRIORITY_CLASS = "rlix.protocol.types.Priority"
+ROLL_PROTOCOL_REQUIREMENT = (
+    "the coordinator received the ROLL pipeline's calls in RLix's own classes and refused "
+    "none: every priority an rlix.protocol.types.Priority, GENERATION and ACTOR_TRAINING "
+    ">= 1 each, >= 1 progress report, >= 1 release"
+)
+
+
+def roll_protocol(wire: Mapping[str, PipelineWire], *, expected: int = 1,
+                  sender_module: str | None = None) -> CriterionResult:
+    """Gate 3: the ROLL pipeline's protocol, judged from the coordinator's wire log.
+
+    ROLL pipelines are the ones that sent RLix's own ``Priority`` class (ours send ours);
+    exactly ``expected`` must be found. ``sender_module``: the module the rehearsal's ROLL
+    stand-in built its reports from (its reports reach the scheduler through our pipeline
+    coordinator, which forwards its own class); it must be ``rlix.protocol.types``."""
+    rolls = sorted(pid for pid, w in wire.items() if RLIX_PRIORITY_CLASS in w.priority_classes)
+    gaps: list[str] = []
+    if len(rolls) != expected:
+        gaps.append(f"{len(rolls)} pipeline(s) sent RLix's Priority class, expected {expected}")
+    for pid in rolls:
+        w = wire[pid]
+        foreign = sorted(c for c in w.priority_classes if c != RLIX_PRIORITY_CLASS)
+        if foreign:
+            gaps.append(f"{pid}: priorities also of {foreign}")
+        gaps += [f"{pid}: no {p} request" for p in ("GENERATION", "ACTOR_TRAINING")
+                 if not w.requested(p)]
+        if not w.calls.get("report_progress"):
+            gaps.append(f"{pid}: no progress report received")
+        if not (w.calls.get("notify_release_gpus")
+                or w.calls.get("notify_release_then_request_gpus")):
+            gaps.append(f"{pid}: no release received")
+        if w.failures:
+            gaps.append(f"{pid}: refused or failed calls {dict(sorted(w.failures.items()))}")
+    if sender_module is not None and sender_module != "rlix.protocol.types":
+        gaps.append(f"the ROLL stand-in built its reports from {sender_module or 'nothing'}")
+    measured = "; ".join(
+        f"{pid}: {sum(wire[pid].calls.values())} calls "
+        f"({', '.join(f'{m} {n}' for m, n in sorted(wire[pid].calls.items()))}), reports of "
+        f"{sorted(wire[pid].report_classes)}" for pid in rolls) or "no ROLL pipeline"
+    return CriterionResult("roll_protocol", ROLL_PROTOCOL_REQUIREMENT,
+                           measured + ("; " + "; ".join(gaps) if gaps else ""), not gaps)

@@ -46,6 +46,7 @@ from rlix_plugins.gates.criteria import (
     RunCount,
     idle_below_exclusive,
     no_double_ownership,
+    roll_protocol,
     steps_completed,
     time_sharing,
 )
@@ -520,6 +521,8 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
         codes = run_jobs(jobs, env, out, concurrent=True, timeout_s=opts.job_timeout_s)
         t1 = time.time()
         trace = ray.get(plane.scheduler.get_trace.remote(), timeout=60)
+        # What every job said over the protocol (gate 3 judges RLix's ROLL pipeline by it).
+        wire = ray.get(plane.scheduler.get_wire_log.remote(), timeout=60)
         ray.get(plane.scheduler.flush_trace.remote(), timeout=60)
         intervals, _ = intervals_from_trace(trace)
         # Stopped before the baseline: nothing may find a control plane there.
@@ -554,6 +557,10 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
     ]
     if opts.gate in (2, 3):
         criteria.append(time_sharing(intervals, opts.gate))
+    if has_roll:
+        # RLix's own pipeline coordinator and pipeline sent these (its classes or the stand-in
+        # the coordinator unpickles them as); the NeMo RL jobs send ours.
+        criteria.append(roll_protocol(wire))
     figs = {j.name: _log_figures(out, j.name) for j in jobs}
     # Only the NeMo RL jobs run our shard controller and router (ROLL uses its own).
     nemo_jobs = sum(1 for j in jobs if j.name != "roll")
@@ -574,6 +581,7 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
         "criteria": [dataclasses.asdict(c) for c in result.criteria],
         "exit_codes": {"shared": codes, "exclusive": excl_codes}, "log_figures": figs,
         "namespace": ns, "observe_dir": str(observe),
+        "wire_log": {pid: dataclasses.asdict(w) for pid, w in wire.items()},
     }, indent=2))
     return result
 

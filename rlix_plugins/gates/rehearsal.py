@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlix_plugins.coordinator.service.wire_log import PipelineWire
 from rlix_plugins.gates.criteria import (
     CriterionResult,
     GateResult,
@@ -42,6 +43,7 @@ from rlix_plugins.gates.criteria import (
     measure_idle,
     no_double_ownership,
     requests_accounted,
+    roll_protocol,
     steps_completed,
     time_sharing,
     weights_current,
@@ -93,6 +95,8 @@ class PhaseResult:
     #: from ``get_status()`` after the phase: pipelines declared dead (fenced) and still queued
     dead: list[str] = field(default_factory=list)
     waiting: int = 0
+    #: the coordinator's wire log of this phase's pipelines (shared phase only)
+    wire: dict[str, PipelineWire] = field(default_factory=dict)
     start: float = 0.0
     end: float = 0.0
 
@@ -239,6 +243,10 @@ class _Rehearsal:
         # A GENERATION request may legitimately still wait (asked for a step whose batch was
         # already generated, it has no demand left); anything else waiting is a stuck stage.
         phase.waiting = sum(1 for w in status.wait_queue if w.priority != "GENERATION")
+        # This run's pipelines only: the coordinator may have served earlier runs.
+        ours = {pid for pid, _ in self.actors} | {r.pipeline_id for r in phase.roll}
+        wire = ray.get(self.plane.scheduler.get_wire_log.remote())
+        phase.wire = {pid: w for pid, w in wire.items() if pid in ours}
         return phase
 
     def exclusive_phase(self) -> PhaseResult:
@@ -305,14 +313,12 @@ def _gate_specific(gate: int, shared: PhaseResult, steps: int) -> list[Criterion
     else:
         out.append(time_sharing(shared.coordinator, gate))
     if gate == 3:
+        # What the coordinator received from the ROLL stand-in (its priorities come straight
+        # in RLix's classes; its reports through our pipeline coordinator, so the class they
+        # were built from is the sender's word).
         roll = shared.roll[0] if shared.roll else None
-        ok = roll is not None and roll.report_module == "rlix.protocol.types" \
-            and roll.reports_sent > 0
-        out.append(CriterionResult(
-            "roll_protocol", "the ROLL pipeline's progress reports are RLix's own "
-            "rlix.protocol.types classes, accepted by the coordinator",
-            f"{roll.reports_sent if roll else 0} reports of {roll.report_module if roll else '-'}",
-            ok))
+        out.append(roll_protocol(shared.wire,
+                                 sender_module=roll.report_module if roll else ""))
     return out
 
 
@@ -422,7 +428,8 @@ def write_outputs(cfg: RehearsalConfig, result: GateResult, figures: dict[str, A
         "figures": figures,
         "phases": {
             p.mode: {"start": p.start, "end": p.end, "duration_s": p.end - p.start,
-                     "pipelines": [_run_record(r) for r in _runs(p)]}
+                     "pipelines": [_run_record(r) for r in _runs(p)],
+                     "wire": {pid: dataclasses.asdict(w) for pid, w in p.wire.items()}}
             for p in ([shared] + ([exclusive] if exclusive else []))
         },
         "files": {"timeline": timeline_path.name,

@@ -148,6 +148,25 @@ def test_bad_calls_get_typed_errors_and_leave_state_unchanged(coordinator: Any) 
             ray.get(ref)
     after = coordinator.status()
     assert after == before
+    # The wire log counts every call by the pipeline it speaks for, refusals by error type.
+    wire = ray.get(sched.get_wire_log.remote())
+    good = wire["ft_good00000001"]
+    assert good.calls == {"register_pipeline": 2, "request_gpus": 3, "await_release_gpus": 1,
+                          "report_progress": 1}
+    assert good.failures == {
+        "register_pipeline: RegistrationError": 1,
+        "request_gpus: ProtocolError": 1,
+        "request_gpus: RequestStateError": 1,
+        "await_release_gpus: RequestStateError": 1,
+        "report_progress: ProtocolError": 1,
+    }
+    assert good.priorities == {"request_gpus: INITIALIZATION": 1, "request_gpus: invalid": 1,
+                               "request_gpus: GENERATION": 1}
+    assert wire["ft_other0000001"].failures == {
+        "notify_release_gpus: OwnershipError": 1,
+        "notify_release_then_request_gpus: OwnershipError": 1,
+    }
+    assert wire["ft_nobody000001"].failures["admit_pipeline: UnknownPipelineError"] == 1
     # RLix's shutdown ends every pipeline's scheduling but leaves Ray (and us) running.
     assert ray.get(coordinator.orchestrator.shutdown.remote(reason="test")) == 1
     assert coordinator.status().pipelines == ()
@@ -199,3 +218,9 @@ def test_rlix_own_progress_report_class_is_accepted(
     result = driver.run()  # progress goes through the pipeline coordinator actor too
     assert result.error is None, repr(result.error)
     assert result.steps_done == 2
+    # The scheduler saw RLix's classes as RLix's (by their module path), and refused nothing.
+    wire = ray.get(sched.get_wire_log.remote())
+    assert wire[pid].report_classes == {"rlix.protocol.types.ProgressReport": 2}
+    assert wire[pid].failures == {}
+    assert wire[driver.pipeline_id].priority_classes["rlix.protocol.types.Priority"] == 1
+    assert wire[driver.pipeline_id].failures == {}

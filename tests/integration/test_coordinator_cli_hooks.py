@@ -87,6 +87,18 @@ def test_cli_start_status_stop(
         assert len(lines) == 2 and all(json.loads(x)["gpus"] == record["gpus"] for x in lines)
         ray.get(sched.notify_release_gpus.remote(cluster_id="ft_cli000000001_actor_train"))
         assert ray.get(waiting, timeout=10) == [1]
+        # What the pipeline sent over the protocol, as the scheduler received it.
+        assert cli.main(["status", "--namespace", ns, "--wire"]) == 0
+        out = capsys.readouterr().out
+        assert "ft_cli000000001: 5 calls, 0 failed" in out
+        assert "  priorities: request_gpus: CRITIC_TRAINING 1, request_gpus: OLD_LOG_PROBS 1" in out
+        assert "report classes: rlix_plugins.protocol.types.ProgressReport 1" in out
+        assert cli.main(["status", "--namespace", ns, "--wire", "--json"]) == 0
+        wire = json.loads(capsys.readouterr().out)["ft_cli000000001"]
+        assert wire["calls"] == {"register_pipeline": 1, "request_gpus": 2,
+                                 "report_progress": 1, "notify_release_gpus": 1}
+        assert cli.main(["status", "--namespace", ns, "--wire", "--watch", "1"]) == 2
+        assert "--wire prints once" in capsys.readouterr().out
     finally:
         assert cli.main(["coordinator", "stop", "--namespace", ns]) == 0
     assert "stopped" in capsys.readouterr().out

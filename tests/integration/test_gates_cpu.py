@@ -125,6 +125,13 @@ def test_gate3_cpu_rehearsal(tmp_path: Path) -> None:
     assert crit["time_sharing"]["passed"] and crit["roll_protocol"]["passed"]
     roll = [p for p in report["phases"]["shared"]["pipelines"] if "reports_sent" in p]
     assert roll and roll[0]["report_module"] == "rlix.protocol.types"
+    # judged from what the coordinator received: ROLL's calls, all accepted
+    wire = report["phases"]["shared"]["wire"][roll[0]["pipeline_id"]]
+    assert wire["failures"] == {}
+    requests = wire["calls"]["request_gpus"] + wire["calls"]["notify_release_then_request_gpus"]
+    assert wire["priority_classes"] == {"rlix.protocol.types.Priority": requests}
+    assert wire["calls"]["notify_release_then_request_gpus"] == STEPS
+    assert wire["calls"]["report_progress"] >= STEPS
     # the stand-in RLix module lives in the run's output dir, never in the package
     assert (tmp_path / "_rlix_types" / "rlix" / "protocol" / "types.py").exists()
     assert not (REPO / "rlix").exists()

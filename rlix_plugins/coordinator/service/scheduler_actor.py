@@ -68,6 +68,7 @@ from rlix_plugins.coordinator.service.saved_record import (
     write_record,
 )
 from rlix_plugins.coordinator.service.waiters import Waiters
+from rlix_plugins.coordinator.service.wire_log import PipelineWire, WireLog, on_wire
 from rlix_plugins.errors import (
     CoordinatorUnavailableError,
     CorruptStateError,
@@ -113,6 +114,8 @@ class SchedulerService:
             timeout_s=self.cfg.request_timeout_s,
         )
         self._lock = asyncio.Lock()
+        #: what each pipeline sent over the protocol (gate 3 judges ROLL's calls from it)
+        self.wire_log = WireLog()
         self._waiters = Waiters()
         self._handles: dict[str, Any] = {}
         self._seen: set[str] = set()
@@ -265,6 +268,7 @@ class SchedulerService:
         return cid in self._state.planned_releases and bool(self._state.active_ranks.get(cid))
 
     # ================================================================== registry
+    @on_wire("register_pipeline")
     async def register_pipeline(
         self,
         *,
@@ -296,12 +300,14 @@ class SchedulerService:
         logger.info("registered %s: %s", spec.pipeline_id, [c.cluster_id for c in spec.clusters])
         await self._durable.until_saved(f"register_pipeline({spec.pipeline_id})")
 
+    @on_wire("admit_pipeline")
     async def admit_pipeline(self, *, pipeline_id: str) -> None:
         """Check the pipeline is registered and alive (the orchestrator hands out our handle)."""
         self._check_running()
         self._check_alive(pipeline_id)
         self._state.pipeline(pipeline_id)
 
+    @on_wire("unregister_pipeline")
     async def unregister_pipeline(self, pipeline_id: str) -> tuple[int, ...]:
         """Forget a pipeline and free its GPUs (the pipeline stopped using them)."""
         self._check_running()
@@ -367,6 +373,7 @@ class SchedulerService:
         self._kick()
 
     # ================================================================== requests
+    @on_wire("request_gpus")
     async def request_gpus(
         self,
         *,
@@ -486,6 +493,7 @@ class SchedulerService:
         self._observer.observe(self._state, now)
         self._kick()
 
+    @on_wire("notify_release_gpus")
     async def notify_release_gpus(
         self, *, cluster_id: str, global_step: int | None = None, pipeline_id: str | None = None
     ) -> None:
@@ -505,6 +513,7 @@ class SchedulerService:
         self._observer.observe(self._state, now)
         logger.debug("released %s: GPUs %s", cid, list(freed))
 
+    @on_wire("notify_release_then_request_gpus")
     async def notify_release_then_request_gpus(
         self,
         *,
@@ -573,6 +582,7 @@ class SchedulerService:
             return got
         return await self._wait(req, prio, got)
 
+    @on_wire("await_release_gpus")
     async def await_release_gpus(
         self,
         *,
@@ -610,6 +620,7 @@ class SchedulerService:
             ) from None
 
     # ================================================================== demand
+    @on_wire("report_progress")
     async def report_progress(self, report: Any) -> None:
         """Record a progress report (any object with RLix's ProgressReport fields)."""
         self._check_running()
@@ -621,6 +632,7 @@ class SchedulerService:
             return
         self._kick()
 
+    @on_wire("clear_progress")
     async def clear_progress(self, *, pipeline_id: str) -> None:
         """Forget every progress stream of a pipeline (its step's generation is over)."""
         self._check_running()
@@ -628,6 +640,7 @@ class SchedulerService:
         self._state.clear_progress(pipeline_id)
         self._kick()
 
+    @on_wire("end_run")
     async def end_run(self, *, pipeline_id: str) -> None:
         """The pipeline's training run is over while it stays registered (saving, shutting
         down): its demand is forgotten, a waiting GENERATION request fails with
@@ -671,6 +684,11 @@ class SchedulerService:
         """Cheap liveness check for clients; returns the state revision."""
         self._check_running()
         return self._state.revision
+
+    async def get_wire_log(self) -> dict[str, PipelineWire]:
+        """Per pipeline: the protocol calls received, their failures, and the classes of the
+        progress reports and priorities sent (:mod:`.wire_log`)."""
+        return self.wire_log.snapshot()
 
     async def get_trace(self) -> dict[str, Any]:
         """The GPU-ownership timeline so far (Chrome trace-event JSON)."""
