@@ -1,4 +1,4 @@
-"""What each pipeline said to the scheduler over the wire protocol, and what it was told.
+"""What each pipeline said to the scheduler over the wire protocol, and which calls failed.
 
 Per pipeline: how often each protocol method was called, which calls failed and with which
 error, which classes its progress reports and priorities were (RLix's own
