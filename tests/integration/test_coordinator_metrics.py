@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from rlix_plugins.errors import ProtocolError
 from rlix_plugins.protocol import Priority
 
 pytestmark = pytest.mark.integration
@@ -54,17 +55,22 @@ def test_grants_gauges_and_cycle_latency_reach_prometheus(coordinator: Any) -> N
         sched.request_gpus.remote(cluster_id=f"{pid}_actor_train", priority=Priority.ACTOR_TRAINING)
     )
     assert gpus == [0, 1]
+    with pytest.raises(ProtocolError):  # a refused call is counted by method and error
+        ray.get(sched.request_gpus.remote(cluster_id=f"{pid}_actor_train", priority=9))
     # Ray exports application metrics every few seconds: poll, bounded.
     deadline = time.monotonic() + 60
-    allocated = grants = cycles = None
+    allocated = grants = cycles = refused = None
     while time.monotonic() < deadline:
         body = scrape(ray)
         allocated = sample(body, "ray_rlix_gpus_allocated", ns)
         grants = sample(body, "ray_rlix_allocations_total", ns, priority="ACTOR_TRAINING")
         cycles = sample(body, "ray_rlix_cycle_seconds_count", ns)
-        if allocated == 2 and grants and cycles:
+        refused = sample(body, "ray_rlix_protocol_call_failures_total", ns,
+                         method="request_gpus", error="ProtocolError")
+        if allocated == 2 and grants and cycles and refused:
             break
         time.sleep(1)
     assert allocated == 2, f"gpus_allocated gauge = {allocated}"
     assert grants is not None and grants >= 1, f"allocations counter = {grants}"
     assert cycles is not None and cycles >= 1, f"cycle latency histogram count = {cycles}"
+    assert refused == 1, f"protocol call failures counter = {refused}"

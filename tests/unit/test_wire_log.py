@@ -217,3 +217,21 @@ def test_format_wire_prints_a_block_per_pipeline() -> None:
         "request_gpus: ACTOR_TRAINING 1, request_gpus: INITIALIZATION 1",
     ]
     assert format_wire({}) == "no protocol calls received"
+
+
+def test_failures_reach_the_hook_and_a_failing_hook_never_changes_the_callers_error() -> None:
+    seen: list[tuple[str, str]] = []
+    svc = _Service(WireLog(on_failure=lambda m, e: seen.append((m, e))))
+    cid = "ft_wire00000004_actor_train"
+    with pytest.raises(ProtocolError):
+        asyncio.run(svc.request_gpus(cluster_id=cid, priority=Priority.GENERATION))
+    assert seen == [("request_gpus", "ProtocolError")]
+
+    def broken(method: str, error: str) -> None:
+        raise RuntimeError("metrics down")
+
+    svc = _Service(WireLog(on_failure=broken))
+    with pytest.raises(ProtocolError, match="not a generation cluster"):
+        asyncio.run(svc.request_gpus(cluster_id=cid, priority=Priority.GENERATION))
+    assert svc.wire_log.snapshot()["ft_wire00000004"].failures == {
+        "request_gpus: ProtocolError": 1}

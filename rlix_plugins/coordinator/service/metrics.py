@@ -48,6 +48,11 @@ class SchedulerMetrics:
             description="Pipelines declared dead, by cause",
             tag_keys=(*keys, "cause"),
         )
+        self.call_failures = metrics.Counter(
+            "rlix_protocol_call_failures",
+            description="Protocol calls that raised (refused, timed out), by method and error",
+            tag_keys=(*keys, "method", "error"),
+        )
         self.gpus_allocated = metrics.Gauge(
             "rlix_gpus_allocated", description="GPUs with an owner", tag_keys=keys
         )
@@ -75,6 +80,9 @@ class SchedulerMetrics:
 
     def failed(self, cause: str) -> None:
         self.failures.inc(1, tags=self._t(cause=cause))
+
+    def call_failed(self, method: str, error: str) -> None:
+        self.call_failures.inc(1, tags=self._t(method=method, error=error))
 
     def gauges(self, *, allocated: int, pending: int, pipelines: int) -> None:
         self.gpus_allocated.set(allocated, tags=self._t())

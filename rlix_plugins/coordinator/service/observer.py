@@ -104,6 +104,11 @@ class Observer:
         if self.metrics is not None and ranks:
             self.metrics.allocated("generation_rank", "GENERATION", ranks)
 
+    def call_failed(self, method: str, error: str) -> None:
+        """A protocol call raised ``error`` (a type name): refused, timed out, cancelled."""
+        if self.metrics is not None:
+            self.metrics.call_failed(method, error)
+
     def failed(self, cause: str) -> None:
         """A pipeline was declared dead."""
         if self.metrics is not None:

@@ -114,8 +114,9 @@ class SchedulerService:
             timeout_s=self.cfg.request_timeout_s,
         )
         self._lock = asyncio.Lock()
-        #: what each pipeline sent over the protocol (gate 3 judges ROLL's calls from it)
-        self.wire_log = WireLog()
+        #: what each pipeline sent over the protocol (gate 3 judges ROLL's calls from it);
+        #: failed calls also go to the metrics (the observer exists by the first call)
+        self.wire_log = WireLog(on_failure=lambda m, e: self._observer.call_failed(m, e))
         self._waiters = Waiters()
         self._handles: dict[str, Any] = {}
         self._seen: set[str] = set()

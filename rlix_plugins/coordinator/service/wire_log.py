@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 from rlix_plugins.errors import ProtocolError
 from rlix_plugins.protocol.names import parse_cluster_id
 from rlix_plugins.protocol.types import coerce_priority
+
+logger = logging.getLogger(__name__)
 
 #: pipelines kept; a coordinator serving more forgets the least recently heard from
 MAX_PIPELINES = 1024
@@ -104,10 +107,16 @@ class WireLog:
     """Counters of protocol calls per pipeline (see module docstring). Not thread-safe: the
     scheduler actor runs on one event loop."""
 
-    def __init__(self, max_pipelines: int = MAX_PIPELINES) -> None:
+    def __init__(
+        self,
+        max_pipelines: int = MAX_PIPELINES,
+        on_failure: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """``on_failure(method, error type name)`` is told of every failed call (metrics)."""
         if max_pipelines < 1:
             raise ValueError(f"max_pipelines must be >= 1, got {max_pipelines!r}")
         self._max = max_pipelines
+        self._on_failure = on_failure
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     def _entry(self, pipeline_id: str) -> _Entry:
@@ -140,7 +149,13 @@ class WireLog:
 
     def raised(self, caller: str, method: str, exc: BaseException) -> None:
         """Count a call of ``method`` by ``caller`` that raised ``exc``."""
-        self._entry(caller).failures[f"{method}: {type(exc).__name__}"] += 1
+        error = type(exc).__name__
+        self._entry(caller).failures[f"{method}: {error}"] += 1
+        if self._on_failure is not None:
+            try:
+                self._on_failure(method, error)
+            except Exception:  # metrics must never change the error the caller gets
+                logger.warning("failure hook of %s raised", method, exc_info=True)
 
     def snapshot(self) -> dict[str, PipelineWire]:
         """Every pipeline's counters now (copies: later calls do not change them)."""
