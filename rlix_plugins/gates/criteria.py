@@ -258,19 +258,20 @@ def time_sharing(coordinator: Sequence[Interval], gate: int) -> CriterionResult:
 RLIX_PRIORITY_CLASS = "rlix.protocol.types.Priority"
 ROLL_PROTOCOL_REQUIREMENT = (
     "the coordinator received the ROLL pipeline's calls in RLix's own classes and refused "
-    "none: every priority an rlix.protocol.types.Priority, GENERATION and ACTOR_TRAINING "
-    ">= 1 each, >= 1 progress report, >= 1 release"
+    "none: every priority an rlix.protocol.types.Priority, a GENERATION request per step "
+    "(ROLL asks once per step), ACTOR_TRAINING >= 1, >= 1 progress report, >= 1 release"
 )
 
 
 def roll_protocol(wire: Mapping[str, PipelineWire], *, expected: int = 1,
-                  sender_module: str | None = None) -> CriterionResult:
+                  steps: int = 1, sender_module: str | None = None) -> CriterionResult:
     """Gate 3: the ROLL pipeline's protocol, judged from the coordinator's wire log.
 
     ROLL pipelines are the ones that sent RLix's own ``Priority`` class (ours send ours);
-    exactly ``expected`` must be found. ``sender_module``: the module the rehearsal's ROLL
-    stand-in built its reports from (its reports reach the scheduler through our pipeline
-    coordinator, which forwards its own class); it must be ``rlix.protocol.types``."""
+    exactly ``expected`` must be found, each with at least ``steps`` GENERATION requests.
+    ``sender_module``: the module the rehearsal's ROLL stand-in built its reports from (its
+    reports reach the scheduler through our pipeline coordinator, which forwards its own
+    class); it must be ``rlix.protocol.types``."""
     rolls = sorted(pid for pid, w in wire.items() if RLIX_PRIORITY_CLASS in w.priority_classes)
     gaps: list[str] = []
     if len(rolls) != expected:
@@ -280,8 +281,11 @@ def roll_protocol(wire: Mapping[str, PipelineWire], *, expected: int = 1,
         foreign = sorted(c for c in w.priority_classes if c != RLIX_PRIORITY_CLASS)
         if foreign:
             gaps.append(f"{pid}: priorities also of {foreign}")
-        gaps += [f"{pid}: no {p} request" for p in ("GENERATION", "ACTOR_TRAINING")
-                 if not w.requested(p)]
+        if w.requested("GENERATION") < steps:
+            gaps.append(f"{pid}: {w.requested('GENERATION')} GENERATION requests for "
+                        f"{steps} step(s)")
+        if not w.requested("ACTOR_TRAINING"):
+            gaps.append(f"{pid}: no ACTOR_TRAINING request")
         if not w.calls.get("report_progress"):
             gaps.append(f"{pid}: no progress report received")
         if not (w.calls.get("notify_release_gpus")

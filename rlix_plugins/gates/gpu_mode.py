@@ -560,7 +560,8 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
     if has_roll:
         # RLix's own pipeline coordinator and pipeline sent these (its classes or the stand-in
         # the coordinator unpickles them as); the NeMo RL jobs send ours.
-        criteria.append(roll_protocol(wire))
+        criteria.append(roll_protocol(
+            wire, steps=max((j.steps for j in jobs if j.name == "roll"), default=1)))
     figs = {j.name: _log_figures(out, j.name) for j in jobs}
     # Only the NeMo RL jobs run our shard controller and router (ROLL uses its own).
     nemo_jobs = sum(1 for j in jobs if j.name != "roll")

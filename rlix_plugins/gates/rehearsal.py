@@ -317,7 +317,7 @@ def _gate_specific(gate: int, shared: PhaseResult, steps: int) -> list[Criterion
         # in RLix's classes; its reports through our pipeline coordinator, so the class they
         # were built from is the sender's word).
         roll = shared.roll[0] if shared.roll else None
-        out.append(roll_protocol(shared.wire,
+        out.append(roll_protocol(shared.wire, steps=steps,
                                  sender_module=roll.report_module if roll else ""))
     return out
 

@@ -192,9 +192,15 @@ def test_roll_protocol_needs_training_generation_reports_and_a_release() -> None
         "ft_roll", {"request_gpus": 1}, {}, {}, {RLIX_PRIORITY_CLASS: 1},
         {"request_gpus: INITIALIZATION": 1})}
     measured = roll_protocol(wire).measured
-    for gap in ("no GENERATION request", "no ACTOR_TRAINING request",
+    for gap in ("0 GENERATION requests for 1 step(s)", "no ACTOR_TRAINING request",
                 "no progress report received", "no release received"):
         assert f"ft_roll: {gap}" in measured
+    # one GENERATION request per step: a run that asked for fewer did not run its steps
+    log = WireLog()
+    _roll_calls(log, "ft_roll")
+    short = roll_protocol(log.snapshot(), steps=2)
+    assert not short.passed
+    assert "ft_roll: 1 GENERATION requests for 2 step(s)" in short.measured
     empty = roll_protocol({})
     assert not empty.passed
     assert empty.measured == ("no ROLL pipeline; 0 pipeline(s) sent RLix's Priority class, "
