@@ -131,7 +131,8 @@ async def _generation_granted_unsaved(service: Any) -> dict[str, bool]:
     them back on); its generation request timed out while its ranks were activated by a
     commit that could not be saved."""
     await register_pipeline(service, PID, infer=[0, 1])
-    flag = _failing_saves(service)
+    # The expands' intent is saved (else they are not sent), the commit after them is not.
+    flag = _failing_saves(service, but_expand_intents=True)
     with pytest.raises(RequestTimeoutError):
         await _request_generation(service)
     return flag

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,14 +107,17 @@ def test_a_grant_is_answered_only_once_it_is_saved(scheduler_service: ServiceBui
     asyncio.run(asyncio.wait_for(go(), 60))
 
 
-def _failing_saves(service: object) -> dict[str, bool]:
-    """Make the service's state store fail while ``flag["failing"]``; returns the flag."""
+def _failing_saves(service: object, *, but_expand_intents: bool = False) -> dict[str, bool]:
+    """Make the service's state store fail while ``flag["failing"]``; returns the flag.
+    ``but_expand_intents``: a record announcing expands about to be sent is still saved (so
+    they are sent), and the commit after them is not."""
     store = service._store  # type: ignore[attr-defined]
     save = store.save
     flag = {"failing": True}
 
-    def flaky_save(record: object) -> None:
-        if flag["failing"]:
+    def flaky_save(record: dict[str, Any]) -> None:
+        intent = record.get("inflight") or {}
+        if flag["failing"] and not (but_expand_intents and intent.get("expands")):
             raise OSError("disk full (test)")
         save(record)
 

@@ -21,6 +21,11 @@ from rlix_plugins.protocol.names import parse_cluster_id
 
 logger = logging.getLogger(__name__)
 
+
+class LookupFailedError(Exception):
+    """Ray's name lookup of a pipeline's coordinator actor raised (a GCS timeout or RPC
+    failure, not "no such actor"): no verdict on the pipeline either way."""
+
 #: Fence a pipeline: ``(pipeline_id, reason)``; does nothing for an unknown or fenced one.
 FenceFn = Callable[[str, str], None]
 #: Save the scheduler's state; False when the save failed (the scheduler logs it).
@@ -66,12 +71,19 @@ class Resizer:
 
     async def handle(self, cid: str, what: str, *, remove: bool) -> Any:
         """The coordinator actor to send ``what`` to, or None: the pipeline is fenced, or has
-        no actor (fenced too if it had one, or if ``what`` is a shrink)."""
+        no actor (fenced too if it had one, or if ``what`` is a shrink), or the lookup itself
+        failed (nothing sent, nobody fenced: planned again next cycle)."""
         pid = parse_cluster_id(cid)[0]
         if pid in self._fencing:
             return None
         registration = self._state.registrations.get(pid)
-        handle = await self.coordinator(pid)
+        try:
+            handle = await self.coordinator(pid)
+        except LookupFailedError as exc:
+            # Ray's own lookup failed (a GCS hiccup): no verdict on the pipeline. Not sent; a
+            # shrink not sent leaves its ranks owned, an expand not sent is not committed.
+            logger.warning("%s not sent this cycle: %s", what, exc)
+            return None
         if self._state.registrations.get(pid) != registration:
             return None  # unregistered meanwhile: nothing to send, nobody to fence
         if handle is None:
@@ -91,10 +103,11 @@ class Resizer:
     ) -> set[str]:
         """Send ``resize_infer`` per cluster concurrently; return the clusters NOT applied.
 
-        For shrinks every one of them failed (and fenced its pipeline). For expands these are
-        only the calls that were never sent (no coordinator actor yet): nothing changed on the
-        pipeline side, so they are not committed. A sent expand that failed is not in the set
-        (see ``SchedulerService._cycle``).
+        For shrinks every one of them failed and fenced its pipeline, or was not sent because
+        the coordinator's lookup failed (its ranks stay owned; planned again). For expands
+        these are only the calls that were never sent (no coordinator actor yet, or a failed
+        lookup): nothing changed on the pipeline side, so they are not committed. A sent
+        expand that failed is not in the set (see ``SchedulerService._cycle``).
         """
         if not calls:
             return set()
@@ -162,12 +175,27 @@ class Resizer:
 
     async def coordinator(self, pipeline_id: str) -> Any:
         """The pipeline's coordinator actor handle (cached), or None while Ray has none; the
-        first time one is found the pipeline is marked seen and the state saved."""
+        first time one is found the pipeline is marked seen and the state saved.
+
+        Raises:
+            LookupFailedError: Ray's lookup raised (not "no such actor"): no verdict.
+        """
         handle = self._handles.get(pipeline_id)
         if handle is not None:
             return handle
         spec = self._state.pipelines.get(pipeline_id)
-        handle = await lookup_coordinator(pipeline_id, spec.ray_namespace if spec else None)
+        registration = self._state.registrations.get(pipeline_id)
+        try:
+            handle = await lookup_coordinator(pipeline_id, spec.ray_namespace if spec else None)
+        except Exception as exc:
+            raise LookupFailedError(
+                f"looking up the coordinator actor of {pipeline_id!r} failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if self._state.registrations.get(pipeline_id) != registration:
+            # Unregistered (and maybe registered again) during the lookup: the handle found
+            # may be the old registration's actor; nothing is cached for the new one.
+            return None
         if handle is not None:
             self._handles[pipeline_id] = handle
             if pipeline_id not in self._seen:

@@ -290,7 +290,10 @@ class SchedulerService:
             weight=weight,
         )
         if self._state.pipelines.get(spec.pipeline_id) == spec:
-            return  # a retry (e.g. by Ray after a restart) of a registration that succeeded
+            # A retry (by Ray after a restart, or by a caller told the save failed): answered
+            # once the registration is saved, like the first call.
+            await self._durable.until_saved(f"register_pipeline({spec.pipeline_id})")
+            return
         if spec.pipeline_id in self._dead:
             raise RegistrationError(
                 f"pipeline {spec.pipeline_id!r} was declared dead "
@@ -806,9 +809,10 @@ class SchedulerService:
 
     def _record_inflight(
         self, plan: Plan, failed_shrinks: set[str], expands: tuple[RankMove, ...]
-    ) -> None:
+    ) -> bool:
         """Save the shrinks that are done and the expands about to be sent (under ``_lock``):
-        what a restart settles (:func:`settle_inflight`) if the cycle dies before its commit."""
+        what a restart settles (:func:`settle_inflight`) if the cycle dies before its commit.
+        False when the save failed."""
         self._inflight = InflightIntent(
             confirmed_shrinks=tuple(
                 (m.cluster_id, m.dp_rank)
@@ -817,7 +821,7 @@ class SchedulerService:
             ),
             expands=tuple((m.cluster_id, m.dp_rank) for m in expands),
         )
-        self._durable.save()
+        return self._durable.save()
 
     async def _expand_then_commit(
         self,
@@ -830,7 +834,13 @@ class SchedulerService:
         to_send = Plan(plan.revision, expands=sendable).expands_by_cluster()
         if to_send:
             async with self._lock:
-                self._record_inflight(plan, failed_shrinks, sendable)
+                if not self._record_inflight(plan, failed_shrinks, sendable):
+                    # Unsaved, a restart would not know these expands went out: their GPUs
+                    # would come back idle under awake shards. Not sent, so not committed;
+                    # planned again once saving works.
+                    logger.warning("expands of %s not sent: their intent could not be saved",
+                                   sorted(to_send))
+                    sendable, to_send = (), {}
         # A failed expand leaves the shard's state unknown: the pipeline is fenced and the rank
         # is committed as active, so its GPUs stay with it until it is confirmed dead.
         unsent = await self._resizer.resize_all(to_send, remove=False, planned=planned)
@@ -1030,6 +1040,9 @@ class SchedulerService:
             if pid in self._state.pipelines and now - beat > self.cfg.lease_s:
                 self._fence(pid, f"lease expired (no heartbeat for {now - beat:.1f}s)")
         pids = [p for p in self._state.pipelines]
+        # The registration each verdict is about: a pipeline unregistered and registered
+        # again under its id while the probes ran is a new registration with a new actor.
+        probed = {p: self._state.registrations.get(p) for p in pids}
         # One probe failing in a way probe() does not classify (a Ray system error, say) is
         # no verdict on that pipeline; it must not cost every other pipeline its check.
         verdicts = await asyncio.gather(*(self._probe(p) for p in pids), return_exceptions=True)
@@ -1040,6 +1053,8 @@ class SchedulerService:
                 continue
             if pid not in self._state.pipelines:
                 continue
+            if self._state.registrations.get(pid) != probed[pid]:
+                continue  # a verdict on the registration before this one
             fenced = self._fencing.get(pid)
             if verdict is Liveness.DEAD:
                 reason = fenced or "its coordinator actor died"
