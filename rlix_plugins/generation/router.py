@@ -448,7 +448,12 @@ class ShardRouter:
             ShardPreemptedError: preempted on every one of ``max_attempts`` dispatches.
             ProtocolError: an engine broke its contract (e.g. an output whose logprobs do
                 not line up with its tokens); the request is counted lost, not retried.
+            TypeError: ``request`` is not a :class:`GenerationRequest` (nothing recorded).
         """
+        if not isinstance(request, GenerationRequest):
+            raise TypeError(
+                f"ShardRouter.generate takes a GenerationRequest, got {type(request).__name__}"
+            )
         ledger = self._ledger
         ledger.begin(request.request_id)
         try:
@@ -476,6 +481,10 @@ class ShardRouter:
         migrations = 0
         target: int | None = None  # where a migrated request continues
         dispatches = 0
+        # The counter of the cut that sends the request again (migrated or re-dispatched),
+        # bumped only once it really is sent again: not if no shard comes back in time, the
+        # caller cancels while it waits, or the state cannot be read.
+        count_resend: Callable[[], None] | None = None
         while True:
             dispatches += 1
             snap = await self._read_state()
@@ -488,6 +497,9 @@ class ShardRouter:
             target = None
             attempt = self._attempt(request, dispatches, prefix)
             run = _Running(request.request_id, rank, attempt.max_tokens, migrations)
+            if count_resend is not None:
+                count_resend()
+                count_resend = None
             out = await self._dispatch(rank, attempt, run)
             if out is not None and not out.aborted:
                 token_ids, logprobs = out.token_ids, out.logprobs
@@ -532,12 +544,9 @@ class ShardRouter:
                     f"{self._config.max_attempts} dispatches; raise RouterConfig.max_attempts "
                     "or preempt less often"
                 )
-            # Counted only now that the request is sent again (not when it completed from
-            # its partial tokens or ran out of attempts).
-            if migrated:
-                self._ledger.migrate()
-            else:
-                self._ledger.redispatch()
+            # Counted when the request is sent again (not when it completed from its partial
+            # tokens, ran out of attempts, or never reaches another shard).
+            count_resend = self._ledger.migrate if migrated else self._ledger.redispatch
 
     async def _dispatch(
         self, rank: int, attempt: GenerationRequest, run: _Running

@@ -30,6 +30,8 @@ DEFAULT_SLEEP_LEVEL = 2
 
 #: ``SamplingParams`` fields the wrapper sets itself (a request may not set them too).
 _WRAPPER_SET = frozenset({"max_tokens", "output_kind"})
+#: sampling options that ask for more than one sample per request (must be 1 or absent)
+_ONE_SAMPLE = ("n", "best_of")
 
 
 class VllmAsyncShard:
@@ -137,6 +139,14 @@ class VllmAsyncShard:
                 "engine wrapper (max_tokens comes from GenerationRequest.max_tokens); remove "
                 "them from GenerationRequest.sampling"
             )
+        several = {k: request.sampling[k] for k in _ONE_SAMPLE if request.sampling.get(k, 1) != 1}
+        if several:
+            # One request id is one sample: the router continues, migrates and accounts a
+            # request as one completion, so the others would be dropped without a word.
+            raise ProtocolError(
+                f"request {request.request_id}: sampling {several} asks for several samples; "
+                "one GenerationRequest is one sample (n=1): send k requests for k samples"
+            )
         if not self._accepting:
             self._rejected(request.request_id)
         sampling_cls, prompt_cls, final_only = self._vllm_types()
@@ -170,6 +180,11 @@ class VllmAsyncShard:
         token_ids = tuple(completion.token_ids)
         logprobs: tuple[float, ...] | None = None
         if completion.logprobs is not None:
+            if len(completion.logprobs) != len(token_ids):
+                raise ProtocolError(
+                    f"request {rid} on shard {self._name}: vLLM returned "
+                    f"{len(completion.logprobs)} logprob steps for {len(token_ids)} tokens"
+                )
             logprobs = tuple(
                 step[tok].logprob for step, tok in zip(completion.logprobs, token_ids, strict=True)
             )

@@ -15,6 +15,7 @@ import pytest
 
 from rlix_plugins.errors import (
     LastActiveShardError,
+    NoActiveShardError,
     ProtocolError,
     SettingsError,
     ShardPreemptedError,
@@ -261,6 +262,89 @@ def test_sampling_options_the_wrapper_sets_are_refused_with_a_typed_error(key: s
         with pytest.raises(ProtocolError, match=f"'{key}'.*set by the engine wrapper"):
             await shard.generate(GenerationRequest("r:a1", (1, 2), 4, {key: 3}))
         assert shard.submitted_total == 0 and await shard.num_running() == 0
+
+    asyncio.run(go())
+
+
+class SelfPreemptingEngine(FakeScriptedEngine):
+    """FAKE engine whose shard is preempted while it runs the attempt (never woken again)."""
+
+    def __init__(self, store: ShardStateStore) -> None:
+        super().__init__([EngineOutput((1, 2), "abort")])
+        self.store = store
+
+    async def generate(self, request: GenerationRequest) -> EngineOutput:
+        self.store.apply([0], ShardEvent.PREEMPT)
+        return await super().generate(request)
+
+
+def test_a_cut_is_counted_only_once_the_request_is_really_sent_again() -> None:
+    # The cut was counted as re-dispatched at once, though no shard came back before the
+    # wait timed out and the request was lost without a second dispatch.
+    async def go() -> None:
+        store = ShardStateStore(1)
+        engine = SelfPreemptingEngine(store)
+        router = ShardRouter(LocalShardState(store), [engine], RouterConfig(wait_timeout_s=0.05))
+        with pytest.raises(NoActiveShardError):
+            await router.generate(GenerationRequest("r", (1,), 8))
+        c = router.counters()
+        assert len(engine.received) == 1
+        assert (c.submitted, c.lost, c.redispatched, c.migrated) == (1, 1, 0, 0)
+
+    asyncio.run(go())
+
+
+def test_a_router_refuses_what_is_not_a_request_before_recording_it() -> None:
+    # An AttributeError from deep in generate before, with nothing saying what was wrong.
+    async def go() -> None:
+        engine = FakeScriptedEngine([])
+        router = _router(engine)
+        with pytest.raises(TypeError, match="takes a GenerationRequest, got dict"):
+            await router.generate({"request_id": "r", "prompt_token_ids": [1]})  # type: ignore[arg-type]
+        assert router.counters().submitted == 0 and engine.received == []
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("sampling", [{"n": 2}, {"best_of": 3}, {"n": 4, "best_of": 4}])
+def test_several_samples_per_request_are_refused_with_a_typed_error(
+    sampling: dict[str, int],
+) -> None:
+    # sampling={"n": 2} was accepted and the wrapper returned outputs[0] only: the other
+    # samples were dropped without a word (one request id is one sample for the router).
+    async def go() -> None:
+        shard = VllmAsyncShard(FakeAsyncLlm())
+        with pytest.raises(ProtocolError, match="one GenerationRequest is one sample"):
+            await shard.generate(GenerationRequest("r:a1", (1, 2), 4, sampling))
+        assert shard.submitted_total == 0 and await shard.num_running() == 0
+
+    asyncio.run(go())
+
+
+class _Completion:
+    def __init__(self, tokens: tuple[int, ...], steps: int) -> None:
+        self.token_ids = tokens
+        self.finish_reason = "length"
+        self.logprobs = [{t: type("L", (), {"logprob": -0.5})()} for t in tokens][:steps]
+
+
+class ShortLogprobsLlm(FakeAsyncLlm):
+    """FAKE AsyncLLM whose final output has fewer logprob steps than tokens."""
+
+    async def generate(self, prompt: Any, params: Any, rid: str) -> Any:  # type: ignore[override]
+        yield type("Out", (), {"finished": True, "outputs": [_Completion((7, 8, 9), 2)]})()
+
+
+def test_logprobs_that_do_not_line_up_with_the_tokens_are_a_typed_error() -> None:
+    # A ValueError from zip(strict=True) before: untyped, and on a shard being preempted it
+    # passed for a preemption (the router re-dispatches those) instead of a broken contract.
+    async def go() -> None:
+        shard = VllmAsyncShard(ShortLogprobsLlm())
+        # plain stand-ins for vLLM's SamplingParams / TokensPrompt (no vLLM import needed)
+        shard._sampling_cls = shard._prompt_cls = lambda **kw: kw
+        shard._final_only = "final_only"
+        with pytest.raises(ProtocolError, match="2 logprob steps for 3 tokens"):
+            await shard.generate(GenerationRequest("r:a1", (1, 2), 3, {"logprobs": 0}))
 
     asyncio.run(go())
 
