@@ -556,12 +556,22 @@ class ShardRouter:
         key = attempt.request_id
         self._inflight[rank] += 1
         self._running[key] = run
+
+        def over() -> None:
+            # The attempt has ended: no rebalance may mark it from here on. A mark set while
+            # the refreshes below await would make a host's abort (or a preemption) pass for
+            # a migration: counted as one, continued from its partial tokens under RESTART.
+            if self._running.get(key) is run:
+                del self._running[key]
+
         try:
             out = await self._engines[rank].generate(attempt)
+            over()
             if out.aborted and run.migrate_to is None:
                 await self._refresh_if_stale(rank)
             return out
         except ShardPreemptedError:
+            over()
             await self._refresh_if_stale(rank)
             return None
         except ProtocolError:
@@ -572,6 +582,7 @@ class ShardRouter:
                          rank, exc_info=True)
             raise
         except Exception:
+            over()
             # A failure on a shard that is no longer active is the preemption tearing it
             # down; on an active shard it is a real error for the caller.
             snap = await self._state.refresh()
@@ -582,8 +593,7 @@ class ShardRouter:
             return None
         finally:
             self._inflight[rank] -= 1
-            if self._running.get(key) is run:
-                del self._running[key]
+            over()
 
     async def _refresh_if_stale(self, rank: int) -> None:
         # The engine rejected or aborted us; if our view still calls the shard active it is

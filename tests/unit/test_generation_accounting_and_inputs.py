@@ -737,6 +737,66 @@ def test_a_rebalance_that_waited_for_the_lock_plans_on_the_current_state() -> No
     asyncio.run(asyncio.wait_for(go(), 30))
 
 
+class FakeHeldRefreshView(LocalShardState):
+    """FAKE asynchronous view (as ``RayShardState`` is): its first ``refresh`` after ``hold``
+    is set waits for it (a slow round trip to the owner), after setting ``entered``."""
+
+    def __init__(self, store: ShardStateStore) -> None:
+        super().__init__(store)
+        self.hold: asyncio.Event | None = None
+        self.entered = asyncio.Event()
+
+    async def snapshot_async(self) -> ShardSnapshot:
+        return self.snapshot()
+
+    async def refresh(self) -> ShardSnapshot:
+        if self.hold is not None and not self.entered.is_set():
+            self.entered.set()
+            await self.hold.wait()
+        return self.snapshot()
+
+
+def test_an_attempt_aborted_by_the_host_is_not_marked_for_migration_once_it_ended() -> None:
+    # A host abort on an active shard returned the attempt while its run was still listed as
+    # running; while _dispatch awaited the state refresh, a rebalance marked it: the abort
+    # was counted as a migration (and under RESTART continued from its partial tokens).
+    from rlix_plugins.generation import ShardLifecycle
+
+    async def go() -> None:
+        engines = [FakeHeldEngine(), FakeHeldEngine()]
+        store = ShardStateStore(2)
+        view = FakeHeldRefreshView(store)
+        router = ShardRouter(view, engines, RouterConfig(
+            redispatch=RedispatchMode.RESTART, migration=MigrationConfig(auto=False)))
+        life = ShardLifecycle(view, engines)
+        await life.preempt([1])
+        engines[0].want = 4
+        load = [GenerationRequest(f"q{i}", (1, i), 64) for i in range(4)]
+        tasks = [asyncio.ensure_future(router.generate(q)) for q in load]
+        await engines[0].reached.wait()
+        await life.wake([1])
+        await life.activate([1])
+        view.hold = asyncio.Event()
+        engines[0]._abort(["q0:a1"])  # the host aborts q0 on its active shard
+        await view.entered.wait()  # q0's dispatch awaits the refresh
+        abort_hold = engines[0].hold = asyncio.Event()
+        rebalance = asyncio.ensure_future(router.rebalance([1]))
+        await engines[0].abort_entered.wait()  # marks set, its abort under way
+        view.hold.set()
+        await asyncio.sleep(0.01)  # q0 decides how it continues
+        abort_hold.set()
+        moves = await rebalance
+        for e in engines:
+            e.release_all()
+        results = await asyncio.gather(*tasks)
+        assert "q0:a1" not in [m.key for m in moves]
+        c = router.counters()
+        assert (c.migrated, c.redispatched, c.lost) == (len(moves), 1, 0)
+        assert results[0].token_ids[:2] != (7, 7), "RESTART continued from partial tokens"
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
 class FakeSlowProgressEngine(FakeHeldEngine):
     """FAKE: like FakeHeldEngine, and its progress query waits for ``progress_hold`` (a slow
     round trip) after setting ``progress_entered``."""
