@@ -145,6 +145,8 @@ class _Received:
     data: torch.Tensor
     entries: list[TensorEntry]
     verifier: _Verifier
+    #: ``data`` is overwritten by the next bucket (``ReceiverTransport.reuses_buffer``)
+    reused: bool = False
 
 
 def _bucket_stream(
@@ -198,7 +200,8 @@ def _bucket_stream(
         entries = [TensorEntry.from_wire(e) for e in raw_entries]
         for e in entries:
             _check_entry(offer, header, e)
-        received = _Received(data, entries, _Verifier(offer, header, data))
+        received = _Received(data, entries, _Verifier(offer, header, data),
+                             reused=transport.reuses_buffer)
         # Drop every local reference to this bucket before it is acked: the next bucket
         # arrives right after the ack, and a live reference here would double the peak.
         del frames, data
@@ -396,14 +399,18 @@ def receive_weights_streaming(
     yielded only after every segment holding its bytes was verified. A bucket is acked when
     ``consume`` asks for the first tensor after it; tensors it keeps beyond that keep their
     bucket's memory alive, so the one-bucket bound holds only for consumers that copy as they
-    go.
+    go. Over a transport that reuses one buffer for every bucket (gloo, NCCL, CUDA IPC) each
+    tensor is a copy: vLLM's layerwise reload keeps the tensors of a layer until the layer is
+    complete, and a layer can span two buckets, so a view would be read after the next
+    bucket overwrote it (version N recorded over other bytes).
     """
 
     def tensors(buckets: Iterator[_Received]) -> Iterator[tuple[str, torch.Tensor]]:
         for b in buckets:
             for e in b.entries:
                 b.verifier.upto(e.offset + e.nbytes)
-                yield e.name, _view(b.data, e)
+                t = _view(b.data, e)
+                yield e.name, t.clone() if b.reused else t
             del b
 
     def flatten(buckets: Iterator[_Received]) -> None:

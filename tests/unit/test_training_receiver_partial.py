@@ -11,11 +11,13 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind
 from rlix_plugins.training.sync import SyncOptions, sync_version
 from rlix_plugins.training.vllm_receiver import RlixWeightReceiverExtension, VllmEngineReceiver
+from rlix_plugins.training.wire import TransportKind
 
 Loader = Callable[[Iterator[tuple[str, torch.Tensor]]], dict[str, torch.Tensor]]
 WEIGHTS = {f"w{i}": torch.full((8000,), float(i)) for i in range(3)}  # 32 KB each
@@ -52,18 +54,22 @@ class FakeEngine:
         return [getattr(self.worker, method)(*args)]
 
 
-def _sync(loader: Loader) -> tuple[Any, FakeModelRunner, VllmEngineReceiver]:
+def _sync(
+    loader: Loader, transport: TransportKind | None = None
+) -> tuple[Any, FakeModelRunner, VllmEngineReceiver]:
     # 64 KiB buckets: two tensors in the first bucket, one in the second
+    # shm maps the cache's own pages: it needs them in shared memory
+    storage = StorageKind.SHARED if transport is TransportKind.SHM else StorageKind.PAGEABLE
     cache = BucketCache(
-        "p", CacheConfig(bucket_bytes=1 << 16, storage=StorageKind.PAGEABLE, ram_reserve_bytes=0)
+        "p", CacheConfig(bucket_bytes=1 << 16, storage=storage, ram_reserve_bytes=0)
     )
     cache.build(7, iter(WEIGHTS.items()))
     runner = FakeModelRunner(loader)
     receiver = VllmEngineReceiver("s0", FakeEngine(Worker(runner)))
     try:
-        report = sync_version(
-            cache, 7, [receiver], options=SyncOptions(ack_timeout_s=10, raise_on_error=False)
-        )
+        transports = {"s0": transport} if transport is not None else {}
+        report = sync_version(cache, 7, [receiver], options=SyncOptions(
+            ack_timeout_s=10, raise_on_error=False, transports=transports))
     finally:
         receiver.close()
         cache.close()
@@ -89,6 +95,29 @@ def test_a_loader_that_stops_early_fails_the_sync_and_records_no_version() -> No
 def test_a_loader_that_takes_every_tensor_but_not_the_end_records_the_version() -> None:
     # islice(it, 3) never asks past the last tensor: the receiver finishes the stream itself
     report, runner, receiver = _sync(_take(len(WEIGHTS)))
+    assert report.succeeded == ("s0",), report.outcomes
+    assert receiver.weight_version() == 7
+    assert {n: t.tolist() for n, t in runner.loaded.items()} == {
+        n: t.tolist() for n, t in WEIGHTS.items()
+    }
+
+
+def _keep_views(it: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """As vLLM 0.32's layerwise reload does: keep the tensors as given (no copy) until the
+    whole stream is read, then load them."""
+    kept = dict(it)
+    return {name: t.clone() for name, t in kept.items()}
+
+
+@pytest.mark.parametrize("transport", [TransportKind.GLOO, TransportKind.ZMQ, TransportKind.SHM])
+def test_a_loader_that_keeps_tensors_past_their_bucket_loads_the_right_bytes(
+    transport: TransportKind,
+) -> None:
+    # Over gloo (and NCCL / CUDA IPC: one buffer for every bucket) the receiver yielded views
+    # of its receive buffer; a loader keeping them (vLLM keeps a layer's tensors until the
+    # layer is complete, and a layer can span two buckets) read the next bucket's bytes,
+    # while the sync succeeded and version 7 was recorded.
+    report, runner, receiver = _sync(_keep_views, transport)
     assert report.succeeded == ("s0",), report.outcomes
     assert receiver.weight_version() == 7
     assert {n: t.tolist() for n, t in runner.loaded.items()} == {

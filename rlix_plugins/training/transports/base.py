@@ -56,6 +56,11 @@ class SenderTransport(abc.ABC):
 class ReceiverTransport(abc.ABC):
     """Receiver side of one transport."""
 
+    #: True when the bytes :meth:`fetch` returns are overwritten by a later bucket once this
+    #: one is released (one receive or staging buffer reused for every bucket): a consumer
+    #: that keeps a tensor past the bucket's ack must get a copy, never a view.
+    reuses_buffer: bool = False
+
     @abc.abstractmethod
     def fetch(self, header: Mapping[str, Any], frames: list[Any]) -> torch.Tensor:
         """The bucket's used bytes as a 1-D uint8 tensor (valid until :meth:`release`)."""

@@ -157,6 +157,8 @@ class BroadcastSender(SenderTransport):
 
 
 class BroadcastReceiver(ReceiverTransport):
+    reuses_buffer = True  # one receive buffer for every bucket
+
     def __init__(self, offer: SyncOffer) -> None:
         import torch
         import torch.distributed as dist

@@ -64,6 +64,8 @@ class CudaIpcSender(SenderTransport):
 
 
 class CudaIpcReceiver(ReceiverTransport):
+    reuses_buffer = True  # a view of the sender's staging buffer, rewritten after each ack
+
     def __init__(self) -> None:
         self._mapped: torch.Tensor | None = None
         self._key: bytes | None = None
