@@ -465,10 +465,20 @@ class BucketCache:
         with self._lock:
             self._building.discard(version)
             closed = self._closed
-            if not closed:
+            overtaken = not closed and self._latest is not None and version < self._latest
+            if not closed and not overtaken:
                 self._versions[version] = built
                 self._latest = version
                 freed = self._retire_others_locked()
+        if overtaken:
+            # A newer version finished first (concurrent builds): making this one latest would
+            # retire and free the newer one, whose build already returned its info.
+            self._free_all([built])
+            raise WeightCacheError(
+                f"pipeline {self.pipeline_id!r}: weight version {version} finished after the "
+                f"newer version {self._latest} was cached; it was discarded (build versions "
+                "in order)"
+            )
         if closed:
             # close() ran while this build packed: the cache stays closed and nothing of the
             # build may outlive it (its shared-memory files included).
@@ -718,6 +728,20 @@ class BucketCache:
             raise WeightCacheError(
                 f"weight version {version}: {name!r} is a {type(tensor).__name__}, expected a "
                 "torch.Tensor"
+            )
+        # Bytes the cache cannot copy as they are: no storage (meta), another layout (sparse),
+        # a lazy conjugate or negation, or packed quantized values.
+        unfit = ("a meta tensor (no data)" if tensor.is_meta
+                 else f"a {tensor.layout} tensor" if tensor.layout is not torch.strided
+                 else "a quantized tensor" if tensor.is_quantized
+                 else "a lazily conjugated view" if tensor.is_conj()
+                 else "a lazily negated view" if tensor.is_neg()
+                 else None)
+        if unfit is not None:
+            raise WeightCacheError(
+                f"weight version {version}: {name!r} is {unfit}; the cache takes dense, strided "
+                "tensors with their data (materialise it first, e.g. .resolve_conj() or "
+                ".to_dense())"
             )
         return name, tensor
 

@@ -364,10 +364,11 @@ class VllmEngineReceiver(AddressedReceiver):
         return common_version(self._engine.collective_rpc("rlix_weight_version"))
 
     def sleep(self, level: int = 1) -> None:
-        """Sleep the engine; at level 2 (weights discarded) its version is cleared."""
-        self._engine.sleep(level=level)
+        """Sleep the engine; at level 2 (weights discarded) its version is cleared first, so
+        no moment (and no sleep that fails part-way) reports weights the engine dropped."""
         if level == 2:
             self._engine.collective_rpc("rlix_forget_weights")
+        self._engine.sleep(level=level)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -134,3 +134,31 @@ def test_a_receiver_the_sync_gave_up_on_still_gets_its_versions_bytes(shm_dir: P
     finally:
         receiver.close()
         cache.close()
+
+
+def test_an_older_build_finishing_after_a_newer_one_never_frees_the_newer(
+    shm_dir: Path,
+) -> None:
+    # build(5) finished after build(6) and became latest: version 6, whose build had already
+    # returned its info, was retired and freed.
+    cache = _cache("races_order", shm_dir)
+    gate = threading.Event()
+    errors: list[BaseException] = []
+
+    def older() -> None:
+        try:
+            cache.build(5, _held_until(gate))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=older)
+    thread.start()
+    time.sleep(0.05)  # build 5 holds its claim, packing
+    assert cache.build(6, iter([("a", torch.zeros(100))])) is not None
+    gate.set()
+    thread.join(10)
+    assert cache.latest_version == 6 and cache.versions() == (6,)
+    (error,) = errors
+    assert isinstance(error, WeightCacheError)
+    assert "version 5 finished after the newer version 6" in str(error)
+    cache.close()

@@ -197,3 +197,27 @@ def test_engine_names_fold_back_and_versions_must_agree() -> None:
     assert engines_synced(["a@w0", "a@w1", "b", "c@w0"], failed=["c@w1"]) == ("a", "b")
     assert common_version([3, 3]) == 3
     assert common_version([3, None]) is None and common_version([3, 4]) is None
+
+
+class FailingSleepEngine(FakeTpEngine):
+    """FAKE engine whose level-2 sleep discards the weights and then raises."""
+
+    def sleep(self, level: int = 1) -> None:
+        raise RuntimeError("sleep failed after discarding the weights")
+
+
+def test_a_level_2_sleep_clears_the_version_before_the_engine_sleeps(
+    cache: BucketCache,
+) -> None:
+    # The version was cleared after engine.sleep returned: a sleep that failed part-way (or
+    # any moment in between) still reported version 7 for weights the engine had dropped.
+    engine = FailingSleepEngine(_load_all)
+    receiver = VllmEngineReceiver("s0", engine)
+    try:
+        sync_version(cache, 7, receiver.receivers(), options=SyncOptions(ack_timeout_s=20))
+        assert receiver.weight_version() == 7
+        with pytest.raises(RuntimeError, match="sleep failed"):
+            receiver.sleep(level=2)
+        assert receiver.weight_version() is None
+    finally:
+        receiver.close()

@@ -257,6 +257,11 @@ def test_an_offer_that_is_not_a_mapping_is_refused_typed(raw: Any) -> None:
         (("w", [1.0, 2.0]), "torch.Tensor"),  # was AttributeError: 'list' has no 'detach'
         (("w", None), "torch.Tensor"),
         ("w", "(name, tensor)"),  # was ValueError: not enough values to unpack
+        # each was a raw NotImplementedError / RuntimeError from the packing, naming nothing
+        (("w", torch.empty(4, device="meta")), "meta tensor"),
+        (("w", torch.zeros(4).to_sparse()), "sparse_coo"),
+        (("w", torch.zeros(2, dtype=torch.complex64).conj()), "conjugated"),
+        (("w", torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.qint8)), "quantized"),
     ],
 )
 def test_a_bad_weight_item_fails_the_build_typed_and_leaves_the_cache_unchanged(
