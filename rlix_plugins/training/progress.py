@@ -139,6 +139,8 @@ class ProgressTracker:
         self._batch_ts: float | None = None
         #: bucket of the last report the sink accepted in the current batch
         self._last_bucket: int | None = None
+        #: bucket of the newest report built (it may still wait for the send lock)
+        self._built_bucket: int | None = None
         self._seq = 0
         #: highest seq handed to the sink; older reports are stale and dropped
         self._sent_seq = 0
@@ -211,8 +213,12 @@ class ProgressTracker:
 
     def _set_locked(self, collected: int) -> ProgressReport | None:
         self._collected = min(collected, self._target)
-        if progress_bucket(self._collected, self._target) == self._last_bucket:
-            return None  # same 2% bucket (0 remaining is bucket 50, so it is reported once)
+        bucket = progress_bucket(self._collected, self._target)
+        if bucket == self._last_bucket and bucket == self._built_bucket:
+            # Same 2% bucket as the report delivered and as the newest one built (0 remaining
+            # is bucket 50, so it is reported once). Another bucket built meanwhile and not
+            # sent yet would otherwise be the coordinator's last word.
+            return None
         return self._report_locked(new_batch=False)
 
     def end_batch(self) -> None:
@@ -232,6 +238,7 @@ class ProgressTracker:
         new_batch = new_batch or self._unannounced
         self._seq += 1
         bucket = progress_bucket(self._collected, self._target)
+        self._built_bucket = bucket
         metrics: dict[str, object] = {
             "completed": self._collected,
             "collected": self._collected,
@@ -261,7 +268,11 @@ class ProgressTracker:
                 if seq <= self._sent_seq or seq < self._batch_seq:
                     return  # superseded (newer report sent, or its batch is over): stale
                 if seq > self._batch_seq and bucket == self._last_bucket:
-                    return  # another thread's report of this bucket was accepted meanwhile
+                    # Another thread's report of this bucket was accepted meanwhile: what the
+                    # sink holds is this report's news. Taken as sent, so an older report of
+                    # another bucket still waiting to be sent is stale and never goes last.
+                    self._sent_seq = seq
+                    return
                 self._sent_seq = seq
             try:
                 self._sink(report)

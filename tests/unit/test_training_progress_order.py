@@ -109,3 +109,41 @@ def test_a_failed_new_batch_report_is_announced_by_the_next_one() -> None:
     t.record(10, weight_version=0)
     t.record(10, weight_version=0)
     assert delivered == [(True, 10), (False, 20)]
+
+
+class _GatedSendLock:
+    """The tracker's send lock; a thread named ``late`` waits for ``go`` before taking it
+    (its report was built and is on its way, as behind a slow send)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.go = threading.Event()
+        self.waiting = threading.Event()
+
+    def __enter__(self) -> None:
+        if threading.current_thread().name == "late":
+            self.waiting.set()
+            self.go.wait(WAIT_S)
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_report_built_but_not_yet_sent_is_never_the_last_word_on_a_newer_count() -> None:
+    # The count went 20 -> 16 -> 20: the report of 16 (bucket 8) was built and waited for the
+    # send lock; back at 20, the tracker compared with the last DELIVERED bucket (10), built
+    # nothing, and the report of 16 then went out last: demand stayed too high.
+    got: list[int] = []
+    t = ProgressTracker("p", lambda r: got.append(r.completed))
+    gate = _GatedSendLock()
+    t._send_lock = gate  # type: ignore[assignment]
+    t.begin_batch(step=1, step_target=100, weight_version=0)
+    t.record(20, weight_version=0)  # bucket 10, delivered
+    late = threading.Thread(target=t.set_collected, args=(16,), name="late")
+    late.start()
+    assert gate.waiting.wait(WAIT_S)  # the report of 16 is built, not sent
+    t.record(4, weight_version=0)  # back to 20
+    gate.go.set()
+    late.join(WAIT_S)
+    assert t.collected == 20 and got[-1] == 20, got
