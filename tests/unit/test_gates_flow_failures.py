@@ -249,7 +249,10 @@ def test_shutdown_stops_every_engine_and_closes_everything_when_one_engine_fails
 
 
 class _Ref:
-    pass
+    """FAKE object ref: remembers which actor method made it."""
+
+    def __init__(self, method: str = "") -> None:
+        self.method = method
 
 
 class _FakeRay:
@@ -268,13 +271,16 @@ class _FakeRay:
 
 
 class _Method:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
     def remote(self, *a: Any, **k: Any) -> _Ref:
-        return _Ref()
+        return _Ref(self.name)
 
 
 class _FakeActor:
     def __getattr__(self, name: str) -> _Method:
-        return _Method()
+        return _Method(name)
 
 
 class _FakePlane:
@@ -364,9 +370,11 @@ def test_a_roll_run_that_does_not_finish_in_time_counts_as_failed(
         dead_pipelines: list[Any] = []
         wait_queue: list[Any] = []
 
-    class _Ray(_FakeRay):  # FAKE: no NeMo RL runs; the trace and the status
+    class _Ray(_FakeRay):  # FAKE: no NeMo RL runs; the trace, the status, no wire log
         def get(self, ref: Any, timeout: float | None = None) -> Any:
-            return [] if isinstance(ref, list) else _Status()
+            if isinstance(ref, list):
+                return []
+            return {} if ref.method == "get_wire_log" else _Status()
 
     reh.ray = _Ray()
     monkeypatch.setattr(rehearsal, "intervals_from_trace", lambda trace: ([], 0.0))
