@@ -756,26 +756,35 @@ class FakeHeldRefreshView(LocalShardState):
         return self.snapshot()
 
 
+async def _four_running_on_shard_0_and_shard_1_active(
+    view: Any, engines: list[Any], config: RouterConfig
+) -> tuple[ShardRouter, list[asyncio.Future[Any]]]:
+    """A router over two held engines with four requests running on shard 0, then shard 1
+    woken and activated (empty): the state a rebalance to shard 1 starts from."""
+    from rlix_plugins.generation import ShardLifecycle
+
+    router = ShardRouter(view, engines, config)
+    life = ShardLifecycle(view, engines)
+    await life.preempt([1])
+    engines[0].want = 4
+    load = [GenerationRequest(f"q{i}", (1, i), 64) for i in range(4)]
+    tasks = [asyncio.ensure_future(router.generate(q)) for q in load]
+    await engines[0].reached.wait()
+    await life.wake([1])
+    await life.activate([1])
+    return router, tasks
+
+
 def test_an_attempt_aborted_by_the_host_is_not_marked_for_migration_once_it_ended() -> None:
     # A host abort on an active shard returned the attempt while its run was still listed as
     # running; while _dispatch awaited the state refresh, a rebalance marked it: the abort
     # was counted as a migration (and under RESTART continued from its partial tokens).
-    from rlix_plugins.generation import ShardLifecycle
-
     async def go() -> None:
         engines = [FakeHeldEngine(), FakeHeldEngine()]
-        store = ShardStateStore(2)
-        view = FakeHeldRefreshView(store)
-        router = ShardRouter(view, engines, RouterConfig(
-            redispatch=RedispatchMode.RESTART, migration=MigrationConfig(auto=False)))
-        life = ShardLifecycle(view, engines)
-        await life.preempt([1])
-        engines[0].want = 4
-        load = [GenerationRequest(f"q{i}", (1, i), 64) for i in range(4)]
-        tasks = [asyncio.ensure_future(router.generate(q)) for q in load]
-        await engines[0].reached.wait()
-        await life.wake([1])
-        await life.activate([1])
+        view = FakeHeldRefreshView(ShardStateStore(2))
+        router, tasks = await _four_running_on_shard_0_and_shard_1_active(
+            view, engines, RouterConfig(redispatch=RedispatchMode.RESTART,
+                                        migration=MigrationConfig(auto=False)))
         view.hold = asyncio.Event()
         engines[0]._abort(["q0:a1"])  # the host aborts q0 on its active shard
         await view.entered.wait()  # q0's dispatch awaits the refresh
@@ -817,22 +826,12 @@ def test_migration_plans_on_the_loads_after_its_progress_query() -> None:
     # _plan read the in-flight loads, then awaited the engines' progress; requests that
     # finished meanwhile still counted: with 4 -> 2 running on shard 0 it moved 2 of them
     # (leaving 0 | 2, a pointless extra abort and re-prefill) instead of 1 (1 | 1).
-    from rlix_plugins.generation import ShardLifecycle
 
     async def go() -> None:
         engines = [FakeSlowProgressEngine(), FakeSlowProgressEngine()]
-        store = ShardStateStore(2)
-        view = LocalShardState(store)
-        router = ShardRouter(view, engines,
-                             RouterConfig(migration=MigrationConfig(auto=False)))
-        life = ShardLifecycle(view, engines)
-        await life.preempt([1])
-        engines[0].want = 4
-        load = [GenerationRequest(f"q{i}", (1, i), 64) for i in range(4)]
-        tasks = [asyncio.ensure_future(router.generate(q)) for q in load]
-        await engines[0].reached.wait()
-        await life.wake([1])
-        await life.activate([1])
+        router, tasks = await _four_running_on_shard_0_and_shard_1_active(
+            LocalShardState(ShardStateStore(2)), engines,
+            RouterConfig(migration=MigrationConfig(auto=False)))
 
         hold = engines[0].progress_hold = asyncio.Event()
         rebalance = asyncio.ensure_future(router.rebalance([1]))
@@ -869,22 +868,11 @@ def test_a_migration_whose_attempt_raises_is_still_a_migration() -> None:
     # max_attempts=1 the moved requests were lost ("preempted on each of its 1 dispatches"),
     # although migrations must not use up max_attempts; counters said redispatched, not
     # migrated.
-    from rlix_plugins.generation import ShardLifecycle
-
     async def go() -> None:
         engines = [FakeRaisingAbortEngine(), FakeRaisingAbortEngine()]
-        store = ShardStateStore(2)
-        view = LocalShardState(store)
-        router = ShardRouter(view, engines, RouterConfig(
-            max_attempts=1, migration=MigrationConfig(auto=False)))
-        life = ShardLifecycle(view, engines)
-        await life.preempt([1])
-        engines[0].want = 4
-        load = [GenerationRequest(f"q{i}", (1, i), 64) for i in range(4)]
-        tasks = [asyncio.ensure_future(router.generate(q)) for q in load]
-        await engines[0].reached.wait()
-        await life.wake([1])
-        await life.activate([1])
+        router, tasks = await _four_running_on_shard_0_and_shard_1_active(
+            LocalShardState(ShardStateStore(2)), engines,
+            RouterConfig(max_attempts=1, migration=MigrationConfig(auto=False)))
         engines[1].want = 2
         moves = await router.rebalance([1])
         assert len(moves) == 2
