@@ -59,19 +59,28 @@ def test_a_refused_second_build_keeps_the_first_builds_claim(shm_dir: Path) -> N
     assert list(shm_dir.iterdir()) == []
 
 
+def _held_build(cache: BucketCache, version: int, gate: threading.Event,
+                errors: list[BaseException]) -> threading.Thread:
+    """A started thread building ``version`` from a gather held until ``gate``; its error
+    (if any) lands in ``errors``."""
+
+    def build() -> None:
+        try:
+            cache.build(version, _held_until(gate))
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    return thread
+
+
 def test_a_build_that_ends_after_close_leaves_nothing(shm_dir: Path) -> None:
     cache = _cache("closing", shm_dir)
     gate = threading.Event()
     errors: list[BaseException] = []
 
-    def build() -> None:
-        try:
-            cache.build(2, _held_until(gate))
-        except BaseException as exc:
-            errors.append(exc)
-
-    late = threading.Thread(target=build)
-    late.start()
+    late = _held_build(cache, 2, gate, errors)
     time.sleep(0.2)
     cache.close()
     gate.set()
@@ -145,14 +154,7 @@ def test_an_older_build_finishing_after_a_newer_one_never_frees_the_newer(
     gate = threading.Event()
     errors: list[BaseException] = []
 
-    def older() -> None:
-        try:
-            cache.build(5, _held_until(gate))
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=older)
-    thread.start()
+    thread = _held_build(cache, 5, gate, errors)
     time.sleep(0.05)  # build 5 holds its claim, packing
     assert cache.build(6, iter([("a", torch.zeros(100))])) is not None
     gate.set()
