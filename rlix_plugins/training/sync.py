@@ -22,7 +22,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 20
 _GRACE_S = 10.0
 _BROADCAST = (TransportKind.NCCL, TransportKind.GLOO)
+_ON_GPU = (TransportKind.CUDA_IPC, TransportKind.NCCL)
 
 
 @runtime_checkable
@@ -257,8 +258,11 @@ class _Group:
         pipeline_id: str,
         sync_id: str,
         options: SyncOptions,
+        cuda_device: int | None,
     ) -> None:
         self.kind = kind
+        #: the CUDA device the sync's caller was on: a GPU transport stages there
+        self.cuda_device = cuda_device
         self.members = members
         self.cv = cv
         self.pipeline_id = pipeline_id
@@ -269,6 +273,12 @@ class _Group:
         self._ok: list[ShardOutcome] = []
 
     def run(self) -> list[ShardOutcome]:
+        # This runs on a pool thread, whose current CUDA device is 0 whatever the caller's
+        # was: without this a trainer on GPU 3 would stage (and run NCCL) on GPU 0.
+        with _on_cuda_device(self.cuda_device if self.kind in _ON_GPU else None):
+            return self._run()
+
+    def _run(self) -> list[ShardOutcome]:
         opts = self.options
         cv = self.cv
         transport: SenderTransport | None = None
@@ -403,6 +413,30 @@ class _Group:
         return outcomes
 
 
+def _caller_cuda_device(shard_id: str, kind: TransportKind) -> int:
+    """The calling thread's CUDA device, where a GPU transport to ``shard_id`` stages."""
+    import torch
+
+    if not torch.cuda.is_available():
+        valid = sorted(k.value for k in TransportKind if k not in _ON_GPU)
+        raise TransportUnavailableError(
+            f"shard {shard_id}: transport {kind.value!r} needs a CUDA device in the sender's "
+            f"process, which has none (valid without one: {', '.join(valid)})"
+        )
+    return int(torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def _on_cuda_device(device: int | None) -> Iterator[None]:
+    if device is None:
+        yield
+        return
+    import torch
+
+    with torch.cuda.device(device):
+        yield
+
+
 def _control_address(
     sock: zmq.Socket[bytes], same_host: bool, sync_id: str, index: int, options: SyncOptions
 ) -> str:
@@ -440,6 +474,9 @@ def sync_version(
     contacting anyone), and -- with ``raise_on_error`` -- a :class:`WeightSyncError` subclass
     (:class:`ReceiverGoneError`, :class:`ChecksumMismatchError`) naming the failed and the
     succeeded shards. Receivers that failed hold partially applied weights: resync them.
+
+    A GPU transport (``cuda_ipc``, ``nccl``) stages on the calling thread's current CUDA
+    device (``torch.cuda.set_device`` in the trainer), whichever thread the sync runs on.
     """
     import zmq
 
@@ -453,6 +490,7 @@ def sync_version(
     with cache.pinned(version) as cv:
         in_shm = cv.storage is StorageKind.SHARED
         plan: list[tuple[ReceiverHandle, TransportKind]] = []
+        cuda_device: int | None = None
         for r in receivers:
             forced = opts.forced_transport(r.shard_id)
             kind = forced or select_transport(sender, r.location, cache_in_shm=in_shm)
@@ -460,6 +498,8 @@ def sync_version(
                 raise TransportUnavailableError(
                     f"shard {r.shard_id}: transport 'shm' needs a cache in shared memory"
                 )
+            if kind in _ON_GPU and cuda_device is None:
+                cuda_device = _caller_cuda_device(r.shard_id, kind)
             plan.append((r, kind))
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         members: list[_Member] = []
@@ -477,9 +517,11 @@ def sync_version(
                 if m.transport in _BROADCAST:
                     broadcast.setdefault(m.transport, []).append(m)
                 else:
-                    groups.append(_Group(m.transport, [m], cv, cache.pipeline_id, sync_id, opts))
+                    groups.append(
+                        _Group(m.transport, [m], cv, cache.pipeline_id, sync_id, opts, cuda_device)
+                    )
             for kind, ms in broadcast.items():
-                groups.append(_Group(kind, ms, cv, cache.pipeline_id, sync_id, opts))
+                groups.append(_Group(kind, ms, cv, cache.pipeline_id, sync_id, opts, cuda_device))
             outcomes: list[ShardOutcome] = []
             if groups:
                 with concurrent.futures.ThreadPoolExecutor(

@@ -31,6 +31,7 @@ handed the layers of the other stages.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import re
 import threading
@@ -51,6 +52,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EXTENSION_FQN = "rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension"
+
+
+@contextlib.contextmanager
+def _on_device(device: object) -> Iterator[None]:
+    """Make ``device`` current for the block if it is a CUDA device (vLLM's
+    ``worker.device``); a CPU worker, or none, changes nothing."""
+    import torch
+
+    if isinstance(device, torch.device) and device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
 
 
 class RlixWeightReceiverExtension:
@@ -90,6 +104,13 @@ class RlixWeightReceiverExtension:
             return {"failed": True, "error": str(exc), "error_type": type(exc).__name__}
 
     def _rlix_receive(self, offer: Mapping[str, Any]) -> dict[str, Any]:
+        # A CUDA IPC / NCCL receiver maps and allocates on the current device. vLLM's
+        # in-process executor runs collective_rpc on the caller's thread, whose current device
+        # is 0 whatever the worker's is, so the worker's own device is made current.
+        with _on_device(getattr(self, "device", None)):
+            return self._rlix_receive_here(offer)
+
+    def _rlix_receive_here(self, offer: Mapping[str, Any]) -> dict[str, Any]:
         parsed = SyncOffer.from_dict(offer)
         self._rlix_weight_version: int | None = None  # invalid until the sync completes
         reload = getattr(self.model_runner, "reload_weights", None)

@@ -356,19 +356,24 @@ def _gpu_uuid(index: int) -> str:
     return str(getattr(props, "uuid", f"gpu{index}"))
 
 
-def _sync_to_gpu_receiver(kind: TransportKind, receiver_device: str, receiver_gpu: int) -> None:
+def _sync_to_gpu_receiver(
+    kind: TransportKind, receiver_device: str, receiver_gpu: int, sender_gpu: int = 0
+) -> None:
     w = _weights(8)
     cache = BucketCache("ft_gpu", CacheConfig(bucket_bytes=BUCKET, ram_reserve_bytes=0))
     assert cache.resolve_storage() is StorageKind.PINNED  # a CUDA device: pinned buckets
-    cache.build(1, ((k, v.cuda()) for k, v in w.items()))  # from GPU tensors, as a trainer's
+    # from GPU tensors, as a trainer's
+    cache.build(1, ((k, v.to(f"cuda:{sender_gpu}")) for k, v in w.items()))
     location = ReceiverLocation(gpu_uuid=_gpu_uuid(receiver_gpu))
     receiver = SpawnedReceiver("g0", _layout(w), location, device=receiver_device)
+    before = torch.cuda.current_device()
     try:
+        torch.cuda.set_device(sender_gpu)  # the trainer's device: the sync stages there
         report = sync_version(
             cache,
             1,
             [receiver],
-            sender=SenderLocation(gpu_uuid=_gpu_uuid(0), cuda=True),
+            sender=SenderLocation(gpu_uuid=_gpu_uuid(sender_gpu), cuda=True),
             options=SyncOptions(transports={"g0": kind}),
         )
         assert report.succeeded == ("g0",)
@@ -376,6 +381,7 @@ def _sync_to_gpu_receiver(kind: TransportKind, receiver_device: str, receiver_gp
         # fingerprints computed in the child on its own device (GPU checksum for cuda)
         assert receiver.param_checksums() == {k: tensor_fingerprint(v) for k, v in w.items()}
     finally:
+        torch.cuda.set_device(before)
         receiver.close()
         cache.close()
 
@@ -466,6 +472,15 @@ def test_nccl_broadcast_to_a_process_on_another_gpu() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL to another process needs a second GPU; this machine has one")
     _sync_to_gpu_receiver(TransportKind.NCCL, "cuda:1", 1)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_from_a_trainer_on_its_second_gpu() -> None:
+    """The sync's threads start on device 0; a trainer on GPU 1 must still stage on GPU 1,
+    where its same-GPU receiver maps the handle."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("a trainer on a second GPU needs a second GPU; this machine has one")
+    _sync_to_gpu_receiver(TransportKind.CUDA_IPC, "cuda:1", 1, sender_gpu=1)
 
 
 def _listening(port: int) -> bool:

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from rlix_plugins.coordinator.service import resizer
-from rlix_plugins.errors import CoordinatorUnavailableError
+from rlix_plugins.errors import CoordinatorUnavailableError, UnknownPipelineError
 from rlix_plugins.protocol import Priority
 from tests.fixtures.scheduler_service import (
     FakePipelineCoordinator,
@@ -185,6 +185,37 @@ def test_a_retried_registration_is_answered_only_once_saved(
         service._store.save = store_save  # type: ignore[method-assign]
         await register_pipeline(service, A, train=[0])
         assert A in (tmp_path / "scheduler_state.json").read_text()
+        await service.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_a_retried_unregistration_gets_the_first_calls_answer_once_saved(
+    scheduler_service: ServiceBuilder, tmp_path: Path,
+) -> None:
+    async def go() -> None:
+        service = scheduler_service(request_timeout_s=0.3, liveness_interval_s=10.0)
+        await register_pipeline(service, A, train=[0, 1])
+        assert await service.request_gpus(
+            cluster_id=f"{A}_actor_train", priority=Priority.ACTOR_TRAINING) == [0, 1]
+        store_save = service._store.save
+
+        def broken(record: Any) -> None:
+            raise OSError("disk full (test)")
+
+        service._store.save = broken  # type: ignore[method-assign]
+        with pytest.raises(CoordinatorUnavailableError):
+            await service.unregister_pipeline(A)
+        with pytest.raises(CoordinatorUnavailableError):  # the retry too, while unsaved
+            await service.unregister_pipeline(A)
+        service._store.save = store_save  # type: ignore[method-assign]
+        # the error told the caller to retry: the retry is answered as the first call
+        assert await service.unregister_pipeline(A) == (0, 1)
+        assert A not in (tmp_path / "scheduler_state.json").read_text()
+        with pytest.raises(UnknownPipelineError):  # never registered: still refused
+            await service.unregister_pipeline(C)
+        await register_pipeline(service, A, train=[0])  # the id is free again
+        assert await service.unregister_pipeline(A) == ()  # this registration held nothing
         await service.stop()
 
     asyncio.run(asyncio.wait_for(go(), 60))

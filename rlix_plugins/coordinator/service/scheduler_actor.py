@@ -90,7 +90,7 @@ from rlix_plugins.values import is_finite
 
 logger = logging.getLogger(__name__)
 
-#: Dead pipelines remembered for status and for answering their late calls.
+#: Dead (and unregistered) pipelines remembered for status and for answering late calls.
 _DEAD_KEPT = 256
 
 
@@ -123,6 +123,9 @@ class SchedulerService:
         self._beats: dict[str, float] = {}
         self._fencing: dict[str, str] = {}
         self._dead: OrderedDict[str, DeadPipeline] = OrderedDict()
+        #: GPUs each recent unregistration freed, so a retried ``unregister_pipeline`` (its
+        #: caller told the save failed, or its reply lost) gets the first call's answer
+        self._unregistered: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._inflight: InflightIntent | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
         #: background expands: the last expand task of each cluster (they run in order)
@@ -300,6 +303,7 @@ class SchedulerService:
                 f"({self._dead[spec.pipeline_id].reason}); register under a new pipeline id"
             )
         self._state.register(spec)
+        self._unregistered.pop(spec.pipeline_id, None)
         self._durable.save()
         logger.info("registered %s: %s", spec.pipeline_id, [c.cluster_id for c in spec.clusters])
         await self._durable.until_saved(f"register_pipeline({spec.pipeline_id})")
@@ -315,10 +319,17 @@ class SchedulerService:
     async def unregister_pipeline(self, pipeline_id: str) -> tuple[int, ...]:
         """Forget a pipeline and free its GPUs (the pipeline stopped using them)."""
         self._check_running()
-        freed = self._drop(
-            pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered")
-        )
-        self._kick()
+        if pipeline_id not in self._state.pipelines and pipeline_id in self._unregistered:
+            # A retry: answered like the first call, once the unregistration is saved.
+            freed = self._unregistered[pipeline_id]
+        else:
+            freed = self._drop(
+                pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered")
+            )
+            self._unregistered[pipeline_id] = freed
+            while len(self._unregistered) > _DEAD_KEPT:
+                self._unregistered.popitem(last=False)
+            self._kick()
         await self._durable.until_saved(f"unregister_pipeline({pipeline_id})")
         return freed
 
