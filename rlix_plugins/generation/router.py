@@ -341,7 +341,7 @@ class ShardRouter:
         self._stale_refreshes = 0
         self._running: dict[str, _Running] = {}
         # Migration aborts a cancelled rebalance left running; they settle their marks.
-        self._settling: set[asyncio.Task[set[str]]] = set()
+        self._settling: set[asyncio.Task[set[str] | None]] = set()
         self._read_async = (self._state.snapshot_async
                             if isinstance(self._state, AsyncSnapshotView) else None)
         self._abortable = tuple(isinstance(e, RequestAbortable) for e in self._engines)
@@ -683,20 +683,29 @@ class ShardRouter:
                             sorted({m.target for m in started}), list(self._inflight))
             return tuple(started)
 
-    async def _abort_moves(self, source: int, ms: list[MigrationMove]) -> set[str]:
-        """Abort the attempts of ``ms`` on ``source``; the ids the engine actually aborted."""
+    async def _abort_moves(self, source: int, ms: list[MigrationMove]) -> set[str] | None:
+        """Abort the attempts of ``ms`` on ``source``; the ids the engine actually aborted,
+        or None when the call raised and nobody knows (a remote abort whose reply was lost
+        may have landed)."""
         engine = self._engines[source]
         assert isinstance(engine, RequestAbortable)  # only such ranks have candidates
         try:
             return set(await engine.abort_requests([m.key for m in ms]))
         except Exception:
-            logger.warning("migration abort failed on shard %d; those requests stay", source,
-                           exc_info=True)
-            return set()
+            logger.warning("migration abort failed on shard %d; its requests keep their "
+                           "marks until their attempts end", source, exc_info=True)
+            return None
 
-    def _settle(self, ms: list[MigrationMove], done: set[str]) -> list[MigrationMove]:
+    def _settle(self, ms: list[MigrationMove], done: set[str] | None) -> list[MigrationMove]:
         """Keep the marks of the moves whose attempt was aborted (they are under way), clear
-        the others; returns the moves under way."""
+        the others; returns the moves under way.
+
+        With ``done`` None (the abort's outcome is unknown) every mark is kept and no move is
+        returned: an attempt that was aborted comes back as a migration, not as a preemption
+        that would use up one of its ``max_attempts``, and one that was not ends as usual.
+        """
+        if done is None:
+            return []
         started: list[MigrationMove] = []
         for m in ms:
             if m.key in done:
@@ -708,11 +717,13 @@ class ShardRouter:
                 run.migrate_to = None
         return started
 
-    def _settle_later(self, task: asyncio.Task[set[str]], ms: list[MigrationMove]) -> None:
+    def _settle_later(
+        self, task: asyncio.Task[set[str] | None], ms: list[MigrationMove]
+    ) -> None:
         """Settle ``ms`` when ``task`` (an abort a cancelled rebalance left running) ends."""
         self._settling.add(task)  # the loop holds tasks weakly
 
-        def _done(t: asyncio.Task[set[str]]) -> None:
+        def _done(t: asyncio.Task[set[str] | None]) -> None:
             self._settling.discard(t)
             aborted = set() if t.cancelled() or t.exception() is not None else t.result()
             self._settle(ms, aborted)

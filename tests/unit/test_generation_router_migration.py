@@ -398,3 +398,35 @@ def test_list_prompts_survive_migration_and_preemption(mode: RedispatchMode) -> 
         assert (c.completed, c.lost, c.migrated, c.redispatched) == (4, 0, 2, 2)
 
     run(go)
+
+
+class FakeAbortLandsReplyLostEngine(FakeAbortableEngine):
+    """Fake whose per-request abort lands but whose reply is lost (a remote engine's call
+    that timed out after the engine had aborted)."""
+
+    async def abort_requests(self, request_ids: Sequence[str]) -> tuple[str, ...]:
+        await super().abort_requests(request_ids)
+        raise ConnectionError("fake: the abort's reply was lost")
+
+
+def test_an_abort_whose_reply_was_lost_is_a_migration_not_a_preemption() -> None:
+    """One attempt only: counted as a preemption, each aborted request would be lost."""
+
+    async def go() -> None:
+        engines = [FakeAbortLandsReplyLostEngine(), FakeAbortLandsReplyLostEngine()]
+        s = Setup(engines, RouterConfig(max_attempts=1, migration=MigrationConfig(auto=False)))
+        await s.put_to_sleep([1])
+        load = reqs(6, 200)
+        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        await wait_until(lambda: len(engines[0].running) == 6
+                         and min(map(len, engines[0].running.values())) >= 3)
+        await s.expand([1])
+        assert await s.router.rebalance([1]) == ()  # nobody knows which moves started
+        results = await task
+        check_exact(load, results)
+        c = s.router.counters()
+        assert (c.completed, c.lost, c.redispatched) == (6, 0, 0)
+        assert c.migrated == engines[0].request_aborts == 3
+        assert sum(r.dp_rank == 1 for r in results) == 3
+
+    run(go)
