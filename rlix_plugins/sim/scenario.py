@@ -26,7 +26,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlix_plugins.errors import RlixPluginsError
+from rlix_plugins.coordinator.core import Topology, validate_registration
+from rlix_plugins.errors import RegistrationError, RlixPluginsError
+from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN, pipeline_namespace
 from rlix_plugins.sim.placement import ExclusivePlacer
 from rlix_plugins.sim.workloads import (
     PIPELINE_KINDS,
@@ -42,6 +44,14 @@ from rlix_plugins.values import is_int
 
 class ScenarioError(RlixPluginsError, ValueError):
     """A scenario file is malformed; the message names the field."""
+
+
+#: the fields a pipeline entry may have (a misspelled one would silently take its default)
+PIPELINE_FIELDS = frozenset({
+    "name", "kind", "train", "infer", "infer_tp", "steps", "batch", "max_age", "n_sat",
+    "max_seqs", "lengths", "phases", "costs", "turn_s", "arrival_s", "weight",
+    "redispatch_prefill_s",
+})
 
 
 def _get(d: Mapping[str, Any], key: str, kind: type, where: str, default: Any = ...) -> Any:
@@ -149,6 +159,11 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
         where = f"pipelines[{i}]"
         if not isinstance(p, Mapping):
             raise ScenarioError(f"{where}: expected a table/object")
+        unknown = sorted(str(k) for k in set(p) - PIPELINE_FIELDS)
+        if unknown:
+            raise ScenarioError(
+                f"{where}: unknown fields {unknown}; expected {sorted(PIPELINE_FIELDS)}"
+            )
         train = _gpu_ids(p, "train", where, gpn * nodes)
         infer = _gpu_ids(p, "infer", where, gpn * nodes)
         tp = _get(p, "infer_tp", int, where, 1)
@@ -195,6 +210,17 @@ def load_scenario(source: str | Path | Mapping[str, Any]) -> Workload:
         except ScenarioError:
             raise
         except ValueError as exc:  # a JobSpec field out of range
+            raise ScenarioError(f"{where}: {exc}") from None
+        try:  # what the shared deployments register: refused here, not after other runs
+            validate_registration(
+                Topology(nodes, gpn),
+                pipeline_id=job.name,
+                ray_namespace=pipeline_namespace(job.name),
+                cluster_tp_configs={ACTOR_TRAIN: 1, ACTOR_INFER: tp},
+                cluster_device_mappings={ACTOR_TRAIN: list(train), ACTOR_INFER: list(infer)},
+                weight=job.weight,
+            )
+        except RegistrationError as exc:
             raise ScenarioError(f"{where}: {exc}") from None
         jobs.append(job)
         placements.append(Placement(train, infer))

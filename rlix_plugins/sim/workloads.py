@@ -184,8 +184,13 @@ class JobSpec:
             )
         if self.infer_tp < 1:
             raise ValueError(f"job {self.name}: infer_tp must be >= 1, got {self.infer_tp}")
-        if self.infer_gpus % self.infer_tp or self.n_sat < 1 or self.max_seqs < 1:
-            raise ValueError(f"job {self.name}: infer_gpus must be a multiple of infer_tp")
+        if self.infer_gpus % self.infer_tp:
+            raise ValueError(f"job {self.name}: infer_gpus ({self.infer_gpus}) must be a "
+                             f"multiple of infer_tp ({self.infer_tp})")
+        for field_name in ("n_sat", "max_seqs"):
+            if getattr(self, field_name) < 1:
+                raise ValueError(f"job {self.name}: {field_name} must be >= 1, got "
+                                 f"{getattr(self, field_name)}")
         if self.max_age < 0:
             raise ValueError(f"job {self.name}: max_age must be >= 0")
 

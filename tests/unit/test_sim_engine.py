@@ -380,6 +380,11 @@ def test_scenario_loader_runs_a_gate2_like_config(tmp_path: Path) -> None:
         (one_node_scenario(infer=[1, 1])["pipelines"][0], "distinct GPU ids"),
         (one_node_scenario(turn_s=0)["pipelines"][0], "turn_s must be > 0"),
         (one_node_scenario(turn_s=-30)["pipelines"][0], "turn_s must be > 0"),
+        # a misspelled field would silently take its default (max_age 0, default costs)
+        (one_node_scenario(max_ages=1)["pipelines"][0], r"unknown fields \['max_ages'\]"),
+        (one_node_scenario(cost={})["pipelines"][0], r"unknown fields \['cost'\]"),
+        (one_node_scenario(n_sat=0)["pipelines"][0], "n_sat must be >= 1, got 0"),
+        (one_node_scenario(max_seqs=0)["pipelines"][0], "max_seqs must be >= 1, got 0"),
         (
             one_node_scenario(lengths={"kind": "lognormal", "a": 2.0, "b": -1.0, "cap_s": 8.0})[
                 "pipelines"
@@ -408,6 +413,13 @@ def test_scenario_refuses_bad_values_before_any_run(
     else:
         data |= scenario
     with pytest.raises(ScenarioError, match=message):
+        load_scenario(data)
+
+
+def test_a_tp_group_across_nodes_is_refused_at_load_not_after_other_deployments_ran() -> None:
+    data = one_node_scenario(train=[1], infer=[1, 2], infer_tp=2) | {"gpus_per_node": 2,
+                                                                     "nodes": 2}
+    with pytest.raises(ScenarioError, match=r"pipelines\[0\]: .*crosses a node boundary"):
         load_scenario(data)
 
 
