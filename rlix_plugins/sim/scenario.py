@@ -14,8 +14,9 @@ phase times; anything omitted takes the :class:`JobSpec` defaults below::
         "costs": {"gen_sleep_s": 0.2, "gen_wake_s": 0.3, "init_load_s": 1.0}}]}
 
 With explicit mappings the shared policies use them as given; the exclusive baseline gives
-each pipeline ``len(train) + len(infer without train)`` dedicated GPUs on a cluster large
-enough to hold them all.
+each pipeline ``len(train) + len(infer without train)`` dedicated GPUs, each count rounded up to
+a multiple of ``infer_tp`` (the exclusive placer aligns blocks to the TP size, so a TP-2 job
+with one training GPU holds two there), on a cluster large enough to hold them all.
 """
 
 from __future__ import annotations
