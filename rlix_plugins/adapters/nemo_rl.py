@@ -433,25 +433,32 @@ class NemoRlPipeline:
         self.policy.run_all_workers_single_data("rlix_build_cache", version)
         if not self._cached_once:
             # Init: every shard was loaded by NeMo RL; from now on the coordinator decides.
-            self._cached_once = True
             ctrl = self.controller()
             ctrl.shrink(list(range(self.layout.num_shards)))
             # The policy leaves the training GPUs as after every step (the first step's
             # before_training re-makes its groups), then the setup hold ends: nothing of this
-            # pipeline is left on its GPUs for the coordinator to wake others onto.
+            # pipeline is left on its GPUs for the coordinator to wake others onto. If the
+            # shrink or the offload fails the hold stays (shards or training state may still
+            # be on the GPUs) until the pipeline ends, and this refit has not happened: a
+            # retry takes this path again.
             self._offload_training()
+            self._cached_once = True
             hold = self._setup_hold()
             if hold is not None:
                 hold.release_setup_hold()
             self._request_generation()
             return {"rlix/cached_version": float(version)}
         self._offload_training()
-        active = list(self.state.snapshot().active)
-        # Active refresh: shards that never slept take the new version without draining (the
-        # collector is paused by NeMo RL around the refit); recorded for the gates.
-        self.controller().refresh(active, version, step=self.step)
-        self.hooks.after_training(self.step)
-        self._holding_train = False
+        try:
+            active = list(self.state.snapshot().active)
+            # Active refresh: shards that never slept take the new version without draining
+            # (the collector is paused by NeMo RL around the refit); recorded for the gates.
+            self.controller().refresh(active, version, step=self.step)
+        finally:
+            # Nothing of this pipeline is on the training GPUs any more (cached, offloaded,
+            # groups destroyed): they go back even when the refresh failed.
+            self.hooks.after_training(self.step)
+            self._holding_train = False
         self.step += 1
         self._request_generation()
         return {"rlix/cached_version": float(version), "rlix/refreshed_shards": float(len(active))}
@@ -482,7 +489,18 @@ class NemoRlPipeline:
         and runs Megatron's collectives). True when taken here; then
         :meth:`release_training` gives them back."""
         taken = not self._holding_train
-        self.before_training()
+        try:
+            self.before_training()
+        except BaseException:
+            if taken and self._holding_train:
+                # Granted, then the groups' re-init failed: the save never starts, so its
+                # release_training never runs; the GPUs must not stay held by nobody.
+                try:
+                    self.release_training()
+                except Exception:
+                    logger.warning("step %s: releasing the training GPUs after a failed "
+                                   "checkpoint hold failed", self.step, exc_info=True)
+            raise
         return taken
 
     def release_training(self) -> None:

@@ -35,6 +35,7 @@ What the subclass adds, all on top of :class:`~rlix_plugins.generation.vllm_engi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
@@ -53,7 +54,12 @@ from rlix_plugins.adapters.nemo_rl_partial import (
     attach_partial,
     sampled_logprobs,
 )
-from rlix_plugins.errors import SettingsError, ShardPreemptedError, WeightSyncError
+from rlix_plugins.errors import (
+    SettingsError,
+    ShardPreemptedError,
+    ShardStateError,
+    WeightSyncError,
+)
 from rlix_plugins.generation.engine import ABORTED
 from rlix_plugins.generation.vllm_engine import DEFAULT_SLEEP_LEVEL, VllmAsyncShard
 
@@ -373,11 +379,20 @@ class RLixVllmWorkerMixin:
         """True when the engine has no unfinished request (none still being submitted)."""
         return await self.rlix_num_running() == 0
 
+    def _rlix_sleep_lock(self) -> asyncio.Lock:
+        """Orders sleeps and weight receives on this actor's loop (created on it)."""
+        lock: asyncio.Lock | None = getattr(self, "_rlix_lock", None)
+        if lock is None:
+            lock = self._rlix_lock = asyncio.Lock()
+        return lock
+
     async def rlix_sleep(self, level: int | None = None) -> None:
-        """Sleep at ``level`` (default: the configured level), aborting any straggler."""
+        """Sleep at ``level`` (default: the configured level), aborting any straggler.
+        Waits for a weight receive under way (the engine would run it after the sleep)."""
         shard = self._rlix()
-        self._rlix_before_sleep(shard.sleep_level if level is None else level)
-        await shard.sleep(level)
+        async with self._rlix_sleep_lock():
+            self._rlix_before_sleep(shard.sleep_level if level is None else level)
+            await shard.sleep(level)
 
     def _rlix_before_sleep(self, level: int) -> None:
         if level == 2:
@@ -416,16 +431,24 @@ class RLixVllmWorkerMixin:
         from the sender's transport. Only the offers (plain data) cross the engine's RPC: one
         offer for a one-worker engine, a list (one per worker, rank order) otherwise, answered
         with the workers' results in that order (a failed worker's as a ``failed`` record)."""
-        replies = await self._rlix().engine.collective_rpc("rlix_receive_weights",
-                                                           args=(offer,))
-        expected = 1 if isinstance(offer, Mapping) else len(offer)
-        if len(replies) != expected:
-            raise WeightSyncError(
-                f"{len(replies)} vLLM workers answered {expected} offer(s): send one offer "
-                "per worker of the engine"
-            )
-        if all(not (isinstance(r, Mapping) and r.get("failed")) for r in replies):
-            self._rlix_weights_discarded = False
+        async with self._rlix_sleep_lock():  # a sleep waits, and cannot slip in between
+            if await self._rlix().is_sleeping():
+                # The driver's refresh raced the coordinator's shrink: a level-2 sleep has
+                # released the weight memory a receive would write into. Refused (the shard's
+                # next wake syncs the newest version before it serves).
+                refused = {"failed": True, "error_type": ShardStateError.__name__,
+                           "error": "the engine is asleep; its next wake syncs it"}
+                return refused if isinstance(offer, Mapping) else [refused for _ in offer]
+            replies = await self._rlix().engine.collective_rpc("rlix_receive_weights",
+                                                               args=(offer,))
+            expected = 1 if isinstance(offer, Mapping) else len(offer)
+            if len(replies) != expected:
+                raise WeightSyncError(
+                    f"{len(replies)} vLLM workers answered {expected} offer(s): send one "
+                    "offer per worker of the engine"
+                )
+            if all(not (isinstance(r, Mapping) and r.get("failed")) for r in replies):
+                self._rlix_weights_discarded = False
         if isinstance(offer, Mapping):
             result: dict[str, Any] = replies[0]
             return result
@@ -486,11 +509,12 @@ class RLixVllmAsyncGenerationWorkerImpl(
     async def sleep_async(self) -> None:
         """NeMo RL's sleep, at the configured level instead of the hard-coded level 1."""
         shard = self._rlix()
-        self._rlix_before_sleep(shard.sleep_level)
-        await shard.engine.reset_prefix_cache()
-        if hasattr(shard.engine, "reset_mm_cache"):
-            await shard.engine.reset_mm_cache()
-        await shard.engine.sleep(level=shard.sleep_level)
+        async with self._rlix_sleep_lock():
+            self._rlix_before_sleep(shard.sleep_level)
+            await shard.engine.reset_prefix_cache()
+            if hasattr(shard.engine, "reset_mm_cache"):
+                await shard.engine.reset_mm_cache()
+            await shard.engine.sleep(level=shard.sleep_level)
 
 
 # Decorated here, on our own subclass: Ray copies methods at decoration time.

@@ -27,7 +27,7 @@ from rlix_plugins.adapters.observability import (
     VersionProbe,
     engine_version_probe,
 )
-from rlix_plugins.errors import ShardStateError
+from rlix_plugins.errors import ShardStateError, WeightSyncError
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.preemption import ShardLifecycle
 from rlix_plugins.generation.shard_state import ShardStatus
@@ -230,9 +230,30 @@ class LifecycleShardController:
         record what every active shard serves. Hosts call this after caching a new version."""
         if step is not None:
             self._step = step
-        if dp_ranks:
-            self._sync(list(dp_ranks), version)
-        self.observe("refresh", dp_ranks, version)
+        # The coordinator's copy of this controller (another process) may have shrunk some of
+        # them since the host read the active set: a push into a shard asleep at level 2
+        # would write into released weight memory. Shards that left ACTIVE are skipped (their
+        # next expand syncs the newest version before they serve); a sync that failed is
+        # retried once on the shards still active, since one shrunk mid-sync fails it too.
+        ranks = self._still_active(dp_ranks)
+        if ranks:
+            try:
+                self._sync(ranks, version)
+            except WeightSyncError:
+                still = self._still_active(ranks)
+                if len(still) == len(ranks):
+                    raise
+                logger.info("refresh of version %d: shard(s) %s left ACTIVE during the "
+                            "sync; syncing the others again", version,
+                            sorted(set(ranks) - set(still)))
+                ranks = still
+                if ranks:
+                    self._sync(ranks, version)
+        self.observe("refresh", ranks, version)
+
+    def _still_active(self, dp_ranks: Sequence[int]) -> list[int]:
+        statuses = self._statuses()
+        return [int(r) for r in dp_ranks if statuses[int(r)] is ShardStatus.ACTIVE]
 
     def observe(self, event: str, synced: Sequence[int], version: int) -> None:
         """Ask every ACTIVE shard's engine for its version and record it (no-op when

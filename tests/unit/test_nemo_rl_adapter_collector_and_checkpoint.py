@@ -38,7 +38,7 @@ import pytest
 
 from rlix_plugins.adapters.nemo_rl import NemoRlLayout
 from rlix_plugins.adapters.nemo_rl_progress import CollectorTracker
-from rlix_plugins.errors import RegistrationError
+from rlix_plugins.errors import RegistrationError, WeightSyncError
 from rlix_plugins.protocol import ProgressReport
 from tests.support.nemo_rl_pipeline import PID
 from tests.support.recording_hooks import FakeHooks
@@ -233,6 +233,91 @@ def test_checkpoint_saved_while_training_holds_the_gpus_keeps_them(
     policy.save_checkpoint(weights_path="w")
     assert policy.hooks.calls[-1] == "before_training:1"  # not released by the save
     assert pipeline._holding_train
+
+
+class FailingRefreshController:
+    """FAKE shard controller whose active refresh fails."""
+
+    def refresh(self, active: Any, version: int, *, step: int) -> None:
+        raise WeightSyncError("shard ft/1: receiver gone")
+
+
+def test_a_refit_whose_refresh_failed_still_releases_the_training_gpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.support.nemo_rl_pipeline import fake_pipeline
+
+    policy, pipeline, hooks = fake_pipeline(monkeypatch, FakePolicyBase,
+                                            FailingRefreshController(), cached_once=True)
+    policy.prepare_for_training()
+    with pytest.raises(WeightSyncError):
+        pipeline.after_training()
+    # cached, offloaded, groups destroyed: nothing of the pipeline is on them any more
+    assert policy.calls[-1] == "rlix_destroy_parallel_state"
+    assert hooks.calls == ["before_training:0", "after_training:0"]
+    assert not pipeline._holding_train
+
+
+class ReinitFailsPolicy(FakePolicyBase):
+    def run_all_workers_single_data(self, method: str, *args: Any) -> list[Any]:
+        if method == "rlix_reinit_parallel_state":
+            self.calls.append(method)
+            raise RuntimeError("NCCL init failed")
+        return super().run_all_workers_single_data(method, *args)
+
+
+def test_a_checkpoint_hold_whose_regroup_failed_releases_the_gpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.support.nemo_rl_pipeline import fake_pipeline
+
+    policy, pipeline, hooks = fake_pipeline(monkeypatch, ReinitFailsPolicy, FakeController(),
+                                            cached_once=True)
+    pipeline._nccl_destroyed = True  # as after a step's refit
+    with pytest.raises(RuntimeError, match="NCCL init failed"):
+        policy.save_checkpoint(weights_path="w")
+    assert hooks.calls == ["before_training:0", "after_training:0", "request_generation"]
+    assert not pipeline._holding_train and "save_checkpoint" not in policy.calls
+
+
+class SetupHoldHooks(FakeHooks):
+    """FAKE hooks holding every GPU of the pipeline for its setup."""
+
+    holding_for_setup = True
+
+    def hold_for_setup(self, cluster: str = "actor_infer") -> tuple[int, ...]:
+        return (0, 1)
+
+    def release_setup_hold(self) -> None:
+        self.holding_for_setup = False
+        self.calls.append("release_setup_hold")
+
+
+class ShrinkFailsController:
+    def shrink(self, dp_ranks: Any) -> None:
+        raise TimeoutError("shard 1 did not drain")
+
+
+def test_a_first_refit_whose_shrink_failed_has_not_happened(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its shards may still be awake: the setup hold stays, and a retry takes the init path
+    again (it used to count as done, so the per-step path ran and the hold never ended)."""
+    from tests.support.nemo_rl_pipeline import fake_pipeline
+
+    _, pipeline, recorded = fake_pipeline(monkeypatch, RecordingPolicy,
+                                          ShrinkFailsController(), cached_once=False)
+    hooks = SetupHoldHooks()
+    pipeline.hooks = hooks  # type: ignore[assignment]
+    with pytest.raises(TimeoutError):
+        pipeline.after_training()
+    assert not pipeline._cached_once and hooks.holding_for_setup
+    pipeline._controller = FakeShrinkingController()  # type: ignore[assignment]
+    assert pipeline.after_training() == {"rlix/cached_version": 0.0}
+    assert hooks.calls == ["release_setup_hold"] and not hooks.holding_for_setup
+    assert recorded.calls == ["request_generation"] and pipeline._cached_once
+
+
+class FakeShrinkingController:
+    def shrink(self, dp_ranks: Any) -> None:
+        del dp_ranks
 
 
 # ------------------------------------------------------------------ the collector's copy

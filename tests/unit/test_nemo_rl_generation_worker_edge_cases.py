@@ -176,3 +176,61 @@ def test_register_failure_leaves_module_state_unchanged(
         vllm_patch.register()
     assert not vllm_patch.registered()
     assert vllm_patch._sleep_level == before
+
+
+class FakeSleepyAsyncLLM(FakeAsyncLLM):
+    """FAKE ``AsyncLLM`` that tracks sleep and runs the receiver extension as a slow call."""
+
+    def __init__(self) -> None:
+        super().__init__(version=None)
+        self.asleep = False
+        self.receiving = asyncio.Event()
+        self.finish_receive = asyncio.Event()
+        self.received_while_asleep = False
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.asleep = True
+
+    async def wake_up(self) -> None:
+        self.asleep = False
+
+    async def is_sleeping(self) -> bool:
+        return self.asleep
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        if method != "rlix_receive_weights":
+            return await super().collective_rpc(method, args)
+        self.received_while_asleep |= self.asleep
+        self.receiving.set()
+        await self.finish_receive.wait()
+        self.received_while_asleep |= self.asleep
+        self.version = 7
+        return [{"shard_id": "s", "version": 7}]
+
+
+def test_a_receive_never_runs_into_a_sleeping_engine(workers: Any) -> None:
+    """The driver's refresh can race the coordinator's shrink: a receive into an engine asleep
+    at level 2 would write into released weight memory. Refused while asleep; a sleep that
+    arrives during a receive waits for it (and the version it applied is then cleared)."""
+
+    async def scenario() -> None:
+        engine = FakeSleepyAsyncLLM()
+        w = _worker(workers, engine, {"rlix": {"sleep_level": 2}})
+        await w.rlix_sleep(2)
+        refused = await asyncio.wait_for(w.rlix_receive_weights({"shard_id": "s"}), 5)
+        assert refused["failed"] and refused["error_type"] == "ShardStateError"
+        assert await w.rlix_receive_weights([{"a": 1}, {"b": 2}]) == [refused, refused]
+        assert not engine.receiving.is_set()
+        await w.rlix_wake_up()
+        receive = asyncio.create_task(w.rlix_receive_weights({"shard_id": "s"}))
+        await engine.receiving.wait()
+        sleep = asyncio.create_task(w.rlix_sleep(2))
+        await asyncio.sleep(0.01)
+        assert not engine.asleep  # the sleep waits for the receive under way
+        engine.finish_receive.set()
+        assert (await receive)["version"] == 7
+        await sleep
+        assert engine.asleep and not engine.received_while_asleep
+        assert await w.rlix_weight_version() is None  # discarded by the level-2 sleep
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -14,7 +14,7 @@ import pytest
 
 from rlix_plugins.adapters.observability import ObservationWriter, read_observations
 from rlix_plugins.adapters.shard_controller import LifecycleShardController
-from rlix_plugins.errors import ShardStateError
+from rlix_plugins.errors import ShardStateError, WeightSyncError
 from rlix_plugins.generation import ShardLifecycle
 from rlix_plugins.generation.loop_thread import LoopThread
 from rlix_plugins.generation.shard_state import ShardEvent, ShardStatus
@@ -216,3 +216,35 @@ def test_shard_controller_close_stops_its_own_loop_thread_only() -> None:
         assert not given.closed  # a loop handed in belongs to the caller
     finally:
         given.close()
+
+
+def test_a_refresh_skips_shards_shrunk_since_the_host_read_the_active_set(rig: Rig) -> None:
+    """The coordinator's copy of the controller (another process) may shrink a shard between
+    the host reading the active set and its refresh: no push into a shard asleep at level 2
+    (its weight memory is released); its next expand syncs it."""
+    rig.weights.version = 3
+    rig.controller.expand([1])
+    active = [0, 1]  # what the host read
+    rig.controller.shrink([1])  # the coordinator's shrink, in between
+    rig.controller.refresh(active, 4)
+    assert rig.weights.synced[-1] == ([0], 4)
+
+
+def test_a_refresh_that_failed_on_a_shard_shrunk_mid_sync_resyncs_the_others(rig: Rig) -> None:
+    rig.weights.version = 3
+    rig.controller.expand([1])
+    pushed: list[list[int]] = []
+
+    def sync(dp_ranks: Sequence[int], version: int) -> None:
+        pushed.append(list(dp_ranks))
+        if len(pushed) == 1:  # shard 1 is shrunk while the sync runs: it fails the sync
+            rig.controller.shrink([1])
+            raise WeightSyncError("sync of weight version 4 failed for ['s1']")
+
+    rig.controller._sync = sync
+    rig.controller.refresh([0, 1], 4)
+    assert pushed == [[0, 1], [0]]
+    # a failure with every shard still active is the caller's
+    rig.controller._sync = lambda ranks, v: (_ for _ in ()).throw(WeightSyncError("broken"))
+    with pytest.raises(WeightSyncError, match="broken"):
+        rig.controller.refresh([0], 5)
