@@ -106,6 +106,31 @@ class VerlLayout:
     def tp_configs(self) -> dict[str, int]:
         return {ACTOR_TRAIN: 1, ACTOR_INFER: self.tp}
 
+    def setup_clusters(self) -> tuple[str, ...]:
+        """The clusters held while veRL loads its models: the inference cluster, which with
+        the hybrid engine covers every trainer GPU, and the training cluster too where none
+        of its GPUs hosts a replica (``actor_rollout_ref.hybrid_engine=false``).
+
+        Raises:
+            RegistrationError: some trainer GPUs host a replica and others none (trainer
+                GPUs not a multiple of the replica size): veRL would load the training model
+                on the others unheld, and the two clusters cannot both be held (they share
+                GPUs).
+        """
+        m = self.device_mappings()
+        train, infer = set(m[ACTOR_TRAIN]), set(m[ACTOR_INFER])
+        outside = sorted(train - infer)
+        if not outside:
+            return (ACTOR_INFER,)
+        if not train & infer:
+            return (ACTOR_TRAIN, ACTOR_INFER)
+        raise RegistrationError(
+            f"veRL layout {self}: trainer GPUs {outside} host no rollout replica while "
+            f"{sorted(train & infer)} do; veRL would load its training model there without "
+            f"a setup hold. Use trainer GPUs that are a multiple of the replica size "
+            f"({self.tp}), or actor_rollout_ref.hybrid_engine=false"
+        )
+
 
 class VerlShardController(LifecycleShardController):
     """ShardController over veRL replicas: the load balancer owns the shard state, ``sync``
@@ -124,6 +149,13 @@ class VerlShardController(LifecycleShardController):
     ) -> None:
         super().__init__(lifecycle, state, sync, version, observer=observer)
         self.shrink_budget = shrink_budget
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "shrink_budget": self.shrink_budget}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.shrink_budget = state.get("shrink_budget", DEFAULT_SHRINK_BUDGET)
 
 
 def make_shard_controller(
@@ -231,6 +263,7 @@ class VerlPipelineAdapter:
 
         if self._registered:
             return
+        setup_clusters = self.layout.setup_clusters()  # refused before anything is sent
         orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
         ray.get(
             orch.register_pipeline.remote(
@@ -252,7 +285,7 @@ class VerlPipelineAdapter:
                 self._hooks = self._hooks_factory()
             hold = self._setup_hold()
             if hold is not None:
-                hold.hold_for_setup(ACTOR_INFER)
+                hold.hold_for_setup(*setup_clusters)
         except BaseException:
             self.close(raise_errors=False)
             raise

@@ -20,6 +20,7 @@ from rlix_plugins.adapters.job_support import (
     JobProblem,
     JobRule,
     equals,
+    is_none_or_unset,
     is_true,
     raise_if_unsupported,
     unsupported,
@@ -46,6 +47,10 @@ _TRAINER_RULES: Final[tuple[JobRule, ...]] = (
             "a replica the coordinator wakes is synced from the CPU cache this backend fills; "
             "with another backend there is no cached version to send it, and veRL's own "
             "managers would sync replicas the coordinator put to sleep"),
+    JobRule("actor_rollout_ref.rollout.router_config_path", is_none_or_unset, "null or unset",
+            "a router plugin replaces veRL's GlobalRequestLoadBalancer, which RLix's "
+            "load balancer (shard state, preemption, migration) subclasses; the job would "
+            "load every model and then fail to bind its replicas"),
 )
 
 #: The config keys :func:`unsupported_settings` reads (documented in docs/verl.md).

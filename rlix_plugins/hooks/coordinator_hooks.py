@@ -115,7 +115,7 @@ class CoordinatorHooks:
         #: the training GPUs and when they were granted, until after_training
         self._training: tuple[tuple[int, ...], float] | None = None
         #: (cluster, GPUs) held at INITIALIZATION by hold_for_setup, until release_setup_hold
-        self._setup_hold: tuple[str, tuple[int, ...]] | None = None
+        self._setup_hold: list[tuple[str, tuple[int, ...]]] = []
         if heartbeat:
             self.start_heartbeat()
 
@@ -297,46 +297,66 @@ class CoordinatorHooks:
     # ------------------------------------------------------------------ setup
     # Not among the four hook methods (hooks.protocol.SetupHold): only a host that registers
     # before it loads its models can hold its GPUs for that.
-    def hold_for_setup(self, cluster: str = ACTOR_INFER) -> tuple[int, ...]:
-        """Block until every GPU of ``cluster`` is held at INITIALIZATION, as ROLL's init
-        holds each cluster while it loads: other pipelines' generation shards on those GPUs
-        are shrunk, and training on them finishes first. With partial overlap the inference
-        cluster covers the training GPUs, so a pipeline joining a busy cluster loads its
-        models on GPUs nobody else is using. Returns the GPUs held; idempotent while held."""
-        cid = cluster_id(self.pipeline_id, cluster)
-        if self._setup_hold is not None:
-            held_cid, held_gpus = self._setup_hold
-            if held_cid == cid:
-                return held_gpus
+    def hold_for_setup(self, cluster: str = ACTOR_INFER, *others: str) -> tuple[int, ...]:
+        """Block until every GPU of ``cluster`` (and of ``others``, in order) is held at
+        INITIALIZATION, as ROLL's init holds each cluster while it loads: other pipelines'
+        generation shards on those GPUs are shrunk, and training on them finishes first.
+        With partial overlap the inference cluster covers the training GPUs, so a pipeline
+        joining a busy cluster loads its models on GPUs nobody else is using; a layout whose
+        training GPUs lie outside it holds both clusters (they must not share a GPU: the
+        second request would wait for this pipeline's own hold). Returns the GPUs held;
+        idempotent while the same clusters are held. If a later cluster's request fails, the
+        ones held by this call are given back first (nothing changes)."""
+        cids = tuple(cluster_id(self.pipeline_id, c) for c in (cluster, *others))
+        if self._setup_hold:
+            held = tuple(cid for cid, _ in self._setup_hold)
+            if held == cids:
+                return tuple(sorted({g for _, gpus in self._setup_hold for g in gpus}))
             raise ProtocolError(
-                f"hold_for_setup({cluster!r}): {held_cid} is already held for setup; valid: "
+                f"hold_for_setup{tuple((cluster, *others))!r}: {', '.join(held)} "
+                f"{'is' if len(held) == 1 else 'are'} already held for setup; valid: "
                 "release_setup_hold() first"
             )
-        gpus = self._call(
-            "request_gpus",
-            cluster_id=cid,
-            priority=Priority.INITIALIZATION,
-            global_step=None,
-            pipeline_id=self.pipeline_id,
-        )
-        held = tuple(int(g) for g in gpus)
-        self._setup_hold = (cid, held)
-        logger.info("pipeline %s: GPUs %s held for setup", self.pipeline_id, list(held))
-        return held
+        taken: list[tuple[str, tuple[int, ...]]] = []
+        try:
+            for cid in cids:
+                gpus = self._call(
+                    "request_gpus",
+                    cluster_id=cid,
+                    priority=Priority.INITIALIZATION,
+                    global_step=None,
+                    pipeline_id=self.pipeline_id,
+                )
+                taken.append((cid, tuple(int(g) for g in gpus)))
+        except BaseException:
+            self._setup_hold = taken
+            try:
+                self.release_setup_hold()
+            except Exception:
+                logger.warning("pipeline %s: giving back a partial setup hold failed",
+                               self.pipeline_id, exc_info=True)
+            raise
+        self._setup_hold = taken
+        held_gpus = tuple(sorted({g for _, gpus in taken for g in gpus}))
+        logger.info("pipeline %s: GPUs %s held for setup", self.pipeline_id, list(held_gpus))
+        return held_gpus
 
     @property
     def holding_for_setup(self) -> bool:
         """Whether :meth:`hold_for_setup`'s GPUs are still held."""
-        return self._setup_hold is not None
+        return bool(self._setup_hold)
 
     def release_setup_hold(self) -> None:
         """Give back the GPUs :meth:`hold_for_setup` took (the pipeline's models are asleep or
-        offloaded by now). No-op when nothing is held."""
-        if self._setup_hold is None:
+        offloaded by now), last cluster first. No-op when nothing is held; a failed call
+        keeps what it did not give back, for a retry."""
+        if not self._setup_hold:
             return
-        self._call("notify_release_gpus", cluster_id=self._setup_hold[0], global_step=None,
-                   pipeline_id=self.pipeline_id)
-        self._setup_hold = None
+        while self._setup_hold:
+            cid, _ = self._setup_hold[-1]
+            self._call("notify_release_gpus", cluster_id=cid, global_step=None,
+                       pipeline_id=self.pipeline_id)
+            self._setup_hold.pop()
         logger.info("pipeline %s: setup hold released", self.pipeline_id)
 
     # ------------------------------------------------------------------ lease

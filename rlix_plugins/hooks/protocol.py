@@ -47,10 +47,10 @@ class RLixHooks(Protocol):
 @runtime_checkable
 class SetupHold(Protocol):
     """Hooks that can hold a pipeline's GPUs while its host loads models, beyond the four
-    methods (:class:`~rlix_plugins.hooks.coordinator_hooks.CoordinatorHooks`): the cluster
+    methods (:class:`~rlix_plugins.hooks.coordinator_hooks.CoordinatorHooks`): the clusters
     named (default the inference cluster) at INITIALIZATION until released."""
 
-    def hold_for_setup(self, cluster: str = ...) -> tuple[int, ...]: ...
+    def hold_for_setup(self, cluster: str = ..., *others: str) -> tuple[int, ...]: ...
 
     @property
     def holding_for_setup(self) -> bool: ...

@@ -207,3 +207,29 @@ def test_bad_layout_is_a_registration_error(layout: tuple[int, int, int, int],
 
     with pytest.raises(RegistrationError, match=match):
         VerlLayout(*layout).device_mappings()
+
+
+def _no_sync(dp_ranks: Any, version: int) -> None:
+    del dp_ranks, version
+
+
+def _no_version() -> int | None:
+    return None
+
+
+def test_the_shard_controller_keeps_its_shrink_budget_when_pickled() -> None:
+    """It travels to the pipeline's coordinator actor pickled; the base class's state
+    dropped the subclass's budget."""
+    import pickle
+
+    from rlix_plugins.adapters.verl import make_shard_controller
+    from rlix_plugins.settings import load_settings
+
+    ctl = make_shard_controller("lb-handle", [["server0"]], _no_sync, _no_version,
+                                settings=load_settings({"RLIX_RESIZE_TIMEOUT_S": "300"}))
+    copy = pickle.loads(pickle.dumps(ctl))
+    try:
+        assert copy.shrink_budget == ctl.shrink_budget
+    finally:
+        copy.close()
+        ctl.close()

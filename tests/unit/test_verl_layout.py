@@ -7,6 +7,7 @@ import pytest
 from rlix_plugins.adapters.verl import VerlLayout
 from rlix_plugins.coordinator.core.model import Topology
 from rlix_plugins.coordinator.core.registration import validate_registration
+from rlix_plugins.errors import RegistrationError
 
 
 def test_hybrid_replicas_overlap_training_and_standalone_follow() -> None:
@@ -38,3 +39,17 @@ def test_the_coordinator_accepts_the_registration() -> None:
         cluster_device_mappings=layout.device_mappings(),
     )
     assert spec is not None
+
+
+def test_the_setup_hold_covers_every_gpu_verl_loads_a_model_on() -> None:
+    # hybrid: the inference cluster covers the trainer GPUs
+    assert VerlLayout(4, 2, 2, 2).setup_clusters() == ("actor_infer",)
+    # hybrid_engine=false: the trainer GPUs host no replica; both clusters, disjoint
+    assert VerlLayout(2, 1, 0, 2).setup_clusters() == ("actor_train", "actor_infer")
+
+
+def test_trainer_gpus_partly_without_a_replica_are_refused_before_registering() -> None:
+    # 3 trainer GPUs, replicas of 2: GPU 2 trains but hosts no replica (it would load the
+    # training model unheld, and the two clusters share GPUs 0-1: both cannot be held)
+    with pytest.raises(RegistrationError, match=r"trainer GPUs \[2\] host no rollout replica"):
+        VerlLayout(3, 2, 1, 2).setup_clusters()
