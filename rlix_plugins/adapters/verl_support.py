@@ -22,6 +22,7 @@ from rlix_plugins.adapters.job_support import (
     equals,
     is_none_or_unset,
     is_true,
+    lookup,
     raise_if_unsupported,
     unsupported,
 )
@@ -53,7 +54,33 @@ _TRAINER_RULES: Final[tuple[JobRule, ...]] = (
             "load every model and then fail to bind its replicas"),
 )
 
-#: The config keys :func:`unsupported_settings` reads (documented in docs/verl.md).
+#: The actor's engine section per ``actor_rollout_ref.actor.strategy`` (veRL 0.9.1's engine
+#: workers build the actor's engine from it, ``param_offload`` / ``optimizer_offload`` included).
+_ENGINE_SECTIONS: Final[dict[str, str]] = {
+    "megatron": "actor_rollout_ref.actor.megatron",
+    "fsdp": "actor_rollout_ref.actor.fsdp_config",
+    "fsdp2": "actor_rollout_ref.actor.fsdp_config",
+}
+_OFFLOAD_WHY: Final = (
+    "the trainer GPUs are lent between steps (to other pipelines' replicas and training); "
+    "veRL's engine moves the actor's parameters and optimizer state off them after each update "
+    "only with this set, and RLix sends no offload of its own: they would stay on GPUs the "
+    "coordinator hands to others")
+
+
+def _offload_rules(config: object) -> tuple[JobRule, ...]:
+    """The actor engine's offload settings, for the strategy the job names (none when the
+    strategy is unset or one veRL itself refuses)."""
+    strategy = lookup(config, "actor_rollout_ref.actor.strategy")
+    section = _ENGINE_SECTIONS.get(strategy) if isinstance(strategy, str) else None
+    if section is None:
+        return ()
+    return (JobRule(f"{section}.param_offload", is_true, "true", _OFFLOAD_WHY),
+            JobRule(f"{section}.optimizer_offload", is_true, "true", _OFFLOAD_WHY))
+
+
+#: The config keys :func:`unsupported_settings` reads always (documented in docs/verl.md);
+#: the actor engine's offload keys are read from the section its strategy names.
 CHECKED_KEYS: Final[tuple[str, ...]] = tuple(r.key for r in (*_DRIVER_RULES, *_TRAINER_RULES))
 
 
@@ -62,7 +89,7 @@ def unsupported_settings(config: object, *, driver: bool = True) -> tuple[JobPro
     order; empty when the job is supported. ``driver=False`` (the v1 trainer's own check)
     skips ``trainer.use_v1``: a v1 trainer is running."""
     rules = (*_DRIVER_RULES, *_TRAINER_RULES) if driver else _TRAINER_RULES
-    return tuple(unsupported(config, rules))
+    return tuple(unsupported(config, (*rules, *_offload_rules(config))))
 
 
 def check_supported_job(config: object, *, driver: bool = True) -> None:

@@ -355,6 +355,9 @@ def verl_config(total_steps: int, overrides: tuple[str, ...] = ()) -> Any:
             "actor_rollout_ref.rollout.nnodes=1",
             "actor_rollout_ref.rollout.n_gpus_per_node=1",
             "actor_rollout_ref.rollout.checkpoint_engine.backend=rlix_cache",
+            # the actor's state leaves the trainer GPUs after each update (a supported job)
+            "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
             "trainer.n_gpus_per_node=1",
             "trainer.nnodes=1",
             f"trainer.total_training_steps={total_steps}",

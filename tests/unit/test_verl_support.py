@@ -74,6 +74,22 @@ def test_the_trainers_own_check_skips_use_v1() -> None:
         BACKEND_KEY]
 
 
+@pytest.mark.parametrize(("strategy", "section"), [
+    ("megatron", "actor_rollout_ref.actor.megatron"),
+    ("fsdp", "actor_rollout_ref.actor.fsdp_config"),
+    ("fsdp2", "actor_rollout_ref.actor.fsdp_config"),
+])
+def test_the_actors_engine_must_offload_between_steps(strategy: str, section: str) -> None:
+    job = _job()
+    job["actor_rollout_ref"]["actor"] = {"strategy": strategy, section.rsplit(".", 1)[1]: {
+        "param_offload": True, "optimizer_offload": False}}
+    (problem,) = unsupported_settings(job)
+    assert (problem.key, problem.found) == (f"{section}.optimizer_offload", False)
+    assert "lent between steps" in problem.why
+    job["actor_rollout_ref"]["actor"][section.rsplit(".", 1)[1]]["optimizer_offload"] = True
+    assert unsupported_settings(job) == ()
+
+
 def test_absent_settings_are_named_unset() -> None:
     problems = unsupported_settings({})
     assert [p.key for p in problems] == [k for k in CHECKED_KEYS if k != ROUTER_KEY]
@@ -102,6 +118,17 @@ def test_verls_real_config_with_its_default_backend_is_refused() -> None:
 
 
 @pytest.mark.verl
+def test_verls_real_config_without_the_actors_offload_is_refused() -> None:
+    """veRL's defaults keep the actor's parameters and optimizer on the trainer GPUs; the
+    coordinator lends those GPUs between steps."""
+    config = _verl_config("actor_rollout_ref.actor.fsdp_config.param_offload=false",
+                          "actor_rollout_ref.actor.fsdp_config.optimizer_offload=false")
+    assert [(p.key, p.found) for p in unsupported_settings(config, driver=False)] == [
+        ("actor_rollout_ref.actor.fsdp_config.param_offload", False),
+        ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", False)]
+
+
+@pytest.mark.verl
 def test_verls_bare_defaults_name_the_engine_unset() -> None:
     """veRL's ppo_trainer.yaml leaves the rollout engine mandatory (``???``) and the backend
     ``naive``: an OmegaConf missing value reads as unset, never raises."""
@@ -115,4 +142,6 @@ def test_verls_bare_defaults_name_the_engine_unset() -> None:
     with initialize_config_dir(config_dir=cfgdir, version_base=None):
         config = compose(config_name="ppo_trainer")
     assert [(p.key, p.found) for p in unsupported_settings(config)] == [
-        ("actor_rollout_ref.rollout.name", UNSET), (BACKEND_KEY, "naive")]
+        ("actor_rollout_ref.rollout.name", UNSET), (BACKEND_KEY, "naive"),
+        ("actor_rollout_ref.actor.fsdp_config.param_offload", False),
+        ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", False)]
