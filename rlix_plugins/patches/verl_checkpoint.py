@@ -87,7 +87,9 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
         self.pipeline_id = pipeline_id or os.environ.get("PIPELINE_ID") or "verl"
         self.offer_wait_s = offer_wait_s
         self._cache: BucketCache | None = None
-        self._offers: dict[int, SyncOffer] = {}
+        #: offers per version, oldest first: two syncs of one version (a trainer's refresh and
+        #: an expand's catch-up) each reach a receive of their own, none overwritten
+        self._offers: dict[int, list[SyncOffer]] = {}
         self._offer_cv = threading.Condition()
         self.loaded_versions: list[int] = []
 
@@ -181,7 +183,7 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
         """Remember the offer of one version; ``receive_weights`` picks it up."""
         parsed = SyncOffer.from_dict(offer)
         with self._offer_cv:
-            self._offers[parsed.version] = parsed
+            self._offers.setdefault(parsed.version, []).append(parsed)
             self._offer_cv.notify_all()
         return parsed.version
 
@@ -195,10 +197,14 @@ class RLixCacheCheckpointEngine(CheckpointEngineWithCache):  # type: ignore[misc
                     # versions only advance: an older offer will never be taken (its sender
                     # reports this receiver gone when its wait ends)
                     for old in [v for v in self._offers if v < version]:
-                        logger.info("dropping the offer of weight version %d: v%d taken",
+                        logger.info("dropping the offer(s) of weight version %d: v%d taken",
                                     old, version)
                         del self._offers[old]
-                    return self._offers.pop(version)
+                    pending = self._offers[version]
+                    offer = pending.pop(0)
+                    if not pending:
+                        del self._offers[version]
+                    return offer
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WeightSyncError(

@@ -239,6 +239,26 @@ def test_taking_an_offer_drops_the_older_ones(verl_env: VerlEnv) -> None:
         engine._take_offer(1)
 
 
+def test_two_offers_of_one_version_each_reach_a_receive(verl_env: VerlEnv) -> None:
+    """A trainer's in-place refresh and an expand's catch-up can both sync the newest version
+    to one replica; the second offer overwrote the first, whose sender then waited its whole
+    timeout for a receiver that never came."""
+    from rlix_plugins.patches.verl_checkpoint import RLixCacheCheckpointEngine
+    from rlix_plugins.training.checksum import ChecksumKind
+    from rlix_plugins.training.wire import SyncOffer, TransportKind
+
+    engine = RLixCacheCheckpointEngine(bucket_size=1 << 20, offer_wait_s=0.1)
+    for sync_id in ("refresh", "expand"):
+        engine.rlix_accept_offer(SyncOffer(
+            pipeline_id="p", sync_id=sync_id, shard_id="r0", version=4,
+            transport=TransportKind.ZMQ, control_address="", num_buckets=0, total_bytes=0,
+            max_bucket_bytes=16, checksum=ChecksumKind.FLETCHER64, timeout_s=1.0, details={},
+        ).to_dict())
+    assert [engine._take_offer(4).sync_id, engine._take_offer(None).sync_id] == [
+        "refresh", "expand"]
+    assert engine._offers == {}
+
+
 # ---------------------------------------------------------------- checkpoint: refresh abort
 def test_refresh_resumes_replicas_when_an_abort_fails(verl_env: VerlEnv) -> None:
     """An in-place refresh whose abort fails on one replica must still resume the replicas it
