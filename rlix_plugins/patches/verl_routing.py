@@ -185,6 +185,13 @@ def migration_from_env(env: Mapping[str, str] | None = None) -> MigrationConfig:
     raise SettingsError(f"{ENV_VERL_MIGRATION}={raw!r} is not valid; use 'on' or 'off'")
 
 
+def _count(n: object, what: str) -> int:
+    """A trajectory count: an int >= 0 (a bool or a float would corrupt the progress count)."""
+    if not is_int(n) or n < 0:
+        raise ValueError(f"{what}: n must be an int >= 0, got {n!r}")
+    return n
+
+
 @dataclass(frozen=True, slots=True)
 class MigrationStats:
     """What the balancer's migrations did (one balancer, all clients).
@@ -432,16 +439,12 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         Every agent-loop worker calls this as each trajectory lands in the replay buffer (this
         actor is shared by all of them, so the count is the pipeline's, not one worker's).
         """
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        self._finished += n
+        self._finished += _count(n, "rlix_trajectory_done")
         return self.rlix_pending()
 
     def rlix_consume(self, n: int) -> int:
         """The trainer took ``n`` trajectories for a train step; returns what is left."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        self._consumed += n
+        self._consumed += _count(n, "rlix_consume")
         return self.rlix_pending()
 
     def rlix_pending(self) -> int:

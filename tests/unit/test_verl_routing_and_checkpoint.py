@@ -155,6 +155,20 @@ def test_continuation_keeps_each_tokens_routing_and_the_first_prefix_hit(
 
 
 # ---------------------------------------------------------------- routing: bind_shards input
+def test_trajectory_counts_refuse_what_is_not_a_count(verl_env: VerlEnv) -> None:
+    """A bool or a float would be added to the pipeline's progress count as is."""
+    from rlix_plugins.patches.verl_routing import RLixRequestLoadBalancer
+
+    lb = RLixRequestLoadBalancer({"a": object()})
+    assert lb.rlix_trajectory_done(3) == 3
+    for bad in (True, 1.5, -1, "2"):
+        with pytest.raises(ValueError, match=r"rlix_trajectory_done: n must be an int >= 0"):
+            lb.rlix_trajectory_done(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"rlix_consume: n must be an int >= 0"):
+            lb.rlix_consume(bad)  # type: ignore[arg-type]
+    assert lb.rlix_consume(2) == 1 and lb.rlix_pending() == 1
+
+
 def test_bind_shards_bad_input_is_typed_and_changes_nothing(verl_env: VerlEnv) -> None:
     from rlix_plugins.errors import ShardStateError
     from rlix_plugins.generation.migration import MigrationConfig
