@@ -240,7 +240,7 @@ class VerlPipelineAdapter:
         return self._hooks
 
     # ---------------------------------------------------------------- registration
-    def claim(self) -> None:
+    def claim(self, *, loaded: bool = False) -> None:
         """Register and admit the pipeline, serve ``resize_infer`` for it, build the hooks
         (their heartbeat starts only now, for a pipeline the coordinator knows), then hold
         every GPU of the layout at INITIALIZATION, blocking, as ROLL's init and NeMo RL's
@@ -253,6 +253,11 @@ class VerlPipelineAdapter:
 
         On any failure the pipeline leaves the coordinator (:meth:`close`) before the error
         propagates: a half-registered pipeline would hold its GPUs for nobody.
+
+        ``loaded``: veRL has loaded its models already (:meth:`register`, replicas built
+        before the pipeline could claim): the hold then only keeps others off while
+        :meth:`end_setup` puts the replicas to sleep, so it takes the inference cluster and a
+        layout :meth:`VerlLayout.setup_clusters` refuses is accepted.
         """
         import ray
 
@@ -263,7 +268,8 @@ class VerlPipelineAdapter:
 
         if self._registered:
             return
-        setup_clusters = self.layout.setup_clusters()  # refused before anything is sent
+        # refused before anything is sent
+        setup_clusters = (ACTOR_INFER,) if loaded else self.layout.setup_clusters()
         orch = ray.get_actor(ORCHESTRATOR_ACTOR, namespace=self.settings.namespace)
         ray.get(
             orch.register_pipeline.remote(
@@ -332,7 +338,7 @@ class VerlPipelineAdapter:
                 f"veRL pipeline {self.pipeline_id}: register() needs the shard controller "
                 "given at construction; valid: claim() now, attach(layout, controller) later"
             )
-        self.claim()
+        self.claim(loaded=True)
         self.attach(self.layout, controller)
 
     def end_setup(self) -> None:
