@@ -739,6 +739,23 @@ def claim_setup(layout: NemoRlLayout) -> None:
         _claimed = _Claim(_new_pipeline(settings, None, layout, NemoRlPipeline.claim), previous)
 
 
+def abandon_setup() -> None:
+    """``grpo.setup`` raised (the patch's wrapper calls this): the pipeline it claimed or
+    registered leaves the coordinator, its setup hold freed and ``PIPELINE_ID`` as before.
+    Without this a pipeline whose Policy build failed after the claim held every GPU of its
+    layout until the driver exited and its lease lapsed. No-op without one."""
+    global _pipeline, _claimed, _pending_policy
+    with _pipeline_lock:
+        claim, _claimed = _claimed, None
+        pipeline, _pipeline = _pipeline, None
+        _pending_policy = None
+    if claim is not None:
+        claim.pipeline.shutdown()
+        _restore_pipeline_id(claim.previous_id)
+    if pipeline is not None:
+        pipeline.shutdown()
+
+
 def attach_generation(generation: Any) -> None:
     """``RLixVllmGeneration`` construction hook (driver): attach the generation to the
     pipeline :func:`claim_setup` registered, or register one now."""

@@ -325,14 +325,20 @@ def wrap_setup(stock: Callable[..., Any]) -> Callable[..., Any]:
     """``grpo.setup`` that first checks the job is one the coordinator can time-share
     (:func:`~rlix_plugins.adapters.nemo_rl_support.check_supported_job`): an unsupported one
     is refused with every unsupported setting named, before NeMo RL builds any cluster or
-    worker."""
+    worker. If NeMo RL's setup raises, the pipeline it claimed leaves the coordinator."""
 
     def setup(bound: inspect.BoundArguments) -> Any:
         from rlix_plugins.adapters.nemo_rl_support import check_supported_job
 
         check_supported_job(bound.arguments.get("master_config"),
                             bound.arguments.get("policy_factory"))
-        return stock(*bound.args, **bound.kwargs)
+        try:
+            return stock(*bound.args, **bound.kwargs)
+        except BaseException:
+            from rlix_plugins.adapters.nemo_rl import abandon_setup
+
+            abandon_setup()  # a claimed pipeline must not hold its GPUs for nobody
+            raise
 
     return _wrap_bound(stock, setup)
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,35 @@ def test_patched_setup_leaves_a_malformed_call_to_nemo_rl() -> None:
     with pytest.raises(TypeError):  # NeMo RL's own error for a call that fits no signature
         wrap_setup(stock)(tokenizer="tok")
     assert stock.calls == []
+
+
+class _FakeClaimedPipeline:
+    """FAKE pipeline claimed by ``claim_setup``: records its shutdown."""
+
+    def __init__(self) -> None:
+        self.shut = 0
+
+    def shutdown(self) -> None:
+        self.shut += 1
+
+
+def test_a_failed_setup_makes_the_claimed_pipeline_leave(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NeMo RL's setup raising after the claim (a Policy that cannot be built) used to leave
+    the setup hold on every GPU of the layout until the driver exited and its lease lapsed."""
+    from rlix_plugins.adapters import nemo_rl
+
+    claimed = _FakeClaimedPipeline()
+    monkeypatch.setattr(nemo_rl, "_claimed", nemo_rl._Claim(claimed, None))  # type: ignore[arg-type]
+    monkeypatch.setenv("PIPELINE_ID", "ft_00000000abcd")
+
+    def failing_setup(master_config: Any, tokenizer: Any, dataset: Any,
+                      val_dataset: Any) -> None:
+        raise RuntimeError("Policy build failed")
+
+    with pytest.raises(RuntimeError, match="Policy build failed"):
+        wrap_setup(failing_setup)(_supported(), "tok", "data", None)
+    assert claimed.shut == 1 and nemo_rl._claimed is None
+    assert "PIPELINE_ID" not in os.environ  # the id of a pipeline that left
+    nemo_rl.abandon_setup()  # nothing claimed any more: a no-op
+    assert claimed.shut == 1
