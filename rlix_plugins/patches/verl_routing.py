@@ -110,7 +110,7 @@ from rlix_plugins.generation.shard_state import (
 )
 from rlix_plugins.generation.state_store import ShardStateStore
 from rlix_plugins.settings import load_settings
-from rlix_plugins.values import is_int, is_number
+from rlix_plugins.values import count, is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -183,13 +183,6 @@ def migration_from_env(env: Mapping[str, str] | None = None) -> MigrationConfig:
     if raw == "off":
         return MigrationConfig(enabled=False)
     raise SettingsError(f"{ENV_VERL_MIGRATION}={raw!r} is not valid; use 'on' or 'off'")
-
-
-def _count(n: object, what: str) -> int:
-    """A trajectory count: an int >= 0 (a bool or a float would corrupt the progress count)."""
-    if not is_int(n) or n < 0:
-        raise ValueError(f"{what}: n must be an int >= 0, got {n!r}")
-    return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,12 +432,12 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         Every agent-loop worker calls this as each trajectory lands in the replay buffer (this
         actor is shared by all of them, so the count is the pipeline's, not one worker's).
         """
-        self._finished += _count(n, "rlix_trajectory_done")
+        self._finished += count(n, ValueError, "rlix_trajectory_done: n")
         return self.rlix_pending()
 
     def rlix_consume(self, n: int) -> int:
         """The trainer took ``n`` trajectories for a train step; returns what is left."""
-        self._consumed += _count(n, "rlix_consume")
+        self._consumed += count(n, ValueError, "rlix_consume: n")
         return self.rlix_pending()
 
     def rlix_pending(self) -> int:

@@ -143,6 +143,12 @@ class Setup:
         await self.life.wake(ranks)
         await self.life.activate(ranks)
 
+    def generate_all(
+        self, load: Sequence[GenerationRequest]
+    ) -> asyncio.Future[list[GenerationResult]]:
+        """Every request of ``load`` sent through the router at once; their results in order."""
+        return asyncio.ensure_future(asyncio.gather(*(self.router.generate(q) for q in load)))
+
 
 def reqs(n: int, max_tokens: int, tag: str = "q") -> list[GenerationRequest]:
     return [GenerationRequest(f"{tag}{i}", (i + 3, 2 * i + 5, 11), max_tokens) for i in range(n)]
@@ -184,7 +190,7 @@ def test_activation_mid_run_moves_half_and_continues_from_partial_tokens(
                                         migration=MigrationConfig(watch_interval_s=0.1)))
         await s.put_to_sleep([1])
         load = reqs(12, 80)
-        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        task = s.generate_all(load)
         await wait_until(lambda: len(engines[0].running) == 12
                          and min(map(len, engines[0].running.values())) >= 5)
         await s.expand([1])  # the router's watcher sees shard 1 become active
@@ -231,7 +237,7 @@ def test_requests_sent_one_after_another_share_one_watcher() -> None:
         assert not watcher.done()
         # the idle watcher still sees an activation and moves a request that runs then
         load = reqs(8, 80, tag="b")
-        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        task = s.generate_all(load)
         await wait_until(lambda: len(engines[0].running) == 8
                          and min(map(len, engines[0].running.values())) >= 5)
         await s.expand([1])
@@ -249,7 +255,7 @@ def test_explicit_rebalance_when_auto_is_off() -> None:
         s = Setup(engines, RouterConfig(migration=MigrationConfig(auto=False)))
         await s.put_to_sleep([1])
         load = reqs(8, 60)
-        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        task = s.generate_all(load)
         await wait_until(lambda: len(engines[0].running) == 8)
         await s.expand([1])
         await asyncio.sleep(0.02)
@@ -270,7 +276,7 @@ def test_disabled_or_incapable_engines_never_migrate() -> None:
         s = Setup(engines, cfg)
         await s.put_to_sleep([1])
         load = reqs(8, 40)
-        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        task = s.generate_all(load)
         await wait_until(lambda: len(engines[0].running) == 8)
         await s.expand([1])
         assert await s.router.rebalance([1]) == ()
@@ -290,7 +296,7 @@ def test_nearly_finished_requests_stay_where_they_are() -> None:
         s = Setup(engines, RouterConfig(migration=MigrationConfig(min_remaining_tokens=16)))
         await s.put_to_sleep([1])
         load = reqs(8, 40)
-        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        task = s.generate_all(load)
         # Budget 40 >= 16, but with >= 30 tokens done fewer than 16 remain: the engine's
         # progress report must keep them in place.
         await wait_until(lambda: len(engines[0].running) == 8
@@ -309,7 +315,7 @@ def test_abort_that_finds_nothing_leaves_requests_and_later_preemption_is_a_redi
         s = Setup(engines, RouterConfig(migration=MigrationConfig(auto=False)))
         await s.put_to_sleep([1])
         load = reqs(6, 200)
-        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        task = s.generate_all(load)
         await wait_until(lambda: len(engines[0].running) == 6)
         await s.expand([1])
         assert await s.router.rebalance([1]) == ()
@@ -330,7 +336,7 @@ def test_a_migrated_request_is_not_moved_again_and_preemption_after_it_restarts(
         s = Setup(engines, RouterConfig(redispatch=RedispatchMode.RESTART))
         await s.put_to_sleep([1, 2])
         load = reqs(8, 150)
-        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        task = s.generate_all(load)
         await wait_until(lambda: len(engines[0].running) == 8
                          and min(map(len, engines[0].running.values())) >= 3)
         await s.expand([1])
@@ -358,7 +364,7 @@ def test_failing_abort_never_fails_a_request() -> None:
         s = Setup(engines)
         await s.put_to_sleep([1])
         load = reqs(6, 60)
-        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        task = s.generate_all(load)
         await wait_until(lambda: len(engines[0].running) == 6)
         await s.expand([1])
         assert await s.router.rebalance([1]) == ()
@@ -417,7 +423,7 @@ def test_an_abort_whose_reply_was_lost_is_a_migration_not_a_preemption() -> None
         s = Setup(engines, RouterConfig(max_attempts=1, migration=MigrationConfig(auto=False)))
         await s.put_to_sleep([1])
         load = reqs(6, 200)
-        task = asyncio.ensure_future(asyncio.gather(*(s.router.generate(q) for q in load)))
+        task = s.generate_all(load)
         await wait_until(lambda: len(engines[0].running) == 6
                          and min(map(len, engines[0].running.values())) >= 3)
         await s.expand([1])

@@ -245,6 +245,9 @@ def test_a_refresh_that_failed_on_a_shard_shrunk_mid_sync_resyncs_the_others(rig
     rig.controller.refresh([0, 1], 4)
     assert pushed == [[0, 1], [0]]
     # a failure with every shard still active is the caller's
-    rig.controller._sync = lambda ranks, v: (_ for _ in ()).throw(WeightSyncError("broken"))
+    def broken(dp_ranks: Sequence[int], version: int) -> None:
+        raise WeightSyncError("broken")
+
+    rig.controller._sync = broken
     with pytest.raises(WeightSyncError, match="broken"):
         rig.controller.refresh([0], 5)
