@@ -20,6 +20,7 @@ from rlix_plugins.adapters.job_support import (
     JobProblem,
     JobRule,
     equals,
+    is_false_or_unset,
     is_none_or_unset,
     is_true,
     lookup,
@@ -52,6 +53,11 @@ _TRAINER_RULES: Final[tuple[JobRule, ...]] = (
             "a router plugin replaces veRL's GlobalRequestLoadBalancer, which RLix's "
             "load balancer (shard state, preemption, migration) subclasses; the job would "
             "load every model and then fail to bind its replicas"),
+    JobRule("actor_rollout_ref.rollout.full_determinism", is_false_or_unset, "false or unset",
+            "veRL reproduces a run by routing each request to the same replica every run; "
+            "under RLix which replicas are awake depends on the other pipelines, and a "
+            "preempted or migrated request continues on another replica, so the run would not "
+            "be reproducible while the flag says it is"),
 )
 
 #: The actor's engine section per ``actor_rollout_ref.actor.strategy`` (veRL 0.9.1's engine

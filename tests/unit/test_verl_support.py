@@ -22,6 +22,7 @@ BACKEND_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 
 
 ROUTER_KEY = "actor_rollout_ref.rollout.router_config_path"
+DETERMINISM_KEY = "actor_rollout_ref.rollout.full_determinism"
 
 
 def _job(name: object = "vllm", backend: object = CACHE_BACKEND,
@@ -35,6 +36,7 @@ def _job(name: object = "vllm", backend: object = CACHE_BACKEND,
 def test_a_v1_vllm_job_on_the_cache_backend_is_supported() -> None:
     assert unsupported_settings(_job()) == ()
     assert unsupported_settings(_job(router_config_path=None)) == ()
+    assert unsupported_settings(_job(full_determinism=False)) == ()
     check_supported_job(_job())
 
 
@@ -46,6 +48,8 @@ def test_a_v1_vllm_job_on_the_cache_backend_is_supported() -> None:
     # veRL would build its router plugin instead of the balancer RLix's subclasses, and the
     # job failed only after loading every model (Ray's AttributeError in build_adapter)
     (ROUTER_KEY, _job(router_config_path="/etc/my_router.yaml")),
+    # the RLix balancer routed among the awake replicas only: the flag was silently not kept
+    (DETERMINISM_KEY, _job(full_determinism=True)),
 ])
 def test_each_unsupported_setting_is_named_with_what_is_valid(key: str, job: Any) -> None:
     (problem,) = unsupported_settings(job)
@@ -92,7 +96,9 @@ def test_the_actors_engine_must_offload_between_steps(strategy: str, section: st
 
 def test_absent_settings_are_named_unset() -> None:
     problems = unsupported_settings({})
-    assert [p.key for p in problems] == [k for k in CHECKED_KEYS if k != ROUTER_KEY]
+    # unset is what the router and determinism rules ask for
+    assert [p.key for p in problems] == [k for k in CHECKED_KEYS
+                                         if k not in (ROUTER_KEY, DETERMINISM_KEY)]
     assert all(p.found is UNSET for p in problems)
 
 
