@@ -10,7 +10,10 @@ Injected through NeMo RL's own seam ``Policy(worker_extension_cls_fqn=...)`` (th
   (:func:`~rlix_plugins.training.sync.sync_version`) to exactly the given vLLM shard leaders,
   whose engines receive through the
   :class:`~rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension` (shared memory on
-  one host): peak extra memory per receiver = 1 bucket, no tensor passes through Ray.
+  one host): peak extra memory per receiver = 1 bucket, no tensor passes through Ray. It and
+  ``rlix_latest_version`` run in the actor's own concurrency group
+  (:mod:`~rlix_plugins.training.cache_group`), so a shard the coordinator wakes while the
+  pipeline trains is synced at once instead of after the step.
 * pinned placement (the coordinator's shared groups): before NeMo RL's ``__init__`` makes its
   first CUDA call, the node's GPUs are made visible
   (:func:`~rlix_plugins.adapters.nemo_rl_placement_plan.widen_to_node_gpus`), because NeMo RL
@@ -32,10 +35,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig
+from rlix_plugins.training.cache_group import cache_group_actor, in_cache_group
 from rlix_plugins.training.nccl_lifecycle import (
     DestroyReport,
     MegatronParallelLifecycle,
@@ -53,6 +58,10 @@ from rlix_plugins.training.vllm_receiver import (
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
 
 logger = logging.getLogger(__name__)
+
+# The cache is created by the first caller, which may be a push or version query (cache group
+# thread) racing the first build (the default group's thread): one cache, not two.
+_CACHE_INIT_LOCK = threading.Lock()
 
 RLIX_MEGATRON_WORKER_FQN = "rlix_plugins.patches.megatron.RLixMegatronPolicyWorker"
 
@@ -132,14 +141,18 @@ class RLixMegatronWorkerMixin:
 
     def _rlix_cache(self) -> BucketCache:
         cache: BucketCache | None = getattr(self, "_rlix_bucket_cache", None)
-        if cache is None:
-            import os
+        if cache is not None:
+            return cache
+        with _CACHE_INIT_LOCK:
+            cache = getattr(self, "_rlix_bucket_cache", None)
+            if cache is None:
+                import os
 
-            cache = BucketCache(
-                os.environ.get("PIPELINE_ID", "nemo_rl"),
-                CacheConfig(bucket_bytes=self.rlix_bucket_bytes),
-            )
-            self._rlix_bucket_cache = cache
+                cache = BucketCache(
+                    os.environ.get("PIPELINE_ID", "nemo_rl"),
+                    CacheConfig(bucket_bytes=self.rlix_bucket_bytes),
+                )
+                self._rlix_bucket_cache = cache
         return cache
 
     def _rlix_lifecycle(self) -> MegatronParallelLifecycle:
@@ -161,10 +174,12 @@ class RLixMegatronWorkerMixin:
         cache.activate(version)
         return {"version": version, "info": repr(info)}
 
+    @in_cache_group
     def rlix_latest_version(self) -> int | None:
         """Newest cached version on this rank (None on non-owners or before the first build)."""
         return self._rlix_cache().latest_version
 
+    @in_cache_group
     def rlix_push_weights(self, version: int, receivers: Sequence[tuple[str, Any]],
                           ack_timeout_s: float = 300.0) -> dict[str, Any]:
         """Selective sync of cached ``version`` to exactly ``receivers`` (``(shard_id, vLLM
@@ -294,8 +309,8 @@ class RayWorkerReceiver(AddressedReceiver):
 
 
 def build_worker_class() -> tuple[type, Any]:
-    """(undecorated subclass of NeMo RL's ``MegatronPolicyWorkerImpl``, Ray actor class)."""
-    import ray
+    """(undecorated subclass of NeMo RL's ``MegatronPolicyWorkerImpl``, Ray actor class with
+    the cache's concurrency group)."""
     from nemo_rl.models.policy.workers.megatron_policy_worker import MegatronPolicyWorkerImpl
 
     impl = type(
@@ -303,7 +318,7 @@ def build_worker_class() -> tuple[type, Any]:
         (RLixMegatronWorkerMixin, MegatronPolicyWorkerImpl),
         {"__module__": __name__},
     )
-    return impl, ray.remote(impl)
+    return impl, cache_group_actor(impl)
 
 
 def __getattr__(name: str) -> Any:

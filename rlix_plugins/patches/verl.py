@@ -28,6 +28,9 @@ registry entry with an undo step, so ``revert`` restores veRL exactly):
 * ``CheckpointEngineRegistry["rlix_cache"]`` -> the CPU-cache checkpoint engine;
 * ``agent_loop_tq.AgentLoopWorkerTQ`` -> :class:`~.verl_agent_loop.RLixAgentLoopWorkerTQ`,
   which counts each stored trajectory (per-trajectory progress);
+* ``trainer_base.create_colocated_worker_cls`` -> a wrapper whose training-worker actor class
+  serves the CPU cache in its own concurrency group
+  (:func:`~.verl_workers.colocated_worker_class`);
 * ``constants_ppo.get_ppo_ray_runtime_env`` and ``main_ppo.get_ppo_ray_runtime_env`` ->
   check the job is supported, then forward the RLix environment to Ray workers.
 
@@ -156,6 +159,10 @@ CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
     PlugPoint("worker mapping", f"{_TB}:PPOTrainer._init_resource_pool_mgr", PlugKind.SUBCLASS,
               ("self",), "role_worker_mapping's training worker becomes RLix's subclass; "
               "the pipeline claims its GPUs there, before veRL builds any worker"),
+    PlugPoint("colocated worker class", f"{_TB}:create_colocated_worker_cls", PlugKind.WRAP,
+              ("class_dict",), "looked up in trainer_base when the trainer builds its worker "
+              "actors: the training workers' class declares the cache's concurrency group, so "
+              "a sync is served while the owner trains"),
     PlugPoint("training worker", f"{_ENGINE_WORKERS}:ActorRolloutRefWorker", PlugKind.SUBCLASS,
               ("__init__", "config", "role"),
               "subclassed: hybrid replicas' receive method, Megatron group rebinding"),
@@ -307,6 +314,12 @@ class VerlPatch(HostPatch):
 
             self.set_attribute(importlib.import_module(_AGENT_TQ), "AgentLoopWorkerTQ",
                                rlix_agent_loop_worker_actor())
+        from rlix_plugins.patches.verl_workers import colocated_worker_class
+
+        trainer_base = importlib.import_module(_TB)
+        wrapped_cls = colocated_worker_class(trainer_base.create_colocated_worker_cls)
+        if wrapped_cls is not trainer_base.create_colocated_worker_cls:
+            self.set_attribute(trainer_base, "create_colocated_worker_cls", wrapped_cls)
         # The definition first: a `python -m verl.trainer.main_ppo` driver binds it from there.
         for name in (_CONSTANTS, _MAIN):
             module = importlib.import_module(name)

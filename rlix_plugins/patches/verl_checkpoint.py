@@ -440,8 +440,9 @@ class VerlCacheSync:
     ``receive_methods[d]``: None for a replica whose workers are veRL rollout
     ``CheckpointEngineWorker`` actors (standalone: veRL's own ``update_weights`` receives), or
     the training workers' receive method for a hybrid replica (:mod:`.verl_workers`).
-    ``owner_serve``: the owner's ``rlix_serve`` actor method when the training workers are the
-    RLix subclass (serves on a thread), else None (through ``execute_checkpoint_engine``).
+    ``owner_serve`` / ``owner_versions``: the owner's ``rlix_serve`` / ``rlix_cached_versions``
+    actor methods when the training workers are the RLix subclass (served in the cache's
+    concurrency group, on a thread), else None (through ``execute_checkpoint_engine``).
     """
 
     def __init__(
@@ -451,6 +452,7 @@ class VerlCacheSync:
         replica_workers: list[list[Any]],
         receive_methods: Sequence[str | None] | None = None,
         owner_serve: str | None = None,
+        owner_versions: str | None = None,
     ) -> None:
         self.owner = owner_worker
         self.owner_method = owner_method
@@ -460,6 +462,7 @@ class VerlCacheSync:
             raise ValueError(f"{len(self.receive_methods)} receive methods for "
                              f"{len(replica_workers)} replicas")
         self.owner_serve = owner_serve
+        self.owner_versions = owner_versions
 
     @classmethod
     def of(cls, actor_wg: Any, replicas: Sequence[Any]) -> VerlCacheSync:
@@ -485,7 +488,8 @@ class VerlCacheSync:
             methods.append(receive)
         return cls(actor_wg.workers[0], engine_call_name(actor_wg),
                    [list(r.workers) for r in replicas], methods,
-                   worker_call_name(actor_wg, "rlix_serve"))
+                   worker_call_name(actor_wg, "rlix_serve"),
+                   worker_call_name(actor_wg, "rlix_cached_versions"))
 
     def _call(self, *args: Any) -> Any:
         import ray
@@ -521,7 +525,13 @@ class VerlCacheSync:
         return report
 
     def latest_version(self) -> int | None:
-        versions = self._call("rlix_cached_versions")
+        if self.owner_versions is not None:
+            import ray
+
+            # the owner's cache group: answered while the owner trains
+            versions = ray.get(getattr(self.owner, self.owner_versions).remote())
+        else:
+            versions = self._call("rlix_cached_versions")
         return max(versions) if versions else None
 
 

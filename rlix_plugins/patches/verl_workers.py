@@ -14,6 +14,11 @@ hybrid rollout replicas - carries these methods:
 * ``rlix_serve(version, receivers)``: the cache owner's (rank 0) stream to the given
   receivers, run on a thread: a receiver may be this same actor (hybrid replica 0 lives in
   training rank 0), whose receive method must be able to run meanwhile.
+  ``rlix_cached_versions()``: the versions it holds. Both run in the cache's own Ray
+  concurrency group (:mod:`~rlix_plugins.training.cache_group`; veRL's colocated
+  ``WorkerDict`` class is declared with it by :func:`colocated_worker_class`), so a standalone
+  replica the coordinator wakes while the pipeline trains is synced at once, not after the
+  step (veRL's train call blocks the actor's event loop).
 * ``rlix_release_parallel_state`` / ``rlix_restore_parallel_state``: Megatron's NCCL groups
   destroyed after the weights are cached and re-created before the next train step; the
   re-init rebinds every old group held under the engines' model chunks, optimizer, scheduler,
@@ -30,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from verl.single_controller.base.decorator import Dispatch, register
@@ -137,6 +142,11 @@ class RLixTrainingWorkerMixin:
         return report
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)  # type: ignore[untyped-decorator]
+    async def rlix_cached_versions(self) -> list[int]:
+        """The versions this worker's cache holds (empty off the owner rank)."""
+        return list(self._rlix_cache_engine().rlix_cached_versions())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)  # type: ignore[untyped-decorator]
     async def rlix_receive_weights(self, offer: dict[str, Any]) -> int:
         """Load the offered cached version into this worker's co-located rollout."""
         engine = self._rlix_cache_engine()
@@ -181,3 +191,42 @@ def install_worker_classes(role_worker_mapping: dict[Any, Any]) -> list[str]:
         role_worker_mapping[role] = ray.remote(rlix_worker_class(base))
         changed.append(str(getattr(role, "name", role)))
     return changed
+
+
+#: the RLix worker methods that run in the cache's concurrency group (see module docstring)
+CACHE_GROUP_METHODS: tuple[str, ...] = ("rlix_serve", "rlix_cached_versions")
+
+
+def colocated_worker_class(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap veRL's ``create_colocated_worker_cls(class_dict)``: when a role's class is an RLix
+    training worker, the ``WorkerDict`` actor class it returns declares the cache's
+    concurrency group and runs that role's :data:`CACHE_GROUP_METHODS` in it (veRL binds
+    each as ``<role>_<method>``). Other classes are returned as veRL built them. Wrapping a
+    wrapper returns it unchanged."""
+    if getattr(original, "_rlix_cache_group", False):
+        return original
+
+    def create_colocated_worker_cls(class_dict: dict[str, Any]) -> Any:
+        from rlix_plugins.training.cache_group import cache_group_actor, in_cache_group
+
+        built = original(class_dict)
+        worker_dict = built.cls.__ray_actor_class__
+        tagged: list[str] = []
+        for key, with_args in class_dict.items():
+            inner = getattr(with_args.cls, "__ray_actor_class__", with_args.cls)
+            if not getattr(inner, "_rlix_worker", False):
+                continue
+            for method in CACHE_GROUP_METHODS:
+                # veRL made a fresh function per bound method: tagging it tags nothing else
+                bound = vars(worker_dict).get(f"{key}_{method}")
+                if bound is not None:
+                    in_cache_group(bound)
+                    tagged.append(f"{key}_{method}")
+        if tagged:
+            built.cls = cache_group_actor(worker_dict)
+            logger.info("rlix: %s run in the cache's concurrency group", tagged)
+        return built
+
+    create_colocated_worker_cls.__wrapped__ = original  # type: ignore[attr-defined]
+    create_colocated_worker_cls._rlix_cache_group = True  # type: ignore[attr-defined]
+    return create_colocated_worker_cls

@@ -25,6 +25,7 @@ from rlix_plugins.adapters.nemo_rl_placement_plan import (
     report_worker_gpu,
 )
 from rlix_plugins.patches.megatron import RLixMegatronWorkerMixin
+from rlix_plugins.training.cache_group import cache_group_actor
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +66,8 @@ def shared_group(ray_session: Any) -> Any:
 def _start(ray: Any, cls: type, pg: Any, gpu: int) -> Any:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return ray.remote(cls).options(
+    # the group the extension's cache methods run in (harmless on the stock host)
+    return cache_group_actor(cls).options(
         num_cpus=0, num_gpus=0.01,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         runtime_env={"env_vars": pinned_worker_env(gpu, GPUS_PER_NODE)},

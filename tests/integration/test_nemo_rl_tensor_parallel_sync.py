@@ -36,6 +36,7 @@ def test_a_push_reaches_every_worker_of_a_multi_worker_engine(
     nemo_rl_src: Path, ray_session: Any, tmp_path: Path, tp: int, pp: int
 ) -> None:
     from rlix_plugins.generation.tiny_engine import threads_bind_per_rank, write_tiny_llama
+    from rlix_plugins.training.cache_group import cache_group_actor
     from rlix_plugins.training.checksum import tensor_fingerprint
     from tests.support.nemo_rl_actors import (
         CpuGenerationWorker,
@@ -49,7 +50,7 @@ def test_a_push_reaches_every_worker_of_a_multi_worker_engine(
     gen = CpuGenerationWorker.options(
         num_cpus=0, max_concurrency=1000,
         runtime_env=nemo_rl_runtime_env({"VLLM_CPU_OMP_THREADS_BIND": bind})).remote(64)
-    policy = ray_session.remote(FakePolicyWorker).options(
+    policy = cache_group_actor(FakePolicyWorker).options(
         num_cpus=0, runtime_env=nemo_rl_runtime_env()).remote(model_dir)
     try:
         ray_session.get(gen.cpu_start.remote(model_dir, None, tp, pp), timeout=600)

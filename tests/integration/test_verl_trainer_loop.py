@@ -112,18 +112,20 @@ def _fake_training_worker_cls() -> type:
         def get_log(self) -> list[tuple[str, int]]:
             return list(self.log)
 
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        def hold(self, seconds: float) -> float:
+            """A long train step: a synchronous call holds the actor (and its event loop)."""
+            time.sleep(seconds)
+            return seconds
+
     return FakeTrainingWorker
 
 
 def training_worker_group(ray: Any, hybrid_server: Any) -> Any:
     """veRL's way (``PPOTrainer._setup``): colocated WorkerDict actors, spawned by role, of
     RLix's training-worker subclass (what the RLix trainer installs in the role mapping)."""
-    from verl.single_controller.ray import (
-        RayClassWithInitArgs,
-        RayResourcePool,
-        RayWorkerGroup,
-        create_colocated_worker_cls,
-    )
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.trainer.ppo.v1 import trainer_base
 
     from rlix_plugins.patches.verl_workers import rlix_worker_class
 
@@ -132,7 +134,9 @@ def training_worker_group(ray: Any, hybrid_server: Any) -> Any:
     pool = RayResourcePool([1], use_gpu=False, max_colocate_count=1)
     wg_dict = RayWorkerGroup(
         resource_pool=pool,
-        ray_cls_with_init=create_colocated_worker_cls(class_dict={"actor_rollout": cls}),
+        # looked up where the trainer does: with the patch applied, RLix's wrapper
+        ray_cls_with_init=trainer_base.create_colocated_worker_cls(
+            class_dict={"actor_rollout": cls}),
         device_name="cpu",
     )
     wg = wg_dict.spawn(prefix_set={"actor_rollout"})["actor_rollout"]

@@ -49,6 +49,7 @@ from rlix_plugins.adapters.nemo_rl_workers import (  # noqa: E402
     RLixVllmAsyncGenerationWorkerImpl,
 )
 from rlix_plugins.patches.megatron import RLixMegatronWorkerMixin  # noqa: E402
+from rlix_plugins.training.cache_group import cache_group_actor, in_cache_group  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ class FakePolicyWorker(RLixMegatronWorkerMixin):
         self.calls: list[str] = []
         self.pushes: list[dict[str, Any]] = []
 
+    @in_cache_group  # as the mixin's own: an override keeps its group only if tagged again
     def rlix_push_weights(self, version: int, receivers: Any,
                           ack_timeout_s: float = 300.0) -> dict[str, Any]:
         # The real mixin's push; only recorded (which shards, which transport) for the test.
@@ -326,7 +328,7 @@ class NemoRlDriverHarness:
         self.pipeline = pipeline
         self.hook_log: list[tuple[str, int, float]] = []
         pipeline.hooks = RecordingHooks(pipeline.hooks, self.hook_log)
-        worker = ray.remote(FakePolicyWorker).options(num_cpus=0).remote(model_dir)
+        worker = cache_group_actor(FakePolicyWorker).options(num_cpus=0).remote(model_dir)
         self.policy_workers = [worker]
         policy_cls = adapter.make_policy_class(FakePolicy)
         self.policy = policy_cls(config={"megatron_cfg": {"enabled": True}},

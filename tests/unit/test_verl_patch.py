@@ -19,6 +19,7 @@ def _stock() -> dict[str, Any]:
     import verl.trainer.constants_ppo as constants_ppo
     import verl.trainer.main_ppo as main_ppo
     import verl.trainer.ppo.v1.agent_loop_tq as agent_loop_tq
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
     import verl.workers.rollout.router as router
     from verl.checkpoint_engine.base import CheckpointEngineRegistry
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
@@ -32,6 +33,7 @@ def _stock() -> dict[str, Any]:
         "env": main_ppo.get_ppo_ray_runtime_env,
         "env_definition": constants_ppo.get_ppo_ray_runtime_env,
         "agent": agent_loop_tq.AgentLoopWorkerTQ,
+        "colocated": trainer_base.create_colocated_worker_cls,
     }
 
 
@@ -64,6 +66,7 @@ def test_apply_replaces_the_real_classes_and_revert_restores_them(verl_env: Verl
         assert now["env"] is not before["env"]
         assert now["env_definition"] is not before["env_definition"]
         assert now["agent"] is not before["agent"]
+        assert now["colocated"].__wrapped__ is before["colocated"]
     finally:
         patch.revert()
         patch.revert()
@@ -192,6 +195,37 @@ def test_worker_subclass_installed_in_the_role_mapping(verl_env: VerlEnv) -> Non
         assert hasattr(getattr(cls, name), MAGIC_ATTR), name
     assert mapping[Role.Critic] is critic
     assert install_worker_classes(mapping) == []  # already RLix's
+
+
+def test_colocated_worker_class_serves_the_cache_in_its_own_group(verl_env: VerlEnv) -> None:
+    """veRL's ``WorkerDict`` class of RLix training workers declares the cache's concurrency
+    group and runs the role's cache methods in it; one of stock workers is veRL's own."""
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs
+    from verl.single_controller.ray.base import create_colocated_worker_cls
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from rlix_plugins.patches.verl_workers import (
+        CACHE_GROUP_METHODS,
+        colocated_worker_class,
+        rlix_worker_class,
+    )
+    from rlix_plugins.training.cache_group import cache_group_options, runs_in_cache_group
+
+    wrapped = colocated_worker_class(create_colocated_worker_cls)
+    assert colocated_worker_class(wrapped) is wrapped  # wrapping a wrapper changes nothing
+    rlix = wrapped({"actor_rollout": RayClassWithInitArgs(
+        cls=ray.remote(rlix_worker_class(ActorRolloutRefWorker)))})
+    groups = cache_group_options()["concurrency_groups"]
+    assert rlix.cls.__ray_metadata__.concurrency_groups == groups
+    worker_dict = rlix.cls.__ray_actor_class__
+    for method in CACHE_GROUP_METHODS:
+        assert runs_in_cache_group(getattr(worker_dict, f"actor_rollout_{method}")), method
+    for method in ("actor_rollout_rlix_receive_weights", "actor_rollout_update_weights",
+                   "actor_rollout_init_model"):  # training's own calls keep the default group
+        assert not runs_in_cache_group(getattr(worker_dict, method)), method
+    stock = wrapped({"actor_rollout": RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker))})
+    assert stock.cls.__ray_metadata__.concurrency_groups is None
 
 
 #: A job veRL's own config checks accept on this CPU box, with an engine and a checkpoint

@@ -28,6 +28,9 @@ from tests.fixtures.verl_env import VerlEnv
 
 pytestmark = pytest.mark.verl
 
+#: a FAKE train step's length: far longer than a sync takes on a loaded box
+HOLD_S = 120.0
+
 
 def _weights(step: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(500 + step)
@@ -213,6 +216,19 @@ def test_managers_number_versions_monotonically_and_receivers_agree(
     assert observed == [([7], 5)]
     assert standalone.refreshed[-1] == (5, (7,))
     assert replica.calls == ["abort", "resume"]
+
+    # The coordinator wakes the standalone replica while a train step holds the owner: the
+    # version query and the sync run in the cache's concurrency group, answered before the
+    # step ends (they waited for the whole step before).
+    owner = wg.workers[0]
+    step = owner.actor_rollout_hold.remote(HOLD_S)
+    try:
+        assert standalone.rlix_sync.latest_version() == 5
+        standalone.rlix_sync([0], 5)
+        assert loads() == [0, 1, 4, 4, 5, 5]
+        assert not verl_ray.wait([step], timeout=0)[0], "the sync waited for the train step"
+    finally:
+        verl_ray.kill(owner)
 
 
 @pytest.mark.parametrize(("hybrid", "step", "latest", "version"), [
