@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rlix_plugins.adapters.observability import (
@@ -120,6 +120,12 @@ class LifecycleShardController:
     ) -> tuple[list[int], tuple[ShardStatus, ...]]:
         """De-duplicated ``dp_ranks`` and the current statuses; :class:`ShardStateError` naming
         the bad ranks and the valid range before anything is changed."""
+        if isinstance(dp_ranks, (str, bytes)) or not isinstance(dp_ranks, Iterable):
+            # A bare rank (``shrink(1)``) failed below with an untyped "not iterable".
+            raise ShardStateError(
+                f"{op}: dp ranks must be an iterable of ints such as [0, 1], got "
+                f"{dp_ranks!r}; nothing was changed"
+            )
         statuses = self._statuses()
         # Checked before de-duplicating (an unhashable entry raised TypeError there); numpy
         # ints are ranks too (they failed ``isinstance(r, int)`` and were "do not exist").
@@ -227,7 +233,14 @@ class LifecycleShardController:
 
     def refresh(self, dp_ranks: Sequence[int], version: int, *, step: int | None = None) -> None:
         """Active refresh: sync ``version`` into shards that stay active (no drain), then
-        record what every active shard serves. Hosts call this after caching a new version."""
+        record what every active shard serves. Hosts call this after caching a new version.
+
+        Raises:
+            ShardStateError: a rank does not exist (nothing synced or recorded).
+        """
+        # Validated like shrink/expand, before anything changes: a negative rank indexed the
+        # statuses from the end and was synced as is; one past the end was an IndexError.
+        checked, statuses = self._checked("refresh", dp_ranks)
         if step is not None:
             self._step = step
         # The coordinator's copy of this controller (another process) may have shrunk some of
@@ -235,7 +248,7 @@ class LifecycleShardController:
         # would write into released weight memory. Shards that left ACTIVE are skipped (their
         # next expand syncs the newest version before they serve); a sync that failed is
         # retried once on the shards still active, since one shrunk mid-sync fails it too.
-        ranks = self._still_active(dp_ranks)
+        ranks = [r for r in checked if statuses[r] is ShardStatus.ACTIVE]
         if ranks:
             try:
                 self._sync(ranks, version)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlix_plugins.errors import PreemptionError, SettingsError
+from rlix_plugins.errors import PreemptionError, SettingsError, ShardStateError
 from rlix_plugins.generation.engine import ShardEngine
 from rlix_plugins.generation.shard_state import (
     ShardEvent,
@@ -30,7 +30,7 @@ from rlix_plugins.generation.shard_state import (
     normalize_ranks,
 )
 from rlix_plugins.generation.state_store import ShardStateView
-from rlix_plugins.values import is_int, is_number
+from rlix_plugins.values import is_finite, is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +57,16 @@ class PreemptionConfig:
                 is_int(self.sleep_level) and self.sleep_level in (0, 1, 2)):
             raise SettingsError(
                 f"sleep_level must be None, 0, 1 or 2, got {self.sleep_level!r}")
-        for name in ("drain_timeout_s", "drain_poll_s"):
-            value = getattr(self, name)
-            if not (is_number(value) and value > 0):
-                raise SettingsError(f"{name} must be > 0, got {value!r}")
+        if not (is_number(self.drain_timeout_s) and self.drain_timeout_s > 0):
+            raise SettingsError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s!r}")
+        if not (is_number(self.drain_poll_s) and self.drain_poll_s > 0):
+            raise SettingsError(f"drain_poll_s must be > 0, got {self.drain_poll_s!r}")
+        # The drain sleeps this long between polls and checks its timeout only between them:
+        # inf hung every preempt that had to poll twice.
+        if not is_finite(self.drain_poll_s):
+            raise SettingsError(
+                f"drain_poll_s must be finite (a poll interval in seconds), got "
+                f"{self.drain_poll_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +162,7 @@ class ShardLifecycle:
         without a state change; ``ACTIVE`` and ``WOKEN`` ranks are marked first.
 
         Raises:
-            ShardStateError: a rank is sleeping or unknown (nothing changed).
+            ShardStateError: a rank is sleeping, unknown or has no engine (nothing changed).
             LastActiveShardError: the owner refuses to preempt its last active shard.
             PreemptionError: abort, drain or sleep failed on a shard; it stays PREEMPTED
                 (never routed) and the others completed.
@@ -164,7 +170,7 @@ class ShardLifecycle:
         async with self._op_lock():
             t0 = time.perf_counter()
             snap = await self._state.refresh()
-            ranks = normalize_ranks(snap, dp_ranks)
+            ranks = self._with_engines(normalize_ranks(snap, dp_ranks), snap)
             to_mark = [r for r in ranks if snap.statuses[r] is not ShardStatus.PREEMPTED]
             if to_mark:
                 await self._state.apply(to_mark, ShardEvent.PREEMPT)
@@ -193,6 +199,22 @@ class ShardLifecycle:
                     + " (those shards stay preempted and unrouted; call preempt again to retry)"
                 )
             return record
+
+    def _with_engines(self, ranks: tuple[int, ...], snap: ShardSnapshot) -> tuple[int, ...]:
+        """``ranks``, or :class:`ShardStateError` (nothing changed yet) if one has no engine.
+
+        The engines are not counted against the state at construction (its view may not be
+        readable then): a rank without one failed only after ``preempt`` had marked it, and
+        stayed PREEMPTED for good behind an IndexError.
+        """
+        missing = [r for r in ranks if r >= len(self._engines)]
+        if missing:
+            raise ShardStateError(
+                f"shard(s) {missing} have no engine: this lifecycle was given "
+                f"{len(self._engines)} engine(s) for {snap.num_shards} shards (one per dp "
+                "rank is needed); nothing was changed"
+            )
+        return ranks
 
     async def _take_down(self, rank: int) -> ShardPreemptionTiming:
         engine = self._engines[rank]
@@ -231,13 +253,13 @@ class ShardLifecycle:
         """Wake sleeping ``dp_ranks``; they stay out of routing until :meth:`activate`.
 
         Raises:
-            ShardStateError: a rank is not sleeping (nothing changed).
+            ShardStateError: a rank is not sleeping or has no engine (nothing changed).
             PreemptionError: ``wake_up`` failed on a shard; it stays sleeping, the ranks that
                 woke are marked woken.
         """
         async with self._op_lock():
             snap = await self._state.refresh()
-            ranks = check_event(snap, dp_ranks, ShardEvent.WAKE)
+            ranks = self._with_engines(check_event(snap, dp_ranks, ShardEvent.WAKE), snap)
             results = await asyncio.gather(
                 *(self._engines[r].wake_up() for r in ranks), return_exceptions=True
             )
@@ -252,13 +274,13 @@ class ShardLifecycle:
         """Put woken ``dp_ranks`` (weights synced) back into routing.
 
         Raises:
-            ShardStateError: a rank is not woken (nothing changed).
+            ShardStateError: a rank is not woken or has no engine (nothing changed).
             PreemptionError: ``resume`` failed on a shard; no rank is activated (the gates
                 that did reopen stay open on woken shards, which get no traffic).
         """
         async with self._op_lock():
             snap = await self._state.refresh()
-            ranks = check_event(snap, dp_ranks, ShardEvent.ACTIVATE)
+            ranks = self._with_engines(check_event(snap, dp_ranks, ShardEvent.ACTIVATE), snap)
             # Gates open before routers can see the shard as active, so no router meets a
             # closed gate on an active shard.
             results = await asyncio.gather(

@@ -14,6 +14,7 @@ side rejects or aborts it (see :mod:`.vllm_engine`) and the router then refreshe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -147,7 +148,13 @@ class RayShardState:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # synchronous caller: reads stay as fresh as the last RPC
-        if self._poller is not None and not self._poller.done() and self._poller_loop is loop:
+        poller, poller_loop = self._poller, self._poller_loop
+        if poller is not None and not poller.done() and poller_loop is not None and (
+                poller_loop is loop or poller_loop.is_running()):
+            # One poller per view: it keeps the one cached snapshot fresh for every loop and
+            # thread reading it. Starting one at each switch between loops (the controller's
+            # LoopThread, a host's asyncio.run) left the old one polling forever: one more
+            # parked RPC per switch.
             return
         self._poller_loop = loop
         self._poller = loop.create_task(self._poll())
@@ -208,9 +215,20 @@ class RayShardState:
 
     def close(self) -> None:
         """Stop this copy's long-poll (the owner actor keeps running)."""
-        if self._poller is not None and not self._poller.done():
-            self._poller.cancel()
-        self._poller = None
+        poller, loop, self._poller = self._poller, self._poller_loop, None
+        if poller is None or poller.done():
+            return
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or loop is running:
+            poller.cancel()
+            return
+        # The one poller may run on another thread's loop (see _ensure_poller), and
+        # Task.cancel is not thread-safe. A closed loop never runs the task again anyway.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(poller.cancel)
 
     def __getstate__(self) -> dict[str, Any]:
         # The poll task belongs to this process's loop and stays. The newest snapshot travels

@@ -583,6 +583,13 @@ class ShardRouter:
             raise
         except Exception:
             over()
+            if run.migrate_to is not None:
+                # A rebalance marked and aborted it: an engine that cannot hand the partial
+                # output back fails the attempt instead, on a shard that stays active.
+                # _generate continues it on the target (raising here lost the request).
+                logger.debug("attempt %s failed on shard %d while migrating to shard %d",
+                             attempt.request_id, rank, run.migrate_to, exc_info=True)
+                return None
             # A failure on a shard that is no longer active is the preemption tearing it
             # down; on an active shard it is a real error for the caller.
             snap = await self._state.refresh()

@@ -294,7 +294,15 @@ class VllmAsyncShard:
         return running + len(self._tracked - known)
 
     async def sleep(self, level: int | None = None) -> None:
-        """Sleep at ``level`` (default: the configured level); in-flight requests are aborted."""
+        """Sleep at ``level`` (default: the configured level); in-flight requests are aborted.
+
+        Raises:
+            SettingsError: ``level`` is not None, 0, 1 or 2 (the engine is not touched).
+        """
+        # Checked as the constructor checks sleep_level: vLLM passes any level on to its
+        # workers (``AsyncLLM.rlix_sleep(3)`` reached them).
+        if level is not None and not (is_int(level) and level in (0, 1, 2)):
+            raise SettingsError(f"sleep level must be None, 0, 1 or 2, got {level!r}")
         lvl = self._sleep_level if level is None else level
         # mode="abort": anything that slipped in after abort_all is aborted, never kept.
         await self._engine.sleep(level=lvl, mode="abort")

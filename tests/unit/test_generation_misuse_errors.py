@@ -75,3 +75,29 @@ def test_lifecycle_rank_arguments_of_the_wrong_type_get_a_typed_error(ranks: Any
 
     asyncio.run(go())
     assert store.snapshot() is before
+
+
+def test_a_rank_without_an_engine_is_refused_before_the_lifecycle_marks_it() -> None:
+    # A lifecycle given fewer engines than the state has shards marked the rank PREEMPTED,
+    # then failed with PreemptionError(IndexError): the shard stayed unrouted for good.
+    store = ShardStateStore(2)
+    life = ShardLifecycle(LocalShardState(store), [FakePicklableEngine("e0")])
+    before = store.snapshot()
+
+    async def go() -> None:
+        with pytest.raises(ShardStateError, match=r"shard\(s\) \[1\] have no engine: this "
+                                                  r"lifecycle was given 1 engine\(s\) for 2"):
+            await life.preempt([0, 1])
+        assert store.snapshot() is before
+        await life.preempt([0])  # ranks that have an engine still work
+        store.apply([1], "preempt")
+        store.apply([1], "asleep")
+        with pytest.raises(ShardStateError, match="have no engine"):
+            await life.wake([1])
+        assert store.snapshot().statuses[1] is ShardStatus.SLEEPING
+        store.apply([1], "wake")
+        with pytest.raises(ShardStateError, match="have no engine"):
+            await life.activate([1])
+        assert store.snapshot().statuses[1] is ShardStatus.WOKEN
+
+    asyncio.run(go())

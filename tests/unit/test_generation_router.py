@@ -118,6 +118,9 @@ def test_router_config_rejects_bad_values(kwargs: dict[str, object], message: st
     ({"sleep_level": 3}, "sleep_level must be None, 0, 1 or 2, got 3"),
     ({"drain_timeout_s": 0}, "drain_timeout_s must be > 0, got 0"),
     ({"drain_poll_s": -1}, "drain_poll_s must be > 0, got -1"),
+    # inf passed and hung every preempt whose drain had to poll twice
+    ({"drain_poll_s": float("inf")},
+     r"drain_poll_s must be finite \(a poll interval in seconds\), got inf"),
 ])
 def test_preemption_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):

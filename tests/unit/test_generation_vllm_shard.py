@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rlix_plugins.errors import ShardPreemptedError
+from rlix_plugins.errors import SettingsError, ShardPreemptedError
 from rlix_plugins.generation import (
     GenerationRequest,
     LocalShardState,
@@ -109,5 +109,22 @@ def test_preemption_drains_without_waiting_for_the_drain_timeout() -> None:
         assert (await asyncio.wait_for(task, 5)).aborted
         assert engine.slept == [(2, "abort")]
         assert store.snapshot().statuses[0] is ShardStatus.SLEEPING
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("level", [3, -1, True, 2.0, "2"])
+def test_a_sleep_level_outside_0_1_2_is_refused_before_the_engine_sleeps(level: Any) -> None:
+    """The constructor checked ``sleep_level`` but ``sleep(level)`` passed any level straight to
+    vLLM (``AsyncLLM.rlix_sleep(3)`` reached its workers)."""
+    async def go() -> None:
+        engine = FakeEngineWithoutRequestMap()
+        shard = VllmAsyncShard(engine, name="s0")
+        with pytest.raises(SettingsError, match=r"sleep level must be None, 0, 1 or 2, got"):
+            await shard.sleep(level)
+        assert engine.slept == []
+        await shard.sleep(None)
+        await shard.sleep(1)
+        assert engine.slept == [(2, "abort"), (1, "abort")]
 
     asyncio.run(go())

@@ -251,3 +251,31 @@ def test_a_refresh_that_failed_on_a_shard_shrunk_mid_sync_resyncs_the_others(rig
     rig.controller._sync = broken
     with pytest.raises(WeightSyncError, match="broken"):
         rig.controller.refresh([0], 5)
+
+
+@pytest.mark.parametrize("rank", [-1, 2, "0", 1.0])
+def test_a_refresh_of_an_unknown_rank_is_refused_before_any_sync(rig: Rig, rank: object) -> None:
+    """A negative rank read the statuses from the end and was synced as is ([-1] pushed the
+    version to "shard -1"); one past the end was an untyped IndexError; the step was taken
+    before either."""
+    rig.weights.version = 3
+    rig.controller.expand([1])
+    rig.weights.synced.clear()
+    with pytest.raises(ShardStateError, match=r"refresh: dp rank\(s\) \[.*\] do not exist; "
+                                              r"valid ranks are 0\.\.1"):
+        rig.controller.refresh([0, rank], 4, step=9)  # type: ignore[list-item]
+    assert rig.weights.synced == [] and rig.controller._step is None
+
+
+@pytest.mark.parametrize("op", ["shrink", "expand", "refresh"])
+@pytest.mark.parametrize("ranks", [1, "01", None])
+def test_ranks_that_are_not_a_collection_get_a_typed_error(
+    rig: Rig, op: str, ranks: object
+) -> None:
+    """``shrink(1)`` failed with an untyped "'int' object is not iterable"."""
+    rig.weights.version = 3
+    args = (ranks, 4) if op == "refresh" else (ranks,)
+    with pytest.raises(ShardStateError, match=rf"{op}: dp ranks must be an iterable of ints"):
+        getattr(rig.controller, op)(*args)
+    assert rig.calls == [] and rig.weights.synced == []
+    assert rig.statuses() == (A, S)
