@@ -59,6 +59,29 @@ class Settings:
     pipeline_id: str | None = None
     ray_namespace: str | None = None
 
+    def __post_init__(self) -> None:
+        # Settings built in code are checked as load_settings checks the environment: the
+        # plane is compared by identity, so Settings(control_plane="rlix") ran standalone
+        # without a word (make_hooks returned no-op hooks), and a lease of 0 turned the
+        # heartbeat into a busy loop.
+        plane = _plane(self.control_plane, "Settings.control_plane")
+        object.__setattr__(self, "control_plane", plane)
+        for name in ("request_timeout_s", "resize_timeout_s", "lease_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                MIN_SECONDS <= value < float("inf")
+            ):
+                raise SettingsError(
+                    f"Settings.{name}={value!r} is out of range; expected finite seconds >= "
+                    f"{MIN_SECONDS:g}"
+                )
+            object.__setattr__(self, name, float(value))
+        if isinstance(self.vllm_sleep_level, bool) or self.vllm_sleep_level not in (0, 1, 2):
+            raise SettingsError(
+                f"Settings.vllm_sleep_level={self.vllm_sleep_level!r} is not valid; "
+                "expected 0, 1 or 2"
+            )
+
     @property
     def enabled(self) -> bool:
         """True when the job time-shares GPUs under the coordinator."""
@@ -107,12 +130,23 @@ def control_plane_from_env(env: Mapping[str, str] | None = None) -> ControlPlane
     raw_plane = env.get(ENV_CONTROL_PLANE)
     if raw_plane is None or raw_plane.strip() == "":
         return ControlPlane.OFF
+    return _plane(raw_plane, ENV_CONTROL_PLANE)
+
+
+def _plane(raw: object, name: str) -> ControlPlane:
+    """``raw`` (a member, or its value in any case) as a :class:`ControlPlane`, else
+    :class:`SettingsError` naming ``name`` and the valid values."""
+    if isinstance(raw, ControlPlane):
+        return raw
     try:
-        return ControlPlane(raw_plane.strip().lower())
+        if not isinstance(raw, str):
+            raise ValueError(raw)
+        return ControlPlane(raw.strip().lower())
     except ValueError:
         valid = ", ".join(repr(p.value) for p in ControlPlane)
+        unset = "unset or " if name == ENV_CONTROL_PLANE else ""
         raise SettingsError(
-            f"{ENV_CONTROL_PLANE}={raw_plane!r} is not valid; expected unset or one of {valid}"
+            f"{name}={raw!r} is not valid; expected {unset}one of {valid}"
         ) from None
 
 

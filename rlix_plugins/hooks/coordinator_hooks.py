@@ -8,6 +8,7 @@ heartbeat thread keeps the pipeline's lease. Beyond the four hook methods, ``hol
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -151,9 +152,20 @@ class CoordinatorHooks:
             wait = max(deadline - self._clock(), MIN_SECONDS)
             if method == "request_gpus":
                 wait += _REQUEST_GRACE_S
+            ref: Any = None
             try:
-                return ray.get(getattr(self._sched(), method).remote(*args, **kwargs), timeout=wait)
+                ref = getattr(self._sched(), method).remote(*args, **kwargs)
+                return ray.get(ref, timeout=wait)
             except ray.exceptions.GetTimeoutError:
+                if method == "request_gpus":
+                    # Stop the request where it waits: the scheduler then withdraws a request
+                    # whose caller stopped waiting (and gives back a grant it was never told
+                    # of). Left running, it stayed queued, was granted later to nobody (GPUs
+                    # taken from other pipelines' shards, held by a pipeline not training)
+                    # and a retry was refused as "already has a pending request". Other
+                    # calls (a release) are better applied late than never: not cancelled.
+                    with contextlib.suppress(Exception):
+                        ray.cancel(ref)
                 raise CoordinatorUnavailableError(
                     f"scheduler did not answer {method} within {wait:g}s "
                     f"({'RLIX_REQUEST_TIMEOUT_S' if deadline_s is None else 'deadline'} "

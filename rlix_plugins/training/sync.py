@@ -81,7 +81,8 @@ class SyncOptions:
     is silent that long is declared gone. ``transports`` forces a transport per shard id, as a
     :class:`TransportKind` or its value (``"zmq"``); values are converted here, and an unknown
     one raises :class:`TransportUnavailableError` naming the valid kinds.
-    ``advertise_host`` is the address remote receivers use to reach this sender (tcp).
+    ``advertise_host`` is the address remote receivers use to reach this sender (its tcp
+    control sockets and the rendezvous of a broadcast group).
     """
 
     ack_timeout_s: float = 120.0
@@ -283,7 +284,9 @@ class _Group:
         cv = self.cv
         transport: SenderTransport | None = None
         try:
-            transport = open_sender_transport(self.kind, cv, len(self.members), opts.ack_timeout_s)
+            transport = open_sender_transport(
+                self.kind, cv, len(self.members), opts.ack_timeout_s, opts.advertise_host
+            )
             total = sum(b.layout.nbytes for b in cv.buckets)
             max_bucket = max((b.layout.nbytes for b in cv.buckets), default=0)
             for rank, m in enumerate(self.members, start=1):

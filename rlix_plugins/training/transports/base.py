@@ -73,9 +73,15 @@ class ReceiverTransport(abc.ABC):
 
 
 def open_sender_transport(
-    kind: TransportKind, version: CachedVersion, group_size: int, timeout_s: float
+    kind: TransportKind,
+    version: CachedVersion,
+    group_size: int,
+    timeout_s: float,
+    advertise_host: str | None = None,
 ) -> SenderTransport:
-    """Create the sender side of ``kind`` for a group of ``group_size`` receivers."""
+    """Create the sender side of ``kind`` for a group of ``group_size`` receivers;
+    ``advertise_host`` is the address receivers on other nodes reach this sender at (the
+    broadcast transports announce their rendezvous there)."""
     if kind is TransportKind.SHM:
         from rlix_plugins.training.transports.shm import ShmSender
 
@@ -91,7 +97,7 @@ def open_sender_transport(
     if kind in (TransportKind.NCCL, TransportKind.GLOO):
         from rlix_plugins.training.transports.collective import BroadcastSender
 
-        return BroadcastSender(kind, version, group_size, timeout_s)
+        return BroadcastSender(kind, version, group_size, timeout_s, advertise_host)
     raise TransportUnavailableError(f"no sender for transport {kind!r}")
 
 

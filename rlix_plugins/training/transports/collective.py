@@ -73,7 +73,12 @@ def _node_address() -> str:
 
 class BroadcastSender(SenderTransport):
     def __init__(
-        self, kind: TransportKind, version: CachedVersion, group_size: int, timeout_s: float
+        self,
+        kind: TransportKind,
+        version: CachedVersion,
+        group_size: int,
+        timeout_s: float,
+        advertise_host: str | None = None,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -83,7 +88,13 @@ class BroadcastSender(SenderTransport):
         self.kind = kind
         self._size = group_size + 1
         self._timeout_s = timeout_s
-        self._host = "127.0.0.1" if kind is TransportKind.GLOO else _node_address()
+        # The store's server listens on every interface; this is only the address announced
+        # to receivers, so it must be the one they can reach (SyncOptions.advertise_host, as
+        # for the control sockets): the hostname's address is 127.0.1.1 under Debian's
+        # default /etc/hosts, and a receiver on another node never joined the group.
+        self._host = advertise_host or (
+            "127.0.0.1" if kind is TransportKind.GLOO else _node_address()
+        )
         self._store: Any = dist.TCPStore(  # type: ignore[attr-defined]
             self._host,
             0,
