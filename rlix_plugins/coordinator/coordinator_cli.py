@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from rlix_plugins.cli import positive_int
 from rlix_plugins.coordinator.core.model import Topology
 from rlix_plugins.settings import load_settings
 
@@ -21,9 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="control-plane namespace (default: $RLIX_NAMESPACE or rlix)",
     )
     parser.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
-    parser.add_argument("--nodes", type=int, default=None, help="GPU nodes (default: from Ray)")
+    # positive_int: 0 would otherwise read as "not given" below (the topology from Ray).
     parser.add_argument(
-        "--gpus-per-node", type=int, default=None, help="GPUs per node (default: from Ray)"
+        "--nodes", type=positive_int, default=None, help="GPU nodes (default: from Ray)"
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default: from Ray)"
     )
     parser.add_argument("--trace-dir", default=None, help="write the GPU timeline here")
     parser.add_argument(

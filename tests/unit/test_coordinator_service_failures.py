@@ -182,6 +182,7 @@ def test_a_release_whose_state_is_never_saved_fails_with_a_typed_error(
         ("[]", "JSON list, not an object"),
         ('{"inflight": null}', "no 'state' object"),
         ('{"state": {"version": 1}}', "snapshot is malformed"),
+        ('{"state": {"version": 1}, "unregistered": {"ft_a": [true]}}', "'unregistered'"),
     ],
 )
 def test_a_corrupt_saved_state_is_a_typed_error_naming_the_cure(

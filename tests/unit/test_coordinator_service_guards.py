@@ -105,6 +105,23 @@ def test_await_release_refuses_a_bad_timeout_before_planning_anything(
     run(go())
 
 
+@pytest.mark.parametrize("bad", [["ft_000000000001"], {"id": 1}], ids=["list", "dict"])
+def test_unregister_refuses_an_unhashable_pipeline_id_with_a_typed_error(
+    scheduler_service: ServiceBuilder, bad: object
+) -> None:
+    async def go() -> None:
+        service = scheduler_service()
+        await register_pipeline(service, PID, train=[0, 1])
+        before = await settled_status(service)
+        # Was a bare TypeError ("unhashable type") from the retry lookup.
+        with pytest.raises(ProtocolError, match="pipeline_id must be a non-empty str"):
+            await service.unregister_pipeline(bad)  # type: ignore[arg-type]
+        assert await service.get_status() == before
+        await service.stop()
+
+    run(go())
+
+
 def test_stop_fails_waiting_calls_and_refuses_later_ones(
     scheduler_service: ServiceBuilder, fake_coordinators: dict[str, FakePipelineCoordinator]
 ) -> None:

@@ -211,7 +211,9 @@ def test_a_retried_unregistration_gets_the_first_calls_answer_once_saved(
         service._store.save = store_save  # type: ignore[method-assign]
         # the error told the caller to retry: the retry is answered as the first call
         assert await service.unregister_pipeline(A) == (0, 1)
-        assert A not in (tmp_path / "scheduler_state.json").read_text()
+        saved = json.loads((tmp_path / "scheduler_state.json").read_text())
+        assert A not in json.dumps(saved["state"])  # saved as unregistered
+        assert saved["unregistered"] == {A: [0, 1]}  # a retry after a restart gets its answer
         with pytest.raises(UnknownPipelineError):  # never registered: still refused
             await service.unregister_pipeline(C)
         await register_pipeline(service, A, train=[0])  # the id is free again

@@ -558,6 +558,11 @@ class SchedulerState:
             spec = self.clusters.get(grant.cluster_id)
             if req is None or spec is None or any(self.owner[g] is not None for g in spec.gpus):
                 continue
+            if req.priority is Priority.GENERATION:
+                # The request it was planned for was withdrawn and a GENERATION one made since:
+                # that one is answered by ranks, never by a whole-mapping holding (no shard of
+                # it would be woken).
+                continue
             if not current(grant.cluster_id):
                 continue
             for g in spec.gpus:

@@ -15,7 +15,7 @@ from typing import Any
 
 from rlix_plugins.coordinator.core.status import DeadPipeline
 from rlix_plugins.errors import CorruptStateError
-from rlix_plugins.values import is_finite
+from rlix_plugins.values import is_finite, is_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,9 @@ class SavedRecord:
     seen: tuple[str, ...]
     leased: tuple[str, ...]
     fencing: dict[str, str]
+    #: GPUs each recent unregistration freed (absent from older records): a call Ray retries
+    #: on the restarted scheduler gets the first call's answer
+    unregistered: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def read(record: Mapping[str, Any]) -> SavedRecord:
@@ -60,6 +63,7 @@ class SavedRecord:
             seen=_strings(record, "seen"),
             leased=_strings(record, "leased"),
             fencing=_reasons(record.get("fencing", {})),
+            unregistered=_freed(record.get("unregistered", {})),
         )
 
 
@@ -71,6 +75,7 @@ def write_record(
     seen: Iterable[str],
     leased: Iterable[str],
     fencing: Mapping[str, str],
+    unregistered: Mapping[str, Iterable[int]] | None = None,
 ) -> dict[str, Any]:
     """The JSON record :meth:`SavedRecord.read` reads back (``state``: the core's snapshot)."""
     return {
@@ -80,6 +85,7 @@ def write_record(
         "seen": sorted(seen),
         "leased": sorted(leased),
         "fencing": dict(fencing),
+        "unregistered": {p: list(g) for p, g in (unregistered or {}).items()},
     }
 
 
@@ -114,6 +120,18 @@ def _reasons(value: object) -> dict[str, str]:
             f"the saved record's 'fencing' must map pipeline ids to reasons, got {value!r}"
         )
     return dict(value)
+
+
+def _freed(value: object) -> dict[str, tuple[int, ...]]:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, list) and all(is_int(g) for g in v)
+        for k, v in value.items()
+    ):
+        raise CorruptStateError(
+            f"the saved record's 'unregistered' must map pipeline ids to lists of GPU ids, "
+            f"got {value!r}"
+        )
+    return {k: tuple(v) for k, v in value.items()}
 
 
 def _read_dead(value: object) -> DeadPipeline:

@@ -195,6 +195,11 @@ class SchedulerService:
             ) from None
         for d in saved.dead:
             self._dead[d.pipeline_id] = d
+        # Unregistrations stay answerable across a restart (Ray retries a call whose answer
+        # the crash lost); an id registered again was forgotten before it was saved.
+        self._unregistered.update(
+            (p, g) for p, g in saved.unregistered.items() if p not in state.pipelines
+        )
         self._seen = set(saved.seen) & set(state.pipelines)
         # A lease restarts at recovery: the pipeline had no scheduler to beat against meanwhile.
         self._beats = {p: now for p in saved.leased if p in state.pipelines}
@@ -224,6 +229,7 @@ class SchedulerService:
             seen=self._seen,
             leased=self._beats,
             fencing=self._fencing,
+            unregistered=self._unregistered,
         )
 
     # ================================================================== helpers
@@ -319,16 +325,17 @@ class SchedulerService:
     async def unregister_pipeline(self, pipeline_id: str) -> tuple[int, ...]:
         """Forget a pipeline and free its GPUs (the pipeline stopped using them)."""
         self._check_running()
+        # A list or dict id is a ProtocolError, not a TypeError from the lookups below.
+        validate_pipeline_id(pipeline_id)
         if pipeline_id not in self._state.pipelines and pipeline_id in self._unregistered:
             # A retry: answered like the first call, once the unregistration is saved.
             freed = self._unregistered[pipeline_id]
         else:
             freed = self._drop(
-                pipeline_id, PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered")
+                pipeline_id,
+                PipelineFailedError(f"pipeline {pipeline_id!r} was unregistered"),
+                remember=True,
             )
-            self._unregistered[pipeline_id] = freed
-            while len(self._unregistered) > _DEAD_KEPT:
-                self._unregistered.popitem(last=False)
             self._kick()
         await self._durable.until_saved(f"unregister_pipeline({pipeline_id})")
         return freed
@@ -339,8 +346,17 @@ class SchedulerService:
         self._state.pipeline(pipeline_id)
         self._fence(pipeline_id, "killed by request")
 
-    def _drop(self, pipeline_id: str, error: Exception) -> tuple[int, ...]:
+    def _drop(
+        self, pipeline_id: str, error: Exception, *, remember: bool = False
+    ) -> tuple[int, ...]:
+        """Unregister ``pipeline_id`` and save; ``remember``: keep the GPUs it freed as the
+        answer to a retried ``unregister_pipeline``, in the same save (a retry Ray sends to
+        a restarted scheduler reads it back)."""
         freed, _cancelled = self._state.unregister(pipeline_id)
+        if remember:
+            self._unregistered[pipeline_id] = freed
+            while len(self._unregistered) > _DEAD_KEPT:
+                self._unregistered.popitem(last=False)
         self._waiters.fail_pipeline(pipeline_id, error)
         self._handles.pop(pipeline_id, None)
         self._seen.discard(pipeline_id)
@@ -958,15 +974,37 @@ class SchedulerService:
 
         A call that failed, timed out or could not be sent fences the pipeline, and its ranks
         stay owned until it is confirmed dead (the shard's state is unknown), as a failed
-        expand of a blocking cycle does.
+        expand of a blocking cycle does. A call not sent because Ray's lookup of the
+        coordinator actor failed is sent again, up to ``resize_timeout_s``, before that.
         """
         if after is not None:
             await asyncio.wait([after])  # one resize at a time per cluster, in plan order
-        ok = await self._resizer.resize_one(cid, ranks, remove=False, expected=expected)
+        pid = parse_cluster_id(cid)[0]
+        deadline = time.monotonic() + self.cfg.resize_timeout_s
+        delay = 0.05
+        while True:
+            ok = await self._resizer.resize_one(cid, ranks, remove=False, expected=expected)
+            # Not sent, yet neither fenced nor gone, for a pipeline whose actor was found
+            # before: Ray's lookup failed (a GCS hiccup, likely right after a restart, when no
+            # handle is cached). That is no verdict on the pipeline: try again, within the
+            # resize timeout, while the ranks still wake (fenced before, a healthy pipeline
+            # was killed for it).
+            if (
+                ok
+                or self._state.registrations.get(pid) != expected
+                or pid in self._fencing
+                or pid not in self._seen
+                or time.monotonic() + delay > deadline
+            ):
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            ranks = [r for r in ranks if (cid, r) in self._state.warming]
+            if not ranks:
+                break  # released or unregistered meanwhile: nothing left to wake
         async with self._lock:
             now = self._now()
-            pid = parse_cluster_id(cid)[0]
-            if self._state.registrations.get(pid) != expected:
+            if self._state.registrations.get(pid) != expected or not ranks:
                 # Unregistered meanwhile (its warming ranks went with it); a pipeline registered
                 # since under the same id is not the one this expand was for.
                 pass
