@@ -25,8 +25,15 @@ def is_number(value: object) -> TypeGuard[int | float]:
 
 
 def is_finite(value: object) -> TypeGuard[int | float]:
-    """``value`` is a finite int or float and not a bool."""
-    return is_number(value) and math.isfinite(value)
+    """``value`` is a finite int or float a float can hold, and not a bool (an int such as
+    ``10**400`` is not: ``math.isfinite`` raises OverflowError for it, an untyped error for
+    the caller's input check)."""
+    if not is_number(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def as_index(value: object) -> int | None:

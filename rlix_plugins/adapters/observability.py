@@ -439,8 +439,11 @@ class BusyRecordingEngine:
             self._running -= 1
             if self._running == 0:
                 try:
+                    # a wall clock stepped back (NTP) since the start is clamped: a record
+                    # refused for ending before it starts would hide the stretch from the gate
                     self._record(BusyObserved(self.pipeline_id, "generation", self.gpus,
-                                              self._since, time.time(), self.shard))
+                                              self._since, max(time.time(), self._since),
+                                              self.shard))
                 except Exception:  # a lost record fails the gate; it must not fail a request
                     logger.exception("busy record of shard %d not written", self.shard)
 
@@ -648,11 +651,15 @@ def engine_version_probe(engines: Sequence[Any]) -> VersionProbe:
 def collective_rpc_version_probe(engines: Sequence[Any]) -> VersionProbe:
     """Probe in-process ``AsyncLLM`` engines loaded with
     :class:`~rlix_plugins.training.vllm_receiver.RlixWeightReceiverExtension` (its
-    ``rlix_weight_version``, read in the worker that holds the model)."""
+    ``rlix_weight_version``, read in every worker of the shard: the shard's version only when
+    all its workers hold it, else None)."""
+    from rlix_plugins.training.vllm_receiver import common_version
 
     async def probe(ranks: Sequence[int]) -> dict[int, int | None]:
         async def ask(r: int) -> Any:
-            return (await engines[r].collective_rpc("rlix_weight_version"))[0]
+            # One reply per worker: with TP > 1 a sync that failed on one worker leaves it on
+            # an older version (or none) while worker 0 reports the new one.
+            return common_version(await engines[r].collective_rpc("rlix_weight_version"))
 
         return await _gather_versions(ranks, ask)
 

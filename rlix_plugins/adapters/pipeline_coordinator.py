@@ -200,7 +200,19 @@ def _install_controller(actor_self: Any, controller: ShardController) -> None:
 
 def set_shard_controller(coordinator: Any, controller: ShardController) -> None:
     """Hand ``controller`` to a running coordinator actor (started with a
-    :class:`PendingController`); blocks until installed."""
+    :class:`PendingController`); blocks until installed.
+
+    Raises:
+        ProtocolError: ``controller`` is not a shard controller instance (e.g. the factory
+            or class the constructor accepts); nothing is sent.
+    """
+    # Installed as is, a factory failed the next resize_infer with an AttributeError and
+    # the scheduler fenced the pipeline for it.
+    if not isinstance(controller, ShardController) or isinstance(controller, type):
+        raise ProtocolError(
+            f"set_shard_controller needs a shard controller instance (with shrink(dp_ranks) "
+            f"and expand(dp_ranks) methods), got {controller!r}; build it before handing it over"
+        )
     ray.get(coordinator.__ray_call__.remote(_install_controller, controller))
 
 

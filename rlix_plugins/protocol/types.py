@@ -153,9 +153,7 @@ def coerce_progress_report(obj: object) -> ProgressReport:
         raise ProtocolError(f"step_target_trajectories must be an int >= 0, got {target!r}")
     fifo = field("fifo_timestamp", None)
     # bool is an int and NaN/inf are floats: neither is a time
-    if fifo is not None and (
-        not is_finite(fifo)
-    ):
+    if fifo is not None and not is_finite(fifo):
         raise ProtocolError(f"fifo_timestamp must be a finite number or None, got {fifo!r}")
     metrics = field("metrics", None)
     if metrics is not None and not isinstance(metrics, Mapping):
