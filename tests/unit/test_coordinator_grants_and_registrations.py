@@ -88,6 +88,43 @@ def test_a_grant_whose_caller_stopped_waiting_before_it_was_saved_is_given_back(
     asyncio.run(asyncio.wait_for(go(), 60))
 
 
+def test_a_grant_whose_caller_was_cancelled_in_the_same_instant_is_given_back(
+    scheduler_service: ServiceBuilder,
+) -> None:
+    """The caller's request_gpus is cancelled (the hooks cancel a call they gave up on) in
+    the very step its grant is answered: the answer was returned to nobody and the grant
+    kept, so the GPUs stayed with a pipeline that believed it had none."""
+
+    async def go() -> None:
+        service = scheduler_service()
+        await register_pipeline(service, PID, train=[0, 1])
+        await register_pipeline(service, OTHER, train=[0, 1])
+        assert await service.request_gpus(
+            cluster_id=OTHER_TRAIN, priority=Priority.ACTOR_TRAINING) == [0, 1]
+        request = asyncio.create_task(
+            service.request_gpus(cluster_id=TRAIN, priority=Priority.ACTOR_TRAINING)
+        )
+        await _until(lambda: TRAIN in service._state.pending, "the request queued")
+        resolve = service._waiters.resolve
+
+        def resolve_then_cancel(cid: str, gpus: tuple[int, ...]) -> float | None:
+            asked = resolve(cid, gpus)
+            if cid == TRAIN:
+                request.cancel()  # the same step: the answer is set, the caller is gone
+            return asked
+
+        service._waiters.resolve = resolve_then_cancel  # type: ignore[method-assign]
+        await service.notify_release_gpus(cluster_id=OTHER_TRAIN)
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        assert TRAIN not in service._state.holdings, "the grant was kept by nobody"
+        assert service._state.owner[0] is None and service._state.owner[1] is None
+        check_state(service._state)
+        await service.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
 def test_a_late_answer_does_not_answer_the_callers_next_request(
     scheduler_service: ServiceBuilder,
 ) -> None:

@@ -473,10 +473,14 @@ class SchedulerService:
 
     async def _wait(self, cid: str, prio: Priority, fut: asyncio.Future[list[int]]) -> list[int]:
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.cfg.request_timeout_s)
+            gpus = await asyncio.wait_for(asyncio.shield(fut), self.cfg.request_timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                return fut.result()  # granted in the same instant: keep the grant
+            granted = fut.done() and not fut.cancelled() and fut.exception() is None
+            if granted and isinstance(exc, asyncio.TimeoutError):
+                return fut.result()  # granted in the same instant: the caller still waits
+            if granted:
+                self._give_back_cancelled(cid, fut)
+                raise
             self._withdraw(cid, fut)
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -484,6 +488,23 @@ class SchedulerService:
                 f"request_gpus({cid}, {prio.name}) not granted within "
                 f"{self.cfg.request_timeout_s:g}s; the request was withdrawn"
             ) from None
+        # Python 3.11's wait_for returns the answer instead of raising when the caller was
+        # cancelled in the step the answer was set (3.12's raises: the branch above).
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)
+        if cancelling is not None and cancelling():
+            self._give_back_cancelled(cid, fut)
+            raise asyncio.CancelledError
+        return gpus
+
+    def _give_back_cancelled(self, cid: str, fut: asyncio.Future[list[int]]) -> None:
+        """The caller was cancelled in the step its answer was set (the hooks cancel a call
+        they gave up on): nobody reads the answer, so a whole-cluster grant is given back like
+        one granted after its caller left. Kept, it held the GPUs for a pipeline that went on
+        believing it had none."""
+        self._waiters.withdraw(cid, fut)
+        if cid in self._state.holdings:
+            self._give_back_unanswered(cid)
 
     def _withdraw(self, cid: str, fut: asyncio.Future[list[int]]) -> None:
         """Drop a request whose caller stopped waiting (``fut`` is its answer): its waiter
