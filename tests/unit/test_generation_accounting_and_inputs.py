@@ -852,24 +852,31 @@ def test_migration_plans_on_the_loads_after_its_progress_query() -> None:
 
 
 class FakeRaisingAbortEngine(FakeHeldEngine):
-    """FAKE: an engine whose aborted requests raise ShardPreemptedError instead of returning
-    their partial output (NemoRlShard does so for a request it cannot continue)."""
+    """FAKE: an engine whose aborted requests raise ``error`` instead of returning their
+    partial output (NemoRlShard raises ShardPreemptedError for a request it cannot continue,
+    and a plain error when an aborted request's stream gave no output), while the shard
+    itself stays active."""
+
+    def __init__(self, error: type[Exception]) -> None:
+        super().__init__()
+        self.error = error
 
     async def generate(self, request: GenerationRequest) -> EngineOutput:
         out = await super().generate(request)
         if out.aborted:
-            raise ShardPreemptedError(f"FAKE: {request.request_id} aborted, no partial output")
+            raise self.error(f"FAKE: {request.request_id} aborted, no partial output")
         return out
 
 
-def test_a_migration_whose_attempt_raises_is_still_a_migration() -> None:
-    # The router marked the attempt and aborted it to move it; the engine raised
-    # ShardPreemptedError for the abort. The router counted a preemption: with
-    # max_attempts=1 the moved requests were lost ("preempted on each of its 1 dispatches"),
-    # although migrations must not use up max_attempts; counters said redispatched, not
-    # migrated.
+@pytest.mark.parametrize("error", [ShardPreemptedError, RuntimeError])
+def test_a_migration_whose_attempt_raises_is_still_a_migration(error: type[Exception]) -> None:
+    # The router marked the attempt and aborted it to move it; the engine raised for the
+    # abort. ShardPreemptedError: the router counted a preemption, and with max_attempts=1
+    # the moved requests were lost ("preempted on each of its 1 dispatches"), although
+    # migrations must not use up max_attempts. A plain error on the still-active shard: the
+    # router raised it to the caller (lost) until 2026-11-29.
     async def go() -> None:
-        engines = [FakeRaisingAbortEngine(), FakeRaisingAbortEngine()]
+        engines = [FakeRaisingAbortEngine(error), FakeRaisingAbortEngine(error)]
         router, tasks = await _four_running_on_shard_0_and_shard_1_active(
             LocalShardState(ShardStateStore(2)), engines,
             RouterConfig(max_attempts=1, migration=MigrationConfig(auto=False)))

@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,40 @@ def test_a_transport_forced_by_its_name_is_used(pageable_cache: BucketCache) -> 
         receiver.close()
     assert report.succeeded == ("s0",)
     assert report.outcomes[0].transport is TransportKind.ZMQ
+    assert torch.equal(target.tensors["w"], torch.arange(100, dtype=torch.float32))
+
+
+class _OfferKeeper(ThreadReceiver):
+    """A real in-process receiver that also keeps the offers it was sent."""
+
+    def __init__(self, shard_id: str, load: Any) -> None:
+        super().__init__(shard_id, load)
+        self.offers: list[SyncOffer] = []
+
+    def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
+        self.offers.append(offer)
+        return super().begin_receive(offer)
+
+
+def test_the_broadcast_rendezvous_is_announced_at_the_advertised_host(
+    pageable_cache: BucketCache,
+) -> None:
+    """The control sockets used ``advertise_host``, but a broadcast group's TCPStore was
+    announced at the hostname's address (nccl; 127.0.1.1 under Debian's default /etc/hosts)
+    or 127.0.0.1 (gloo): a receiver on another node could never join. Real gloo broadcast;
+    127.0.0.2 (loopback, not the default) stands in for the node's routable address."""
+    target = StateDictTarget(allocate_missing=True)
+    receiver = _OfferKeeper("s0", target.load_weights)
+    opts = SyncOptions(ack_timeout_s=30, transports={"s0": "gloo"},
+                       advertise_host="127.0.0.2")
+    try:
+        report = sync_version(pageable_cache, 1, [receiver], options=opts)
+    finally:
+        receiver.close()
+    assert report.succeeded == ("s0",)
+    assert report.outcomes[0].transport is TransportKind.GLOO
+    (offer,) = receiver.offers
+    assert offer.details["store_host"] == "127.0.0.2"
     assert torch.equal(target.tensors["w"], torch.arange(100, dtype=torch.float32))
 
 
