@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from rlix_plugins.cli import positive_int
+from rlix_plugins.errors import RlixPluginsError
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,13 @@ def run(args: argparse.Namespace) -> int:
         started = _ensure_ray()
         try:
             outcome = run_cpu_gate(cfg)
+        except (RlixPluginsError, ValueError, OSError) as exc:
+            # The run started and broke (e.g. Ray's GetTimeoutError, an OSError): the gate did
+            # not pass (1); left to main() it would read as 2, "prerequisites missing".
+            logger.debug("gate %d --cpu failed", args.gate, exc_info=True)
+            print(f"gate {args.gate} --cpu: the run failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            return 1
         finally:
             if started:
                 import ray

@@ -56,6 +56,7 @@ from rlix_plugins.gates.observed import (
     overlap_from_records,
     ownership_from_records,
 )
+from rlix_plugins.gates.outputs import clear_outputs, write_text_atomic
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
 from rlix_plugins.values import is_int
 
@@ -497,7 +498,6 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
     from rlix_plugins.coordinator.service.config import ServiceConfig
 
     out = opts.out_dir
-    out.mkdir(parents=True, exist_ok=True)
     jobs = load_jobs(opts, exclusive=False)
     has_roll = any(j.name == "roll" for j in jobs)
     ns = RLIX_NAMESPACE if has_roll else f"rlix_gate{opts.gate}_{uuid.uuid4().hex[:6]}"
@@ -508,6 +508,10 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
         raise PrerequisiteError(f"  - a control plane already runs in namespace {ns!r}; stop "
                                 "it (rlix-plugins coordinator stop) so the gate's own serves "
                                 "RLix's launcher")
+    # Made once every prerequisite is known to be met (a refusal leaves no --out behind).
+    out.mkdir(parents=True, exist_ok=True)
+    # An earlier run's report must not stand for this run should it crash before writing its own.
+    clear_outputs(out, opts.gate)
     observe = out / OBSERVE_SUBDIR
     if observe.exists():
         shutil.rmtree(observe)  # records of an earlier run would be judged as this one's
@@ -577,7 +581,7 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
         criteria.append(memory_from_records(observe, expected_pipelines=nemo_jobs))
     criteria.append(idle_below_exclusive(sampler.idle(t0, t1, 2), sampler.idle(t2, t3, 2)))
     result = GateResult(opts.gate, "gpu", tuple(criteria))
-    (out / f"gate{opts.gate}_report.json").write_text(json.dumps({
+    write_text_atomic(out / f"gate{opts.gate}_report.json", json.dumps({
         "gate": opts.gate, "mode": "gpu", "passed": result.passed,
         "criteria": [dataclasses.asdict(c) for c in result.criteria],
         "exit_codes": {"shared": codes, "exclusive": excl_codes}, "log_figures": figs,

@@ -54,6 +54,7 @@ from rlix_plugins.gates.observed import (
     overlap_from_records,
     ownership_from_records,
 )
+from rlix_plugins.gates.outputs import clear_outputs, write_text_atomic
 from rlix_plugins.gates.roll_sequence import RollRun, RollSequencePipeline, RollSpec
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
 
@@ -410,7 +411,7 @@ def write_outputs(cfg: RehearsalConfig, result: GateResult, figures: dict[str, A
         tracks["rehearsal busy (exclusive)"] = exclusive.busy
     timeline = to_chrome_trace(tracks, t0=t0, num_gpus=NUM_GPUS)
     timeline_path = out / f"gate{cfg.gate}_timeline.json"
-    timeline_path.write_text(json.dumps(timeline))
+    write_text_atomic(timeline_path, json.dumps(timeline))
     plot_path: Path | None = out / f"gate{cfg.gate}_gpu_ownership.png"
     try:
         assert plot_path is not None
@@ -437,7 +438,7 @@ def write_outputs(cfg: RehearsalConfig, result: GateResult, figures: dict[str, A
                   "coordinator_trace": "rlix_gpu_timeline_*.json"},
     }
     report_path = out / f"gate{cfg.gate}_report.json"
-    report_path.write_text(json.dumps(report, indent=2, default=str))
+    write_text_atomic(report_path, json.dumps(report, indent=2, default=str))
     return RehearsalOutcome(result, report_path, timeline_path, plot_path)
 
 
@@ -446,6 +447,8 @@ def run_cpu_gate(cfg: RehearsalConfig) -> RehearsalOutcome:
     from rlix_plugins.generation.tiny_engine import write_tiny_llama
 
     model_dir = write_tiny_llama(cfg.out_dir / "tiny_llama")
+    # An earlier run's report must not stand for this run should it crash before writing its own.
+    clear_outputs(cfg.out_dir, cfg.gate)
     observe = cfg.out_dir / OBSERVE_SUBDIR
     if observe.exists():
         import shutil

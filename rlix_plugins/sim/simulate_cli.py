@@ -232,16 +232,16 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: {exc}")
             return 2
-        if (
-            args.shared_gpus is not None
-            and workload.pool_placements is None
-            and ("plexrl" in policies)
-        ):
-            print(
-                "error: the plexrl deployment keeps a rollout pool per job and needs PlexRL's "
-                "T + 2R GPUs; drop it from --policies or leave --shared-gpus out"
-            )
-            return 2
+    if "plexrl" in policies and workload.pool_placements is None:
+        # Checked before running: the runner refuses it only after simulating every
+        # deployment listed before it, and then nothing is written.
+        if args.shared_gpus is not None:
+            why = "needs PlexRL's T + 2R GPUs; drop it from --policies or leave --shared-gpus out"
+        else:
+            why = (f"applies only to the plexrl-* workloads, not {workload.name!r}; drop it "
+                   "from --policies")
+        print(f"error: the plexrl deployment keeps a rollout pool per job and {why}")
+        return 2
     try:
         overrides = parse_switch_costs(args.switch_cost)
         if args.switch_scale != 1.0 or overrides:
