@@ -359,6 +359,28 @@ class RLixPlacementCluster(RayVirtualCluster):  # type: ignore[misc]
         groups: list[Any] = super()._init_placement_groups(strategy, use_unified_pg)
         return groups
 
+    def get_master_address_and_port(self) -> tuple[str, int]:
+        """NeMo RL's master address, on the node of the role's rank 0 for a pinned plan.
+
+        NeMo RL probes group 0, bundle 0: on the coordinator's per-node groups that is node
+        rank 0's node, which need not hold any of this role's workers (training on node rank
+        1 only would rendezvous at an address where no rank listens).
+        """
+        plan, role = self.rlix_plan, self.rlix_role
+        if plan is None or role is None or not plan.pinned:
+            address: tuple[str, int] = super().get_master_address_and_port()
+            return address
+        node_rank = plan.role(role).node_indices[0]
+        for _ in range(10):  # NeMo RL's retries for a port no group of the pair took yet
+            addr, port = self.get_available_address_and_port(node_rank, SHARED_NODE_BUNDLE)
+            if port not in self._allocated_master_ports:
+                self._allocated_master_ports.add(port)
+                return str(addr), int(port)
+        raise PlacementError(
+            f"{role}: no unique master port found on node rank {node_rank} after 10 tries "
+            f"(already taken: {sorted(self._allocated_master_ports)})"
+        )
+
     def shutdown(self) -> bool:
         pair = self._rlix_pair
         if self.rlix_plan is None or pair is None:

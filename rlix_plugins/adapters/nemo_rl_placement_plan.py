@@ -219,9 +219,25 @@ def plan_pinned(
 ) -> PlacementPlan:
     """Plan on the coordinator's shared per-node groups (one ``{GPU: gpus_per_node}`` bundle
     per node; ``node_ids[n]`` is where node rank ``n``'s group sits). Every layout GPU exists
-    there, so the only errors are layouts that name no such GPU or break partial overlap."""
+    there, so the only errors are layouts that name no such GPU or break partial overlap, and
+    groups that share a Ray node (their GPU ids would alias)."""
     if gpus_per_node < 1:
         raise PlacementError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    # Two node ranks on one Ray node would pin distinct global GPUs (n * gpus_per_node + g)
+    # to the same CUDA_VISIBLE_DEVICES=g there: one physical GPU the coordinator counts twice.
+    ranks_of: dict[str, list[int]] = {}
+    for rank, nid in enumerate(node_ids):
+        ranks_of.setdefault(str(nid), []).append(rank)
+    shared = {nid: ranks for nid, ranks in ranks_of.items() if len(ranks) > 1}
+    if shared:
+        where = "; ".join(f"node ranks {ranks} on Ray node {nid}"
+                          for nid, ranks in sorted(shared.items()))
+        raise PlacementError(
+            f"the coordinator's shared placement groups do not sit one per node ({where}); "
+            "workers pinned by CUDA_VISIBLE_DEVICES would share a physical GPU that the "
+            "coordinator counts as two (its gpus_per_node / node count exceed what the Ray "
+            "nodes hold)"
+        )
     total = len(node_ids) * gpus_per_node
     extra = sorted(set(train_gpus) - set(infer_gpus))
     if extra:
