@@ -190,7 +190,12 @@ class RlixWorkerExtension:
             import torch
 
             if torch.cuda.is_available():
-                free, total = torch.cuda.mem_get_info()
+                # The worker's own device: without one mem_get_info asks about the calling
+                # thread's current device, which is 0 on a thread that never set it (vLLM's
+                # in-process executor runs collective_rpc on the caller's thread).
+                device = getattr(self, "device", None)
+                on = device if isinstance(device, torch.device) and device.type == "cuda" else None
+                free, total = torch.cuda.mem_get_info(on)
                 return int(total - free)
         except Exception:  # torch missing or no usable device: fall back to RSS
             pass

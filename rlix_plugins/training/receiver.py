@@ -10,10 +10,10 @@ verified before it is acked; only one bucket is held at a time.
 Guarantee: no byte is applied before the segment holding it was verified. A bad segment stops
 the sync with :class:`ChecksumMismatchError`; segments before it (of this bucket too) are
 already applied, the receiver reports failure and its version is not reported applied (the
-vLLM extension clears it when a sync starts and sets it only on success). Before segment
-checksums a bad bucket left the model untouched by that bucket; now only by the bad segment
-and what follows. Either way a failed sync leaves a partly updated model that must be resynced
-before it serves (the same as a failure in a later bucket always did).
+vLLM extension clears it when a sync starts changing the model and sets it only on success).
+Before segment checksums a bad bucket left the model untouched by that bucket; now only by the
+bad segment and what follows. Either way a failed sync leaves a partly updated model that must
+be resynced before it serves (the same as a failure in a later bucket always did).
 
 Applying: targets that expose preallocated destination tensors (``destination``, e.g.
 :class:`StateDictTarget`) get each verified segment copied straight into the destination; a
@@ -409,8 +409,9 @@ def receive_weights_streaming(
         for b in buckets:
             for e in b.entries:
                 b.verifier.upto(e.offset + e.nbytes)
-                t = _view(b.data, e)
-                yield e.name, t.clone() if b.reused else t
+                # No local may hold the tensor: a view kept in this frame kept its whole
+                # bucket alive while the next one was fetched (two buckets at the peak).
+                yield e.name, _view(b.data, e).clone() if b.reused else _view(b.data, e)
             del b
 
     def flatten(buckets: Iterator[_Received]) -> None:

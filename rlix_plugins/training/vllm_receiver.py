@@ -9,9 +9,10 @@ model lives) and are called with ``collective_rpc("rlix_receive_weights", args=(
 The weights go through the model's own ``load_weights`` (HF names in, vLLM's fused
 ``qkv_proj``/``gate_up_proj`` layouts out), exactly as a checkpoint load does.
 
-The worker's recorded version is cleared when a sync starts and set only when every bucket
-arrived and verified: a worker whose sync failed reports ``None`` and must be resynced before
-it serves requests. A level-2 sleep discards the weights: whoever sleeps the engine calls
+The worker's recorded version is cleared when a sync starts changing the model (an offer
+refused before that leaves it as it was) and set only when every bucket arrived and verified:
+a worker whose sync failed reports ``None`` and must be resynced before it serves requests.
+A level-2 sleep discards the weights: whoever sleeps the engine calls
 ``rlix_forget_weights`` (or :meth:`VllmEngineReceiver.sleep`), after which it reports ``None``
 too.
 
@@ -24,8 +25,8 @@ its own in the sync (its own offer, control channel and transport: on one host e
 cache's shared-memory pages, a broadcast group has one rank per worker). vLLM's
 ``collective_rpc`` hands every worker the same arguments, so the engine is called once with
 the list of offers and each worker takes ``offers[rank]``; :class:`EngineWorkers` gathers
-that list on the sender's side. Pipeline parallel engines are not covered: a stage would be
-handed the layers of the other stages.
+that list on the sender's side. Pipeline parallel engines work the same way: each stage is
+handed the whole version and vLLM's loaders skip the names of the other stages' layers.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class RlixWeightReceiverExtension:
     """Methods mixed into vLLM's worker class (``worker_extension_cls``)."""
 
     model_runner: Any  # provided by the vLLM worker this class is mixed into
+    _rlix_weight_version: int | None
 
     def _rlix_model(self) -> Any:
         runner = self.model_runner
@@ -112,13 +114,21 @@ class RlixWeightReceiverExtension:
 
     def _rlix_receive_here(self, offer: Mapping[str, Any]) -> dict[str, Any]:
         parsed = SyncOffer.from_dict(offer)
-        self._rlix_weight_version: int | None = None  # invalid until the sync completes
+
+        def changing_model() -> None:
+            # The version is invalid from the first change to the model until the sync
+            # completes. Not before: an offer refused before any weight was touched (a sender
+            # that cannot be reached, a transport that cannot open) leaves the worker's
+            # version, like its weights, as they were.
+            self._rlix_weight_version = None
+
         reload = getattr(self.model_runner, "reload_weights", None)
         if callable(reload):
             # vLLM's in-place reload: restores each layer to checkpoint format, loads it and
             # re-runs its post-load processing (CPU/GPU kernels repack weights after loading, so
             # a plain load_weights into a processed model fails or is silently wrong).
             def consume(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+                changing_model()
                 reload(weights_iterator=weights, is_checkpoint_format=True)
 
             result = receive_weights_streaming(parsed, consume)
@@ -126,6 +136,7 @@ class RlixWeightReceiverExtension:
             model = self._rlix_model()
 
             def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+                changing_model()
                 model.load_weights(weights=weights)
 
             result = receive_weights(parsed, load)
@@ -182,8 +193,18 @@ class RlixWeightReceiverExtension:
         """Fletcher-64 (hex) of each named model parameter's bytes (all when ``names`` is None).
 
         Lets a caller verify what a worker holds without shipping the tensors back. Parameters
-        left empty by kernel repacking (CPU linear layers) are omitted.
+        left empty by kernel repacking (CPU linear layers) are omitted. ``names`` must be a list
+        of names (a bare str raises :class:`WeightSyncError`).
         """
+        if names is not None and (
+            isinstance(names, (str, bytes)) or not all(isinstance(n, str) for n in names)
+        ):
+            # one name passed as a str was read as a set of characters: {} came back, as if
+            # the worker held none of the parameters
+            raise WeightSyncError(
+                f"rlix_param_checksums(names={names!r}): expected None (every parameter) or a "
+                "list of parameter names (str)"
+            )
         wanted = None if names is None else set(names)
         out: dict[str, str] = {}
         for name, param in self._rlix_model().named_parameters():
