@@ -51,3 +51,17 @@ def test_a_missing_script_is_refused_like_python(tmp_path: Path) -> None:
     assert launched.returncode == 2
     assert "can't open file 'no_such_script.py'" in launched.stderr
     assert "Traceback" not in launched.stderr
+
+
+def test_a_file_missing_inside_the_script_keeps_its_traceback(tmp_path: Path) -> None:
+    """Only the launcher's OWN missing-script error becomes python's one-line exit 2: e.g.
+    run_grpo.py with a --config path that does not exist needs its traceback (which open,
+    where), and python exits 1, not 2, for an error in the script."""
+    (tmp_path / "run.py").write_text("open('missing_config.yaml')\n")
+    launched = _launch(tmp_path, "run.py")
+    plain = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert plain.returncode == 1
+    assert launched.returncode == plain.returncode, launched.stderr
+    assert "Traceback" in launched.stderr
+    assert "missing_config.yaml" in launched.stderr

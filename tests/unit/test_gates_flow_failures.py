@@ -468,10 +468,9 @@ def test_gpu_mode_needs_nvidia_smi_before_it_starts_anything(
     assert stopped == []  # nothing was started
 
 
-def test_the_coordinator_is_stopped_even_when_the_sampler_does_not_stop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    stopped: list[str] = []
+def gpu_run_whose_jobs_fail(monkeypatch: pytest.MonkeyPatch, stopped: list[str]) -> None:
+    """A FAKE GPU run past every prerequisite (nvidia-smi found, sampler not started) whose
+    jobs fail inside it (``RuntimeError("job launch failed")``)."""
     _fake_gpu_run(monkeypatch, stopped)
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
     monkeypatch.setattr(gpu_mode.UtilSampler, "start", lambda self: None)
@@ -479,10 +478,18 @@ def test_the_coordinator_is_stopped_even_when_the_sampler_does_not_stop(
     def launch_fails(*a: Any, **k: Any) -> Any:  # FAKE: the jobs fail inside the run
         raise RuntimeError("job launch failed")
 
+    monkeypatch.setattr(gpu_mode, "run_jobs", launch_fails)
+
+
+def test_the_coordinator_is_stopped_even_when_the_sampler_does_not_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stopped: list[str] = []
+    gpu_run_whose_jobs_fail(monkeypatch, stopped)
+
     def stop_hangs(self: Any, timeout_s: float = 10.0) -> None:  # FAKE: nvidia-smi hung
         raise subprocess.TimeoutExpired("nvidia-smi", timeout_s)
 
-    monkeypatch.setattr(gpu_mode, "run_jobs", launch_fails)
     monkeypatch.setattr(gpu_mode.UtilSampler, "stop", stop_hangs)
     with pytest.raises((RuntimeError, subprocess.TimeoutExpired)):
         gpu_mode.run_gpu_gate(GpuGateOptions(1, tmp_path / "out"))

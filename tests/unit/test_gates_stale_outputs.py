@@ -15,7 +15,7 @@ from rlix_plugins.gates import gpu_mode, rehearsal
 from rlix_plugins.gates.gpu_mode import GpuGateOptions
 from rlix_plugins.gates.outputs import output_names, write_text_atomic
 from rlix_plugins.gates.rehearsal import RehearsalConfig
-from tests.unit.test_gates_flow_failures import _fake_gpu_run
+from tests.unit.test_gates_flow_failures import _fake_gpu_run, gpu_run_whose_jobs_fail
 
 
 def _earlier_run(out: Path, gate: int) -> None:
@@ -56,17 +56,8 @@ def test_a_crashed_rehearsal_leaves_no_earlier_report(
 def test_a_crashed_gpu_run_leaves_no_earlier_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import shutil
-
     stopped: list[str] = []
-    _fake_gpu_run(monkeypatch, stopped)
-    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
-    monkeypatch.setattr(gpu_mode.UtilSampler, "start", lambda self: None)
-
-    def launch_fails(*a: Any, **k: Any) -> Any:  # FAKE: the jobs fail inside the run
-        raise RuntimeError("job launch failed")
-
-    monkeypatch.setattr(gpu_mode, "run_jobs", launch_fails)
+    gpu_run_whose_jobs_fail(monkeypatch, stopped)
     out = tmp_path / "out"
     _earlier_run(out, 1)
     with pytest.raises(RuntimeError, match="job launch"):
