@@ -8,9 +8,9 @@ either absent or complete (written to a temporary file, then renamed over the ol
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from pathlib import Path
+
+from rlix_plugins.files import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -32,18 +32,6 @@ def clear_outputs(out: Path, gate: int) -> list[Path]:
     if removed:
         logger.info("removed an earlier run's outputs: %s", ", ".join(p.name for p in removed))
     return removed
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 __all__ = ["clear_outputs", "output_names", "write_text_atomic"]

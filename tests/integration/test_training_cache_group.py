@@ -58,6 +58,20 @@ def test_a_tagged_method_on_a_class_without_the_group_is_refused_when_made(
         ray_session.remote(Untagged).remote()
 
 
+def test_a_call_sent_to_a_group_the_actor_lacks_kills_it(ray_session: Any) -> None:
+    """Why callers never pick the group per call (``.options(concurrency_group=...)``): an
+    actor made without the group dies of such a call (Ray's own check fails in the worker)."""
+
+    class Plain:
+        def serve(self) -> int:
+            return 1
+
+    actor = ray_session.remote(Plain).options(num_cpus=0).remote()
+    assert ray_session.get(actor.serve.remote(), timeout=120) == 1
+    with pytest.raises(ray_session.exceptions.ActorDiedError):
+        ray_session.get(actor.serve.options(concurrency_group=CACHE_GROUP).remote(), timeout=120)
+
+
 def test_owner_answers_a_push_and_a_version_query_while_it_trains(ray_session: Any) -> None:
     ray = ray_session
     owner = cache_group_actor(StepOwner).options(num_cpus=0).remote()

@@ -7,7 +7,6 @@ scheduler writes the file to ``settings.trace_dir`` (throttled) and when it stop
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -19,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rlix_plugins.files import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -168,13 +169,6 @@ class OwnershipTrace:
                 logger.debug("trace snapshot %d older than the one in %s; skipped", snapshot, path)
                 return
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            try:
-                tmp.write_text(json.dumps(data))
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-                raise
+            write_text_atomic(path, json.dumps(data))
             if isinstance(trace_id, str) and isinstance(snapshot, int):
                 _WRITTEN[key] = (trace_id, snapshot)
