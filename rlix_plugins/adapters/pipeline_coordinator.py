@@ -21,6 +21,14 @@ a late report of a batch whose stream was already cleared. A stamp more than ``c
 before the applied one is the sender's clock stepping back (NTP), not a late delivery: that
 report is taken as the newer one and the stream is ordered from it on (logged as a warning).
 
+Delivery of progress: ROLL sends its reports and clears fire-and-forget, so a forward that
+fails (the scheduler gave no answer within ``call_timeout_s``, or is being re-created) raises
+into nothing, and the stream is already closed here. A lost clear left the scheduler planning
+GPUs for the ended batch's demand until the next batch opened. So after such a failure the
+pipeline's progress as it stands now (the streams' sum, or a clear) is sent again, after
+:data:`RESYNC_S` and then doubling up to :data:`RESYNC_MAX_S`, until delivered or superseded by
+a delivered forward; a typed refusal from the scheduler is an answer and is not sent again.
+
 Keep :class:`PipelineCoordinator` undecorated; :func:`start_pipeline_coordinator` serves it (or a
 subclass) through ``ray.remote`` (Ray freezes decorated classes).
 """
@@ -59,6 +67,14 @@ PROGRESS_METHODS = ("report_progress_from_scheduler", "clear_progress_stream")
 #: them), and a clock step smaller than this freezes the stream's demand for at most as long
 #: as the step (until the sender's clock passes the applied stamp again).
 CLOCK_STEP_S = 10.0
+
+#: Seconds after a failed progress forward before the pipeline's progress is sent again; each
+#: further failure doubles the wait, up to :data:`RESYNC_MAX_S`.
+RESYNC_S = 1.0
+RESYNC_MAX_S = 30.0
+#: Failures of a forward that mean it may not have been applied (no answer, no scheduler);
+#: anything else is the scheduler's answer (e.g. the pipeline was fenced).
+_LOST = (CoordinatorUnavailableError, ray.exceptions.RayActorError)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -326,6 +342,11 @@ class PipelineCoordinator:
         self._streams: dict[StreamKey, ProgressReport] = {}
         #: per stream, the ordering fields of the last report applied (kept after a clear)
         self._marks: dict[StreamKey, StreamMark] = {}
+        #: the last progress forward was lost (under the progress lock): the scheduler may
+        #: hold an older state than ``_streams`` says until :meth:`resync_progress` sends it
+        self._unsynced = False
+        self._resync_timer: threading.Timer | None = None
+        self._resync_delay = RESYNC_S
         self._active: set[int] = set()
 
     # ---------------------------------------------------------------- scheduler -> pipeline
@@ -397,8 +418,7 @@ class PipelineCoordinator:
                 return
             self._marks[key] = mark
             self._streams[key] = rep
-            aggregated = aggregate_reports(self.pipeline_id, self._streams)
-            self._call("report_progress", aggregated)
+            self._forward_locked()
 
     @_in_progress_group
     def clear_progress_stream(self, *, mode: str = "train", adapter_id: str | None = None) -> None:
@@ -410,10 +430,58 @@ class PipelineCoordinator:
             if last is not None:
                 # a report of this batch that arrives after the clear is stale (is_stale)
                 self._marks[key] = dataclasses.replace(last, cleared=True)
+            self._forward_locked()
+
+    def resync_progress(self) -> bool:
+        """Send the pipeline's progress as it stands again if the last forward was lost (what
+        the re-send scheduled after a failure runs). True when nothing is left to send."""
+        with self._progress_lock:
+            self._resync_timer = None
+            if not self._unsynced:
+                return True
+            try:
+                self._forward_locked()
+            except _LOST:
+                return False  # _forward_locked scheduled the next try
+            except Exception:
+                logger.exception(
+                    "pipeline %s: the scheduler refused the progress sent again after a lost "
+                    "forward; not sent again (the next progress call sends it)", self.pipeline_id,
+                )
+                return False
+            logger.info("pipeline %s: progress sent again after a lost forward was delivered",
+                        self.pipeline_id)
+            return True
+
+    def _forward_locked(self) -> None:
+        """Send the pipeline's progress as it stands: the streams' sum, or a clear when none
+        is left (the caller holds the progress lock). A lost forward (:data:`_LOST`) is
+        re-raised and sent again later; the scheduler's refusals are re-raised only."""
+        try:
             if self._streams:
                 self._call("report_progress", aggregate_reports(self.pipeline_id, self._streams))
             else:
                 self._call("clear_progress", pipeline_id=self.pipeline_id)
+        except _LOST as exc:
+            self._unsynced = True
+            self._schedule_resync_locked(exc)
+            raise
+        self._unsynced = False
+        self._resync_delay = RESYNC_S
+
+    def _schedule_resync_locked(self, exc: BaseException) -> None:
+        if self._resync_timer is not None:
+            return  # one re-send pending: it sends the state as it is then
+        delay = self._resync_delay
+        self._resync_delay = min(delay * 2, RESYNC_MAX_S)
+        logger.warning(
+            "pipeline %s: progress not delivered to %s (%s: %s); sending it again in %gs",
+            self.pipeline_id, SCHEDULER_ACTOR, type(exc).__name__, exc, delay,
+        )
+        timer = threading.Timer(delay, self.resync_progress)
+        timer.daemon = True
+        self._resync_timer = timer
+        timer.start()
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         for attempt in (0, 1):

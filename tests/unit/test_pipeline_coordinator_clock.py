@@ -17,7 +17,6 @@ import pytest
 
 from rlix_plugins.adapters.pipeline_coordinator import (
     CLOCK_STEP_S,
-    PipelineCoordinator,
     StreamMark,
     clock_stepped_back,
     is_stale,
@@ -25,6 +24,7 @@ from rlix_plugins.adapters.pipeline_coordinator import (
 )
 from rlix_plugins.errors import ProtocolError
 from rlix_plugins.protocol.types import ProgressReport, coerce_progress_report
+from tests.support.scheduler_link import FakeSchedulerLinkCoordinator
 from tests.support.stream_marks import apply_marks
 
 # the coordinators built here install the ``rlix`` stand-in process-wide
@@ -104,24 +104,10 @@ def test_a_reordering_within_the_bound_is_still_dropped() -> None:
     assert not clock_stepped_back(StreamMark(5, 0.0, 3), None)
 
 
-class _FakeSchedulerLinkCoordinator(PipelineCoordinator):
-    """FAKE link to the scheduler: records what would be sent instead of calling the
-    ``rlix:scheduler`` actor (the same path runs on real Ray in
-    tests/integration/test_pipeline_coordinator_ordering.py)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(PID, lambda pid: None, **kwargs)  # type: ignore[arg-type,return-value]
-        self.sent: list[tuple[str, Any]] = []
-
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        self.sent.append((method, args[0] if args else kwargs))
-        return None
-
-
 def test_the_coordinator_applies_reports_after_a_step_back_and_warns(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    coord = _FakeSchedulerLinkCoordinator()
+    coord = FakeSchedulerLinkCoordinator(PID)
     coord.report_progress_from_scheduler(_report(5, 0, 10_000.0, new_batch=True))
     coord.report_progress_from_scheduler(_report(5, 3, 10_001.0))
     with caplog.at_level(logging.WARNING, logger="rlix_plugins.adapters.pipeline_coordinator"):
@@ -140,4 +126,4 @@ def test_the_coordinator_applies_reports_after_a_step_back_and_warns(
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "10"])
 def test_a_bad_clock_step_bound_is_refused(bad: object) -> None:
     with pytest.raises(ProtocolError, match="clock_step_s"):
-        _FakeSchedulerLinkCoordinator(clock_step_s=bad)
+        FakeSchedulerLinkCoordinator(PID, clock_step_s=bad)
