@@ -258,9 +258,10 @@ class RLixMegatronWorkerMixin:
     def rlix_reinit_parallel_state(self) -> RebindReport | None:
         """Re-create the groups from the saved configuration (before the next step) and rebind
         every old group held under :attr:`rlix_rebind_roots` to its successor; None when the
-        state was already initialised (nothing destroyed, nothing to rebind)."""
+        state was already initialised (nothing destroyed, nothing to rebind). After a re-init
+        whose rebind raised, the retry rebinds again (the groups are not re-created)."""
         lifecycle = self._rlix_lifecycle()
-        if lifecycle.initialized:
+        if not lifecycle.needs_reinit:
             return None
         roots = {name: value for name in self.rlix_rebind_roots
                  if (value := getattr(self, name, None)) is not None}

@@ -376,9 +376,10 @@ def restore_parallel_state(roots: Mapping[str, Any]) -> dict[str, Any]:
 
     Raises :class:`~rlix_plugins.training.nccl_lifecycle.StaleProcessGroupError` when a
     destroyed group is still reachable from ``roots`` afterwards. ``{"restored": False}`` when
-    nothing was destroyed (the state is alive).
+    nothing was destroyed (the state is alive). A re-init whose rebind failed is retried
+    (the rebind only: the groups exist), not taken for "nothing to do".
     """
-    if _lifecycle is None or _lifecycle.initialized:
+    if _lifecycle is None or not _lifecycle.needs_reinit:
         return {"restored": False}
     report = _lifecycle.reinitialize(dict(roots))
     replaced = 0 if report is None else int(report.replaced)

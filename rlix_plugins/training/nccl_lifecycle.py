@@ -32,7 +32,10 @@ destroyed groups. :meth:`destroy` remembers which group each ``parallel_state`` 
 name and position), :meth:`reinitialize` pairs every old group with the new group at the same
 place, and :func:`rebind_process_groups` (or ``reinitialize(roots=...)``) replaces every old
 group reachable from the given roots (model chunks, optimizer) and raises
-:class:`StaleProcessGroupError` if a destroyed group is still reachable afterwards.
+:class:`StaleProcessGroupError` if a destroyed group is still reachable afterwards. A re-init
+whose rebind raised leaves the new groups alive and :attr:`~MegatronParallelLifecycle.needs_reinit`
+true: the retry (``reinitialize(roots)`` again) rebinds with the same pairing and re-creates
+nothing, and :meth:`~MegatronParallelLifecycle.destroy` removes the new groups as usual.
 
 This must run in the training worker process: that is where ``parallel_state`` lives (calling it
 in a driver finds nothing). Verified with megatron-core 0.16.1 (the release installable on
@@ -528,6 +531,8 @@ class MegatronParallelLifecycle:
         # where each group sat before the last destroy, and old -> new after re-init
         self._destroyed_slots: dict[SlotPath, Any] = {}
         self._mapping: GroupMapping | None = None
+        # the groups were re-created but rebinding the held references has not succeeded since
+        self._rebind_pending = False
         self._check_release()
 
     @classmethod
@@ -554,7 +559,20 @@ class MegatronParallelLifecycle:
 
     @property
     def initialized(self) -> bool:
+        """Whether the parallel state's groups exist (see :attr:`needs_reinit` before a step)."""
         return bool(self.ps.model_parallel_is_initialized())
+
+    @property
+    def rebind_pending(self) -> bool:
+        """The groups were re-created, but rebinding the held references raised and has not
+        succeeded since: the holders may still reference destroyed groups."""
+        return self._rebind_pending
+
+    @property
+    def needs_reinit(self) -> bool:
+        """Whether :meth:`reinitialize` must run before the next step: the groups are
+        destroyed, or re-created with a rebind still pending (:attr:`rebind_pending`)."""
+        return not self.initialized or self._rebind_pending
 
     def initialize(self) -> None:
         """``initialize_model_parallel(**config)``, remembering which groups it created.
@@ -608,6 +626,8 @@ class MegatronParallelLifecycle:
         # else: a repeated destroy (a retry, nothing re-initialised since) finds the globals
         # already reset; keep the earlier slots or reinitialize() could not pair old groups.
         self._mapping = None
+        # the groups a pending rebind targeted are going: the next re-init pairs anew
+        self._rebind_pending = False
         world_default = dist.GroupMember.WORLD
         targets: dict[int, Any] = {id(pg): pg for pg in from_globals}
         diff_only = 0
@@ -650,7 +670,19 @@ class MegatronParallelLifecycle:
     ) -> RebindReport | None:
         """Re-create the parallel state from the saved configuration (after :meth:`destroy`),
         pair every destroyed group with its successor and, given ``roots``, rebind the
-        references held under them (:meth:`rebind`)."""
+        references held under them (:meth:`rebind`).
+
+        After a re-init whose rebind raised (:attr:`rebind_pending`), a retry re-creates
+        nothing: it rebinds ``roots`` with the same old -> new pairing (the groups are alive;
+        re-creating them would be a collective that ranks whose rebind succeeded skip)."""
+        if self._rebind_pending and self.initialized:
+            if roots is None:
+                raise ParallelStateError(
+                    "the last re-init's rebind failed and is still pending; retry "
+                    "reinitialize() with the roots (or call rebind(roots))"
+                )
+            logger.info("retrying the rebind of the last re-init (the groups are alive)")
+            return self.rebind(roots)
         saved = self._snapshot()
         self.initialize()
         try:
@@ -682,7 +714,12 @@ class MegatronParallelLifecycle:
         if not self.initialized:
             raise ParallelStateError("rebind() needs the re-initialised parallel state; "
                                      "call reinitialize() first")
-        return rebind_process_groups(roots, self.group_mapping, strict=strict)
+        # pending until a walk succeeds: a failure (strict, or mid-walk) leaves holders with
+        # destroyed groups, and the next reinitialize() must retry rather than skip
+        self._rebind_pending = True
+        report = rebind_process_groups(roots, self.group_mapping, strict=strict)
+        self._rebind_pending = False
+        return report
 
     def cycle(self, roots: Mapping[str, Any] | Iterable[Any] | None = None) -> DestroyReport:
         """destroy() then reinitialize(roots); returns the destroy report."""
