@@ -19,6 +19,11 @@ from rlix_plugins.errors import RlixPluginsError
 
 logger = logging.getLogger(__name__)
 
+#: The command's name, as usage and error lines start.
+PROG = "rlix-plugins"
+#: Exit status of a usage error (argparse's): a bad argument, setting, value or path.
+USAGE_ERROR = 2
+
 #: name -> (module, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": (
@@ -33,6 +38,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "simulate": ("rlix_plugins.sim.simulate_cli", "cluster simulation on the production scheduler"),
 }
+
+
+def report_error(command: str, message: object) -> int:
+    """Print ``rlix-plugins COMMAND: error: MESSAGE`` on stderr, argparse's form (stdout keeps
+    only the command's output, e.g. its JSON), and return :data:`USAGE_ERROR` to exit with."""
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
+    return USAGE_ERROR
 
 
 def positive_int(text: str) -> int:
@@ -60,7 +72,7 @@ def positive_seconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlix-plugins", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_module, help_text) in SUBCOMMANDS.items():
@@ -79,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     module_name, help_text = SUBCOMMANDS[head.command]
     module = importlib.import_module(module_name)
-    prog = f"rlix-plugins {head.command}"
+    prog = f"{PROG} {head.command}"
     sub_parser = argparse.ArgumentParser(prog=prog, description=help_text)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(rest)  # bad arguments: usage + message, exit 2
@@ -89,8 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A bad setting, value or path is the user's to fix: one line, as argparse does
         # (-v logs the traceback). Anything else is a bug and keeps its traceback.
         logger.debug("%s failed", prog, exc_info=True)
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(head.command, exc)
 
 
 if __name__ == "__main__":

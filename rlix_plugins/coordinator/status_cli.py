@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rlix_plugins.cli import positive_int, positive_seconds
+from rlix_plugins.cli import positive_int, positive_seconds, report_error
 from rlix_plugins.settings import load_settings
 
 if TYPE_CHECKING:
@@ -105,11 +105,9 @@ def run(args: argparse.Namespace) -> int:
     from rlix_plugins.errors import CoordinatorUnavailableError
 
     if args.count is not None and args.watch is None:
-        print("error: --count needs --watch SECONDS")
-        return 2
+        return report_error("status", "--count needs --watch SECONDS")
     if args.wire and args.watch is not None:
-        print("error: --wire prints once; it does not take --watch")
-        return 2
+        return report_error("status", "--wire prints once; it does not take --watch")
     settings = load_settings()
     namespace = args.namespace or settings.namespace
     try:
@@ -117,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
             settings, namespace=namespace, create_if_missing=False, address=args.address
         )
     except CoordinatorUnavailableError as exc:
-        print(f"error: {exc}")
-        return 2
+        return report_error("status", exc)
     if args.wire:
         return _show_wire(plane.scheduler, namespace, timeout_s=args.timeout, as_json=args.json)
     watching = args.watch is not None
@@ -130,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         watch(lambda: plane.status(args.timeout), show, every_s=args.watch, count=args.count)
     except GetTimeoutError:
-        print(_no_answer(namespace, args.timeout))
-        return 2
+        return report_error("status", _no_answer(namespace, args.timeout))
     except KeyboardInterrupt:
         pass  # the way out of --watch
     return 0
@@ -147,8 +143,7 @@ def _show_wire(scheduler: Any, namespace: str, *, timeout_s: float, as_json: boo
     try:
         wire = ray.get(scheduler.get_wire_log.remote(), timeout=timeout_s)
     except GetTimeoutError:
-        print(_no_answer(namespace, timeout_s))
-        return 2
+        return report_error("status", _no_answer(namespace, timeout_s))
     if as_json:
         print(json.dumps({pid: dataclasses.asdict(w) for pid, w in wire.items()}, indent=2))
     else:
@@ -157,5 +152,5 @@ def _show_wire(scheduler: Any, namespace: str, *, timeout_s: float, as_json: boo
 
 
 def _no_answer(namespace: str, timeout_s: float) -> str:
-    return (f"error: the scheduler in namespace {namespace!r} did not answer within "
+    return (f"the scheduler in namespace {namespace!r} did not answer within "
             f"{timeout_s:g}s (busy or stuck: see its log); retry with a larger --timeout")

@@ -263,6 +263,14 @@ ROLL_PROTOCOL_REQUIREMENT = (
 )
 
 
+def roll_generation_requests(wire: Mapping[str, PipelineWire]) -> int:
+    """GENERATION requests of the ROLL pipeline (the one that sent RLix's own ``Priority``
+    class; ROLL asks once per step): its steps as the coordinator saw them (the most of
+    several such pipelines, 0 without one)."""
+    return max((w.requested("GENERATION") for w in wire.values()
+                if RLIX_PRIORITY_CLASS in w.priority_classes), default=0)
+
+
 def roll_protocol(wire: Mapping[str, PipelineWire], *, expected: int = 1,
                   steps: int = 1, sender_module: str | None = None) -> CriterionResult:
     """Gate 3: the ROLL pipeline's protocol, judged from the coordinator's wire log.

@@ -9,7 +9,8 @@ ROLL through RLix's own launcher, see ``gates/gate3.yaml``) while polling ``get_
 sampling GPU utilisation with ``nvidia-smi`` -> stop the coordinator -> run the same jobs again
 with the control plane off, one after another on their stock disjoint layouts (the
 exclusive-allocation baseline) -> evaluate the criteria from the coordinator's trace and
-status, the jobs' exit codes, the utilisation samples and the jobs' observation records.
+status, the jobs' exit codes, the utilisation samples and the jobs' observation records (a
+shared-run job's steps are the ones its records or wire log show, never its exit code alone).
 
 The weights and requests criteria are judged from the records the NeMo RL jobs' shard
 controller and routers write (:mod:`rlix_plugins.gates.observed`), gate 1's memory criterion
@@ -37,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from rlix_plugins.adapters.gpu_memory import ENV_OBSERVE_GPU_MEMORY
-from rlix_plugins.adapters.observability import ENV_OBSERVE_DIR
+from rlix_plugins.adapters.observability import ENV_OBSERVE_DIR, ObservationError
+from rlix_plugins.coordinator.service.wire_log import PipelineWire
 from rlix_plugins.errors import RlixPluginsError
 from rlix_plugins.gates.criteria import (
     CriterionResult,
@@ -46,6 +48,7 @@ from rlix_plugins.gates.criteria import (
     RunCount,
     idle_below_exclusive,
     no_double_ownership,
+    roll_generation_requests,
     roll_protocol,
     steps_completed,
     time_sharing,
@@ -55,6 +58,7 @@ from rlix_plugins.gates.observed import (
     observed_criteria,
     overlap_from_records,
     ownership_from_records,
+    train_steps_from_records,
 )
 from rlix_plugins.gates.outputs import clear_outputs, write_text_atomic
 from rlix_plugins.gates.timeline import Interval, intervals_from_trace
@@ -463,6 +467,36 @@ def _log_figures(out: Path, name: str) -> dict[str, int]:
     }
 
 
+def shared_run_counts(jobs: Sequence[JobSpec], codes: Mapping[str, int], observe: Path,
+                      wire: Mapping[str, PipelineWire]) -> list[RunCount]:
+    """The shared run's steps per job from what the jobs left behind, not from their exit
+    codes (a job that exits 0 having trained nothing, e.g. on a wrong config, must fail): a
+    NeMo RL job's are the train steps its pipeline recorded in ``observe``, the ROLL job's
+    the GENERATION requests its pipeline sent (the coordinator's wire log, one per step).
+
+    The records name pipelines by the ids the coordinator allocated, not by job: the
+    pipelines with the most steps stand for the jobs with the largest targets (so every job
+    is counted as reaching its target exactly when some assignment of pipelines to jobs
+    does). More steps than the target count as the target; a target of 0 (the config's own
+    count) needs >= 1 step; a non-zero exit is an error whatever was recorded."""
+    unreadable: str | None = None
+    try:
+        recorded = sorted(train_steps_from_records(observe).values(), reverse=True)
+    except ObservationError as exc:
+        recorded, unreadable = [], f"unreadable records: {exc}"
+    nemo = sorted((j for j in jobs if j.name != "roll"), key=lambda j: j.steps, reverse=True)
+    done = {j.name: recorded[i] if i < len(recorded) else 0 for i, j in enumerate(nemo)}
+    done["roll"] = roll_generation_requests(wire)
+    runs: list[RunCount] = []
+    for j in jobs:
+        n = done[j.name]
+        target = j.steps if j.steps > 0 else max(n, 1)
+        error = (f"exit {codes[j.name]}" if codes[j.name] != 0
+                 else unreadable if j.name != "roll" else None)
+        runs.append(RunCount(f"shared/{j.name}", min(n, target), target, error))
+    return runs
+
+
 def shared_job_env(base: Mapping[str, str], out: Path, namespace: str,
                    ray_address: str) -> dict[str, str]:
     """Environment of the shared run's jobs: control plane on, its namespace, trace and
@@ -552,9 +586,11 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
         # where is what only a GPU run can show (docs/gates.md).
         no_double_ownership("ownership_coordinator", intervals,
                             source="the coordinator's GPU trace"),
+        # The shared run by its records and wire log; the baseline runs with the control
+        # plane off (no hooks, no records, no coordinator), so its exit codes are all there is
+        # (a baseline that did nothing also leaves the idle-share criterion no busy evidence).
         steps_completed(
-            [RunCount(f"shared/{j.name}", j.steps if codes[j.name] == 0 else 0, j.steps,
-                      None if codes[j.name] == 0 else f"exit {codes[j.name]}") for j in jobs]
+            shared_run_counts(jobs, codes, observe, wire)
             + [RunCount(f"exclusive/{j.name}", j.steps if excl_codes[j.name] == 0 else 0,
                         j.steps, None if excl_codes[j.name] == 0 else f"exit {excl_codes[j.name]}")
                for j in excl_jobs]),
@@ -593,4 +629,4 @@ def run_gpu_gate(opts: GpuGateOptions) -> GateResult:
 
 __all__ = ["GpuGateOptions", "Interval", "PrerequisiteError", "check_prerequisites",
            "count_cuda_gpus", "load_jobs", "run_gpu_gate", "run_jobs", "shared_job_env",
-           "write_job_configs"]
+           "shared_run_counts", "write_job_configs"]

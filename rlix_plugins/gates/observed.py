@@ -254,6 +254,19 @@ def ownership_from_records(directory: Path, *, expected_pipelines: int | None = 
     return CriterionResult(name, OWNERSHIP_REQUIREMENT, measured, result.passed and not gaps)
 
 
+def train_steps_from_records(directory: Path) -> dict[str, int]:
+    """Train steps each pipeline recorded in ONE run, by pipeline id: one train busy record
+    per step (the hooks write it at each release of the training GPUs; the overlap and memory
+    criteria count steps and releases the same way). Evidence that a job trained, which its
+    exit code is not.
+
+    Raises:
+        ObservationError: a record is unreadable (names the file and line).
+    """
+    obs = read_observations(directory)
+    return dict(Counter(b.pipeline_id for b in obs.busy if b.stage == "train"))
+
+
 def memory_requirement(limit_bytes: int) -> str:
     return (f"training GPUs below {limit_bytes / GIB:g} GiB in use (every process, NVML) at "
             "each release, after the shards' sleep and the NCCL destroy (the jobs' records)")
@@ -469,5 +482,6 @@ __all__ = [
     "request_totals",
     "requests_from_records",
     "stale_shards",
+    "train_steps_from_records",
     "weights_from_records",
 ]

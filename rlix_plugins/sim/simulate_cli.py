@@ -7,6 +7,7 @@ import logging
 import tempfile
 from pathlib import Path
 
+from rlix_plugins.cli import report_error
 from rlix_plugins.sim.calibrate import CALIBRATION_STEPS, calibrate_lengths
 from rlix_plugins.sim.engine import EngineConfig
 from rlix_plugins.sim.report import compare, format_table
@@ -176,22 +177,23 @@ def _unwritable(out: Path) -> str | None:
     return None
 
 
+def _error(message: str) -> int:
+    """A usage error of this command: one line on stderr; the exit status to return."""
+    return report_error("simulate", message)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the comparison, print the table, save JSON and plots."""
     policies = tuple(p.strip() for p in str(args.policies).split(",") if p.strip())
     bad = [p for p in policies if p not in DEPLOYMENTS]
     if not policies:
-        print(f"error: --policies names no deployment; expected a subset of {tuple(DEPLOYMENTS)}")
-        return 2
+        return _error(f"--policies names no deployment; expected a subset of {tuple(DEPLOYMENTS)}")
     if bad:
-        print(f"error: unknown deployments {bad}; expected a subset of {tuple(DEPLOYMENTS)}")
-        return 2
+        return _error(f"unknown deployments {bad}; expected a subset of {tuple(DEPLOYMENTS)}")
     if args.seed < 0:
-        print(f"error: --seed must be >= 0, got {args.seed}")
-        return 2
+        return _error(f"--seed must be >= 0, got {args.seed}")
     if args.out.exists() and not args.out.is_dir():
-        print(f"error: --out {args.out} exists and is not a directory; name a directory")
-        return 2
+        return _error(f"--out {args.out} exists and is not a directory; name a directory")
     if args.scenario is not None:
         # The scenario file sets the jobs, steps and cluster: these options would be ignored.
         given = [
@@ -206,16 +208,14 @@ def run(args: argparse.Namespace) -> int:
             if value is not None
         ]
         if given:
-            print(
-                f"error: {', '.join(given)} apply to --workload only; a --scenario file sets "
+            return _error(
+                f"{', '.join(given)} apply to --workload only; a --scenario file sets "
                 "its own pipelines, steps and cluster (edit the file instead)"
             )
-            return 2
         try:
             workload = load_scenario(args.scenario)
         except (OSError, ValueError) as exc:  # ScenarioError and JSON/TOML syntax errors
-            print(f"error: scenario {args.scenario}: {exc}")
-            return 2
+            return _error(f"scenario {args.scenario}: {exc}")
     else:
         try:
             workload = build_workload(
@@ -230,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
                 else tuple(z.strip() for z in str(args.job_sizes).split(",") if z.strip()),
             )
         except ValueError as exc:
-            print(f"error: {exc}")
-            return 2
+            return _error(str(exc))
     if "plexrl" in policies and workload.pool_placements is None:
         # Checked before running: the runner refuses it only after simulating every
         # deployment listed before it, and then nothing is written.
@@ -240,20 +239,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             why = (f"applies only to the plexrl-* workloads, not {workload.name!r}; drop it "
                    "from --policies")
-        print(f"error: the plexrl deployment keeps a rollout pool per job and {why}")
-        return 2
+        return _error(f"the plexrl deployment keeps a rollout pool per job and {why}")
     try:
         overrides = parse_switch_costs(args.switch_cost)
         if args.switch_scale != 1.0 or overrides:
             workload = with_switch_costs(workload, scale=args.switch_scale, overrides=overrides)
     except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
+        return _error(str(exc))
     # Checked before running: a run of minutes whose results cannot be written is lost.
     problem = _unwritable(args.out)
     if problem is not None:
-        print(f"error: --out {args.out}: cannot write results there ({problem})")
-        return 2
+        return _error(f"--out {args.out}: cannot write results there ({problem})")
     config = EngineConfig(
         record_tenures=not args.no_plots, background_expands=args.background_expands
     )

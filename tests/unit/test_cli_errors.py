@@ -76,3 +76,50 @@ def test_doctor_refuses_an_unknown_host(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(UnknownHostError, match=r"unknown host\(s\) \['bogus'\]; valid hosts are "
                                          r"\['nemo_rl', 'verl'\]"):
         doctor.collect(["bogus"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policies", ","], "--policies names no deployment"),
+        (["--policies", "ours,foo"], "unknown deployments ['foo']"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--jobs", "0"], "--jobs must be >= 1"),
+        (["--switch-cost", "nccl=1"], "--switch-cost expects NAME=SECONDS"),
+    ],
+)
+def test_simulate_errors_go_to_stderr_in_the_prog_form(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """They were ``error: ...`` lines on stdout: a script reading the command's output got
+    the error mixed into it, and the line did not name the command as argparse's do."""
+    out = tmp_path / "out"
+    assert main(["simulate", *argv, "--no-plots", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"rlix-plugins simulate: error: {message}"), captured.err
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert not out.exists()
+
+
+def test_simulate_scenario_errors_go_to_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.json"
+    assert main(["simulate", "--scenario", str(missing), "--out", str(tmp_path / "o")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"rlix-plugins simulate: error: scenario {missing}: ")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--count", "2"], "--count needs --watch SECONDS"),
+    (["--wire", "--watch", "1"], "--wire prints once"),
+])
+def test_status_errors_go_to_stderr_in_the_prog_form(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main(["status", *argv]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.startswith(f"rlix-plugins status: error: {message}")

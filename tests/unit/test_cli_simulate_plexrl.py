@@ -41,7 +41,7 @@ def test_plexrl_on_a_workload_without_its_pools_is_refused_before_running(
                  "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 2
-    assert "error: the plexrl deployment" in captured.out
+    assert "rlix-plugins simulate: error: the plexrl deployment" in captured.err
     assert "Traceback" not in captured.err
     assert not out.exists()
 

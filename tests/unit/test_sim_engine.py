@@ -496,7 +496,7 @@ def test_simulate_command_right_sizes_plexrl_and_rejects_bad_sizes(
     ):
         capsys.readouterr()
         assert command.run(parser.parse_args([*argv, *common])) == 2
-        assert "error:" in capsys.readouterr().out
+        assert "error:" in capsys.readouterr().err
 
 
 def test_plexrl_lengths_are_calibrated_on_a_steady_run_whatever_the_run_length() -> None:

@@ -113,5 +113,5 @@ def test_the_simulate_command_refuses_bad_switch_costs_before_running(
 ) -> None:
     out = tmp_path / "never"
     assert _simulate(out, *flags) == 2
-    assert message in capsys.readouterr().out
+    assert message in capsys.readouterr().err
     assert not out.exists()  # refused before anything ran or was written

@@ -172,8 +172,8 @@ def test_simulate_refuses_workload_options_with_aone_node_scenario(
     path.write_text(json.dumps(one_node_scenario()))
     argv = ["--scenario", str(path), *extra, "--out", str(tmp_path / "o"), "--no-plots"]
     assert command.run(_parser().parse_args(argv)) == 2
-    out = capsys.readouterr().out
-    assert "error:" in out and extra[0] in out and "--scenario" in out
+    err = capsys.readouterr().err
+    assert "error:" in err and extra[0] in err and "--scenario" in err
     assert not (tmp_path / "o").exists()
 
 
@@ -193,7 +193,7 @@ def test_simulate_names_a_negative_seed(
     argv = ["--workload", "long-tail", "--jobs", "1", "--steps", "1", "--nodes", "2"]
     argv += ["--seed", "-1", "--out", str(tmp_path), "--no-plots", "--policies", "exclusive"]
     assert command.run(_parser().parse_args(argv)) == 2
-    assert "--seed must be >= 0" in capsys.readouterr().out
+    assert "--seed must be >= 0" in capsys.readouterr().err
 
 
 def test_simulate_refuses_an_out_path_that_is_a_file_before_running(
@@ -206,7 +206,7 @@ def test_simulate_refuses_an_out_path_that_is_a_file_before_running(
     path.write_text(json.dumps(one_node_scenario()))
     argv = ["--scenario", str(path), "--out", str(out), "--no-plots"]
     assert command.run(_parser().parse_args(argv)) == 2
-    assert "--out" in capsys.readouterr().out
+    assert "--out" in capsys.readouterr().err
 
 
 def test_simulate_refuses_an_out_directory_it_cannot_create_before_running(
@@ -220,8 +220,8 @@ def test_simulate_refuses_an_out_directory_it_cannot_create_before_running(
     path.write_text(json.dumps(one_node_scenario()))
     argv = ["--scenario", str(path), "--out", str(parent / "results"), "--no-plots"]
     assert command.run(_parser().parse_args(argv)) == 2
-    out = capsys.readouterr().out
-    assert out.startswith("error: --out") and "cannot" in out
+    err = capsys.readouterr().err
+    assert err.startswith("rlix-plugins simulate: error: --out") and "cannot" in err
 
 
 def test_simulate_names_an_unknown_deployment_as_an_error(
@@ -229,4 +229,5 @@ def test_simulate_names_an_unknown_deployment_as_an_error(
 ) -> None:
     argv = ["--workload", "long-tail", "--policies", "ours,foo", "--out", str(tmp_path)]
     assert command.run(_parser().parse_args(argv)) == 2
-    assert capsys.readouterr().out.startswith("error: unknown deployments ['foo']")
+    assert capsys.readouterr().err.startswith(
+        "rlix-plugins simulate: error: unknown deployments ['foo']")
