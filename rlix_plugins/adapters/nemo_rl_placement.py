@@ -66,7 +66,8 @@ from rlix_plugins.adapters.nemo_rl_placement_plan import (
     plan_placement,
     report_worker_gpu,
 )
-from rlix_plugins.protocol.names import ACTOR_INFER, ROLL_RESOURCE_MANAGER_ACTOR
+from rlix_plugins.adapters.shared_groups import find_manager, read_groups
+from rlix_plugins.protocol.names import ACTOR_INFER
 
 logger = logging.getLogger(__name__)
 
@@ -170,20 +171,14 @@ class CoordinatorPlacement:
     def create(cls, infer_gpus: Sequence[int], train_gpus: Sequence[int], manager: Any,
                namespace: str) -> CoordinatorPlacement:
         """Ask the coordinator's manager for its groups (as ROLL's proxy does) and plan."""
-        import ray
-        from ray.util.placement_group import placement_group_table
-
-        state = ray.get(manager.get_state.remote())
-        pgs = list(state["placement_groups"])
-        node_ids = [str(placement_group_table(pg)["bundles_to_node_id"][SHARED_NODE_BUNDLE])
-                    for pg in pgs]
-        plan = plan_pinned(infer_gpus, train_gpus, node_ids, int(state["gpu_per_node"]))
+        groups = read_groups(manager)
+        plan = plan_pinned(infer_gpus, train_gpus, groups.node_ids, groups.gpus_per_node)
         logger.info(
             "rlix: coordinator's shared placement groups (namespace %r): inference GPUs %s, "
             "training GPUs %s, pinned by CUDA_VISIBLE_DEVICES", namespace, plan.infer.gpus,
             plan.train.gpus,
         )
-        return cls(pgs, plan, namespace)
+        return cls(groups.placement_groups, plan, namespace)
 
     def shutdown(self) -> None:
         """Nothing to remove: the coordinator owns the groups (its stop removes them)."""
@@ -198,21 +193,8 @@ def coordinator_groups(model_parallel: int) -> tuple[Any, str] | None:
     engine (tp*pp == 1: NeMo RL's tensor-parallel path places vLLM's own workers on
     per-GPU bundles, which the one-bundle-per-node groups do not have).
     """
-    import ray
-
-    from rlix_plugins.settings import settings_if_enabled
-
-    settings = settings_if_enabled()
-    if settings is None:
-        return None
-    try:
-        manager = ray.get_actor(ROLL_RESOURCE_MANAGER_ACTOR, namespace=settings.namespace)
-    except ValueError:
-        logger.warning(
-            "rlix: no %s in namespace %r: this pipeline reserves a placement group of its "
-            "own, so no other pipeline can share its GPUs", ROLL_RESOURCE_MANAGER_ACTOR,
-            settings.namespace,
-        )
+    found = find_manager()
+    if found is None:
         return None
     if model_parallel != 1:
         logger.warning(
@@ -221,7 +203,7 @@ def coordinator_groups(model_parallel: int) -> tuple[Any, str] | None:
             "placement group of its own (no GPU sharing with other pipelines)", model_parallel,
         )
         return None
-    return manager, settings.namespace
+    return found
 
 
 Placement = SharedPlacement | CoordinatorPlacement

@@ -20,7 +20,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlix_plugins.errors import RegistrationError
+from rlix_plugins.adapters.shared_groups import (
+    PINNED_WORKER_GROUPS,
+    SHARED_NODE_BUNDLE,
+    PlacementError,
+    check_one_group_per_node,
+)
 from rlix_plugins.protocol.names import ACTOR_INFER, ACTOR_TRAIN
 from rlix_plugins.values import is_int
 
@@ -35,16 +40,6 @@ GRPO_COLOCATED_CLUSTER = "grpo_policy_cluster"
 #: ``1 / SHARED_WORKER_GROUPS`` of the bundle's GPU, so Ray's accounting lets a training and
 #: an inference worker sit on the same GPU; the coordinator decides which one computes.
 SHARED_WORKER_GROUPS = 2
-#: On the coordinator's shared per-node placement groups every worker asks for
-#: ``1 / PINNED_WORKER_GROUPS`` GPU (0.01, as ROLL's workers): Ray's accounting never stops
-#: two pipelines from sharing a GPU; the worker is pinned to its GPU by CUDA_VISIBLE_DEVICES.
-PINNED_WORKER_GROUPS = 100
-#: The only bundle of each shared per-node group (``{GPU: gpus_per_node}``).
-SHARED_NODE_BUNDLE = 0
-
-
-class PlacementError(RegistrationError):
-    """The pipeline's GPU layout and where Ray put (or would put) its workers disagree."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,21 +218,7 @@ def plan_pinned(
     groups that share a Ray node (their GPU ids would alias)."""
     if gpus_per_node < 1:
         raise PlacementError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
-    # Two node ranks on one Ray node would pin distinct global GPUs (n * gpus_per_node + g)
-    # to the same CUDA_VISIBLE_DEVICES=g there: one physical GPU the coordinator counts twice.
-    ranks_of: dict[str, list[int]] = {}
-    for rank, nid in enumerate(node_ids):
-        ranks_of.setdefault(str(nid), []).append(rank)
-    shared = {nid: ranks for nid, ranks in ranks_of.items() if len(ranks) > 1}
-    if shared:
-        where = "; ".join(f"node ranks {ranks} on Ray node {nid}"
-                          for nid, ranks in sorted(shared.items()))
-        raise PlacementError(
-            f"the coordinator's shared placement groups do not sit one per node ({where}); "
-            "workers pinned by CUDA_VISIBLE_DEVICES would share a physical GPU that the "
-            "coordinator counts as two (its gpus_per_node / node count exceed what the Ray "
-            "nodes hold)"
-        )
+    check_one_group_per_node(node_ids)
     total = len(node_ids) * gpus_per_node
     extra = sorted(set(train_gpus) - set(infer_gpus))
     if extra:

@@ -31,6 +31,9 @@ registry entry with an undo step, so ``revert`` restores veRL exactly):
 * ``trainer_base.create_colocated_worker_cls`` -> a wrapper whose training-worker actor class
   serves the CPU cache in its own concurrency group
   (:func:`~.verl_workers.colocated_worker_class`);
+* ``ResourcePoolManager.create_resource_pool`` and ``RayWorkerGroup._init_with_resource_pool``
+  -> wrappers that put a pinned pipeline's pools and workers on the coordinator's shared
+  per-node groups (:mod:`.verl_placement`; veRL's own otherwise);
 * ``constants_ppo.get_ppo_ray_runtime_env`` and ``main_ppo.get_ppo_ray_runtime_env`` ->
   check the job is supported, then forward the RLix environment to Ray workers.
 
@@ -92,6 +95,7 @@ _ENGINE_WORKERS = "verl.workers.engine_workers"
 _AGENT_TQ = "verl.trainer.ppo.v1.agent_loop_tq"
 _AGENT = "verl.experimental.agent_loop.agent_loop"
 _MEGATRON = "verl.workers.engine.megatron.transformer_impl"
+_SC = "verl.single_controller.ray.base"
 
 CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
     PlugPoint("external modules", "verl.utils.import_utils:import_external_libs",
@@ -171,6 +175,21 @@ CORE_PLUG_POINTS: tuple[PlugPoint, ...] = (
               "hybrid replicas' manager: sleep/wake left to the coordinator"),
     PlugPoint("hybrid manager abort", f"{_CKPT}:CheckpointEngineManager.abort_replicas",
               PlugKind.SUBCLASS, ("reject_request",)),
+    PlugPoint("resource pools", f"{_SC}:ResourcePoolManager.create_resource_pool",
+              PlugKind.WRAP, ("self",), "the trainer's and each standalone replica's pools: "
+              "pinned to the layout's GPUs on the coordinator's shared groups"),
+    PlugPoint("worker placement", f"{_SC}:RayWorkerGroup._init_with_resource_pool",
+              PlugKind.WRAP, ("resource_pool", "ray_cls_with_init", "bin_pack", "detached",
+                              "worker_env"),
+              "a pinned pool's workers go on the shared groups"),
+    PlugPoint("worker creation", f"{_SC}:RayWorkerGroup._create_worker", PlugKind.READ,
+              ("rank", "pg_idx", "pg", "local_rank", "resource_pool", "ray_cls_with_init",
+               "worker_env", "detached"), "builds each pinned worker (env, name)"),
+    PlugPoint("worker class call", f"{_SC}:RayClassWithInitArgs.__call__", PlugKind.READ,
+              ("placement_group", "placement_group_bundle_idx", "use_gpu", "num_gpus",
+               "sharing_with", "device_name"), "a pinned worker's bundle and CPU request"),
+    PlugPoint("master address", f"{_SC}:get_master_addr_port", PlugKind.READ, (),
+              "a Ray task: run with no CPU on a pinned pool's first node group"),
     PlugPoint("runtime env", f"{_MAIN}:get_ppo_ray_runtime_env", PlugKind.WRAP, ("config",),
               "forward RLix variables to workers of an existing Ray cluster"),
     PlugPoint("runtime env (definition)", f"{_CONSTANTS}:get_ppo_ray_runtime_env",
@@ -320,6 +339,19 @@ class VerlPatch(HostPatch):
         wrapped_cls = colocated_worker_class(trainer_base.create_colocated_worker_cls)
         if wrapped_cls is not trainer_base.create_colocated_worker_cls:
             self.set_attribute(trainer_base, "create_colocated_worker_cls", wrapped_cls)
+        from rlix_plugins.patches.verl_placement import (
+            pinned_create_resource_pool,
+            pinned_init_with_resource_pool,
+        )
+
+        base = importlib.import_module(_SC)
+        for owner, attr, wrap in (
+            (base.ResourcePoolManager, "create_resource_pool", pinned_create_resource_pool),
+            (base.RayWorkerGroup, "_init_with_resource_pool", pinned_init_with_resource_pool),
+        ):
+            current = getattr(owner, attr)
+            if wrap(current) is not current:
+                self.set_attribute(owner, attr, wrap(current))
         # The definition first: a `python -m verl.trainer.main_ppo` driver binds it from there.
         for name in (_CONSTANTS, _MAIN):
             module = importlib.import_module(name)

@@ -141,6 +141,7 @@ def config_layout(config: Any) -> Any:
     reason logged) where it cannot be told ahead: disaggregated prefill/decode replicas, or
     a config without those fields; the pipeline then registers after veRL's init."""
     from rlix_plugins.adapters.verl import VerlLayout
+    from rlix_plugins.patches.verl_placement import first_gpu
 
     try:
         rollout = config.actor_rollout_ref.rollout
@@ -161,7 +162,7 @@ def config_layout(config: Any) -> Any:
                        "setup hold", exc_info=True)
         return None
     return VerlLayout(train_gpus=train_gpus, tp=per_replica, hybrid_replicas=hybrid,
-                      standalone_replicas=standalone)
+                      standalone_replicas=standalone, first_gpu=first_gpu())
 
 
 def _pipeline_id() -> str:
@@ -214,6 +215,7 @@ def build_adapter(trainer: Any, claimed: Any = None) -> Any:
     from rlix_plugins.adapters.observability import ObservationWriter
     from rlix_plugins.adapters.verl import VerlLayout, make_shard_controller
     from rlix_plugins.patches.verl_checkpoint import RefreshClaim, VerlCacheSync
+    from rlix_plugins.patches.verl_placement import first_gpu
 
     pipeline_id = claimed.pipeline_id if claimed is not None else _pipeline_id()
     hybrid = list(trainer.llm_server_manager.get_replicas())
@@ -249,6 +251,7 @@ def build_adapter(trainer: Any, claimed: Any = None) -> Any:
         tp=replica_gpus(cfg.actor_rollout_ref.rollout),
         hybrid_replicas=len(hybrid),
         standalone_replicas=len(standalone),
+        first_gpu=first_gpu(),
     )
     if claimed is None:
         adapter = _new_adapter(cfg, layout, pipeline_id, controller)
@@ -278,6 +281,8 @@ class RLixTrainerMixin:
 
     _rlix_wrapped = True
     _rlix_adapter: Any = None
+    #: this trainer pinned the process's veRL pools (:mod:`.verl_placement`)
+    _rlix_pinned = False
     _rlix_progress: threading.Event | None = None
     _rlix_progress_thread: threading.Thread | None = None
 
@@ -298,9 +303,18 @@ class RLixTrainerMixin:
 
         changed = install_worker_classes(self.role_worker_mapping)  # type: ignore[attr-defined]
         logger.info("RLix training-worker subclass installed for roles %s", changed)
-        # veRL builds its workers and replicas right after this: hold the GPUs first.
+        # veRL builds its workers and replicas right after this: hold the GPUs first, then
+        # put veRL's pools on the coordinator's shared groups (when they exist).
         if self._rlix_adapter is None:
             self._rlix_adapter = claim_adapter(self)
+            if self._rlix_adapter is not None:
+                from rlix_plugins.patches.verl_placement import pin_pipeline
+
+                try:
+                    self._rlix_pinned = pin_pipeline(self._rlix_adapter.layout) is not None
+                except BaseException:
+                    self._rlix_close()
+                    raise
 
     def init(self) -> None:
         # A failed init (on_init_end included: veRL's init calls it) leaves the coordinator;
@@ -387,6 +401,11 @@ class RLixTrainerMixin:
     def _rlix_close(self) -> None:
         """Stop progress reports and the heartbeat; idempotent."""
         self._rlix_stop_progress()
+        if self._rlix_pinned:
+            from rlix_plugins.patches.verl_placement import set_pins
+
+            set_pins(None)
+            self._rlix_pinned = False
         adapter, self._rlix_adapter = self._rlix_adapter, None
         if adapter is not None:
             adapter.close()

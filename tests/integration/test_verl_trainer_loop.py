@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -416,28 +415,6 @@ class Run:
     servers: list[tuple[str, Any]] = field(default_factory=list)
 
 
-@pytest.fixture
-def coordinator_2gpu(
-    verl_ray: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Any]:
-    """The real coordinator on the veRL tests' Ray (2 logical GPUs), its own namespace."""
-    from rlix_plugins.coordinator.core.model import Topology
-    from rlix_plugins.coordinator.service.client import connect, stop_coordinator
-    from tests.fixtures.ray_cluster import coordinator_config
-
-    # Timeouts sized for this 2-core box: the first resize starts an actor importing veRL.
-    cfg = replace(coordinator_config(tmp_path), topology=Topology(1, 2), lease_s=10.0,
-                  resize_timeout_s=180.0, request_timeout_s=600.0)
-    plane = connect(namespace=cfg.namespace, config=cfg)
-    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
-    monkeypatch.setenv("RLIX_NAMESPACE", cfg.namespace)
-    monkeypatch.setenv("PIPELINE_ID", f"ft_{uuid.uuid4().hex[:12]}")
-    # Observation records (versions after each sync, the client's request counters).
-    monkeypatch.setenv("RLIX_OBSERVE_DIR", str(tmp_path / "observe"))
-    yield plane
-    stop_coordinator(cfg.namespace)
-
-
 @dataclass
 class Fitted:
     """A finished ``fit``: the parts, the coordinator's trace and when ``fit`` ran."""
@@ -486,6 +463,7 @@ def fit_under_rlix(
 
     from rlix_plugins.generation.loop_thread import LoopThread
     from rlix_plugins.patches.verl import VerlPatch
+    from rlix_plugins.patches.verl_placement import active_pins, set_pins
     from tests.integration.test_verl_checkpoint import _rollout_worker_group
 
     placed = set(placement_group_table())
@@ -520,6 +498,13 @@ def fit_under_rlix(
         assert trainer._rlix_adapter is not None
         assert [owners[g] for g in (0, 1)] == [
             pipeline_id if g in gpus else None for g in (0, 1)], owners
+        # The coordinator's shared groups exist here: veRL's pools are pinned to the layout
+        # (the trainer's on GPU 0, standalone replica 1's on GPU 1) until the run ends.
+        pins = active_pins()
+        assert pins is not None
+        assert dict(pins.pools) == (
+            {"global_pool": (0,), "rollout_pool_1": (1,)} if separate
+            else {"global_pool": (0,)}), pins.pools
 
         # What PPOTrainer._setup builds with GPUs, built here on CPU: the training workers
         # host hybrid replica 0 (its rollout talks to server 0); in separate_async replica 1
@@ -567,6 +552,7 @@ def fit_under_rlix(
         t_fit = time.time()
         trainer.fit(agent)  # veRL's real step loop
         t_end = time.time()
+        assert active_pins() is None  # the run's end unpinned the process
         trace = verl_ray.get(plane.scheduler.get_trace.remote())
         run = Run(trainer, wg, lb, receivers, agent, plane, pipeline_id, servers)
         yield Fitted(run, trace, t_fit, t_end, t_claim, t_ready)
@@ -574,10 +560,13 @@ def fit_under_rlix(
         loop.close()
         tq.close()
         patch.revert()
+        set_pins(None)  # a run that failed before its end left its pins
         # The worker groups' placement groups (one logical CPU each, with their actors) would
         # otherwise stay reserved for the session and starve the next run's worker groups.
+        # The coordinator's shared groups stay: its stop removes them.
         for pg_id, info in placement_group_table().items():
-            if pg_id not in placed and info["state"] != "REMOVED":
+            if (pg_id not in placed and info["state"] != "REMOVED"
+                    and not str(info.get("name", "")).startswith("rlix_pg_node")):
                 remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
         # The session's servers as the next run expects them, awake, generating and routable:
         # the run's end took its ranks down (closed gate, asleep), and only an expand of the
