@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rlix_plugins.errors import ChecksumMismatchError, WeightSyncError
-from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind
+from rlix_plugins.training.bucket_cache import BucketCache
 from rlix_plugins.training.sync import SyncOptions, sync_version
 from rlix_plugins.training.vllm_receiver import (
     EngineWorkers,
@@ -61,25 +61,16 @@ class FakeTpEngine:
             return list(pool.map(lambda w: getattr(w, method)(*args), self.workers))
 
 
-@pytest.fixture
-def cache() -> Iterator[BucketCache]:
-    c = BucketCache("tp", CacheConfig(bucket_bytes=1 << 16, storage=StorageKind.PAGEABLE,
-                                      ram_reserve_bytes=0))
-    c.build(7, iter(WEIGHTS.items()))
-    yield c
-    c.close()
-
-
 @pytest.mark.parametrize("kind", [TransportKind.ZMQ, TransportKind.GLOO])
 def test_every_worker_takes_its_own_offer_from_one_engine_call(
-    cache: BucketCache, kind: TransportKind
+    weights_cache: BucketCache, kind: TransportKind
 ) -> None:
     engine = FakeTpEngine(_load_all, _load_all)
     receiver = VllmEngineReceiver("s0", engine)
     try:
         workers = receiver.receivers()
         assert receiver.num_workers == 2 and [w.shard_id for w in workers] == ["s0@w0", "s0@w1"]
-        report = sync_version(cache, 7, workers, options=SyncOptions(
+        report = sync_version(weights_cache, 7, workers, options=SyncOptions(
             ack_timeout_s=20, transports={w.shard_id: kind for w in workers}))
         assert report.succeeded == ("s0@w0", "s0@w1")
         assert engines_synced(report.succeeded, report.failed) == ("s0",)
@@ -98,12 +89,12 @@ def test_every_worker_takes_its_own_offer_from_one_engine_call(
 
 
 def test_one_workers_failure_fails_its_engine_and_the_engine_call_still_returns(
-    cache: BucketCache,
+    weights_cache: BucketCache,
 ) -> None:
     engine = FakeTpEngine(_load_all, _fail_loading)
     receiver = VllmEngineReceiver("s0", engine)
     try:
-        report = sync_version(cache, 7, receiver.receivers(),
+        report = sync_version(weights_cache, 7, receiver.receivers(),
                               options=SyncOptions(ack_timeout_s=20, raise_on_error=False))
         assert report.succeeded == ("s0@w0",) and report.failed == ("s0@w1",)
         assert engines_synced(report.succeeded, report.failed) == ()
@@ -113,7 +104,8 @@ def test_one_workers_failure_fails_its_engine_and_the_engine_call_still_returns(
         assert receiver.weight_version() is None  # worker 1 holds none: no common version
         assert engine.collective_rpc("rlix_weight_version") == [7, None]
         with pytest.raises(WeightSyncError, match=r"s0@w1"):
-            sync_version(cache, 7, receiver.receivers(), options=SyncOptions(ack_timeout_s=20))
+            sync_version(weights_cache, 7, receiver.receivers(),
+                         options=SyncOptions(ack_timeout_s=20))
     finally:
         receiver.close()
 
@@ -207,14 +199,14 @@ class FailingSleepEngine(FakeTpEngine):
 
 
 def test_a_level_2_sleep_clears_the_version_before_the_engine_sleeps(
-    cache: BucketCache,
+    weights_cache: BucketCache,
 ) -> None:
     # The version was cleared after engine.sleep returned: a sleep that failed part-way (or
     # any moment in between) still reported version 7 for weights the engine had dropped.
     engine = FailingSleepEngine(_load_all)
     receiver = VllmEngineReceiver("s0", engine)
     try:
-        sync_version(cache, 7, receiver.receivers(), options=SyncOptions(ack_timeout_s=20))
+        sync_version(weights_cache, 7, receiver.receivers(), options=SyncOptions(ack_timeout_s=20))
         assert receiver.weight_version() == 7
         with pytest.raises(RuntimeError, match="sleep failed"):
             receiver.sleep(level=2)

@@ -21,12 +21,11 @@ from typing import Any
 import pytest
 import torch
 
-from rlix_plugins.training.bucket_cache import BucketCache, CacheConfig, StorageKind
+from rlix_plugins.training.bucket_cache import BucketCache
 from rlix_plugins.training.sync import SyncOptions, SyncReport, sync_version
 from rlix_plugins.training.vllm_receiver import VllmEngineReceiver
 from rlix_plugins.training.wire import ReceiveResult, SyncOffer
 from tests.unit.test_training_receiver_partial import (
-    WEIGHTS,
     FakeEngine,
     FakeModelRunner,
     Worker,
@@ -94,32 +93,23 @@ class OfferSeen(VllmEngineReceiver):
             assert self.offered.wait_for(lambda: self.offers >= n, 20)
 
 
-@pytest.fixture
-def cache() -> Iterator[BucketCache]:
-    c = BucketCache("p", CacheConfig(bucket_bytes=1 << 16, storage=StorageKind.PAGEABLE,
-                                     ram_reserve_bytes=0))
-    c.build(7, iter(WEIGHTS.items()))
-    yield c
-    c.close()
-
-
-def _sync(cache: BucketCache, receiver: VllmEngineReceiver) -> SyncReport:
-    return sync_version(cache, 7, [receiver], options=SyncOptions(
+def _sync(weights_cache: BucketCache, receiver: VllmEngineReceiver) -> SyncReport:
+    return sync_version(weights_cache, 7, [receiver], options=SyncOptions(
         ack_timeout_s=20, raise_on_error=False))
 
 
 @pytest.mark.parametrize("can_tell", [True, False], ids=["engine-tells", "handle-tracks"])
 def test_a_receive_queued_behind_a_busy_handle_does_not_land_after_a_level_2_sleep(
-    cache: BucketCache, can_tell: bool
+    weights_cache: BucketCache, can_tell: bool
 ) -> None:
     loader = BlockingLoader()
     engine = SleepingEngine(Worker(FakeModelRunner(loader)), can_tell=can_tell)
     receiver = OfferSeen("s0", engine)
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            first = pool.submit(_sync, cache, receiver)
+            first = pool.submit(_sync, weights_cache, receiver)
             assert loader.started.wait(20)
-            queued = pool.submit(_sync, cache, receiver)  # waits behind the first receive
+            queued = pool.submit(_sync, weights_cache, receiver)  # waits behind the first receive
             receiver.wait_offers(2)
             slept = pool.submit(receiver.sleep, 2)
             loader.release.set()
@@ -135,7 +125,7 @@ def test_a_receive_queued_behind_a_busy_handle_does_not_land_after_a_level_2_sle
             assert outcome.error is not None and "the engine is asleep" in outcome.error
         # woken, the engine is synced again
         receiver.wake_up()
-        assert _sync(cache, receiver).succeeded == ("s0",)
+        assert _sync(weights_cache, receiver).succeeded == ("s0",)
         assert receiver.weight_version() == 7
     finally:
         loader.release.set()
@@ -143,7 +133,7 @@ def test_a_receive_queued_behind_a_busy_handle_does_not_land_after_a_level_2_sle
 
 
 def test_a_receive_under_way_does_not_record_its_version_after_a_level_2_sleep(
-    cache: BucketCache,
+    weights_cache: BucketCache,
 ) -> None:
     # The sleep cleared the version while the receive was still loading; the receive then
     # recorded version 7 for weights the sleep discarded.
@@ -152,7 +142,7 @@ def test_a_receive_under_way_does_not_record_its_version_after_a_level_2_sleep(
     receiver = VllmEngineReceiver("s0", engine)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            synced = pool.submit(_sync, cache, receiver)
+            synced = pool.submit(_sync, weights_cache, receiver)
             assert loader.started.wait(20)
             slept = pool.submit(receiver.sleep, 2)
             concurrent.futures.wait([slept], timeout=0.3)
@@ -167,16 +157,16 @@ def test_a_receive_under_way_does_not_record_its_version_after_a_level_2_sleep(
         receiver.close()
 
 
-def test_an_engine_woken_directly_takes_receives_again(cache: BucketCache) -> None:
+def test_an_engine_woken_directly_takes_receives_again(weights_cache: BucketCache) -> None:
     # vllm.LLM tells whether it sleeps: an owner waking it with llm.wake_up() is not refused
     engine = SleepingEngine(Worker(FakeModelRunner(lambda it: dict(it))), can_tell=True)
     receiver = VllmEngineReceiver("s0", engine)
     try:
         receiver.sleep(level=2)
-        refused = _sync(cache, receiver)
+        refused = _sync(weights_cache, receiver)
         assert refused.succeeded == () and receiver.weight_version() is None
         engine.wake_up()
-        assert _sync(cache, receiver).succeeded == ("s0",)
+        assert _sync(weights_cache, receiver).succeeded == ("s0",)
         assert receiver.weight_version() == 7 and engine.receives_while_asleep == []
     finally:
         receiver.close()
