@@ -23,7 +23,10 @@ NeMo RL's seams, editing nothing of NeMo RL:
   Ray did not honour raises :class:`PlacementError`).
   Under the coordinator the first bind then claims the layout's GPUs for setup
   (:func:`~rlix_plugins.adapters.nemo_rl.claim_setup`): neither role's workers load
-  before the coordinator granted them.
+  before the coordinator granted them. With the coordinator's manager running the views take
+  its shared per-node groups instead (:class:`CoordinatorPlacement`), and a vLLM tp*pp > 1
+  pipeline is refused there before anything is reserved or claimed
+  (:func:`coordinator_groups`).
 * Bound views report the role's world size, ``max_colocated_worker_groups = 2`` (so every
   worker asks for 0.5 GPU, NeMo RL's colocated fraction), the shared placement group and the
   role's bundles as ``_sorted_bundle_indices`` (``Policy`` and vLLM's tensor-parallel path
@@ -186,23 +189,34 @@ class CoordinatorPlacement:
 
 def coordinator_groups(model_parallel: int) -> tuple[Any, str] | None:
     """``(rlix:roll_resource_manager handle, namespace)`` when this pipeline places on the
-    coordinator's shared groups, else None (then it gets a placement group of its own).
+    coordinator's shared groups; None when no manager runs (gate off, or none in the
+    control-plane namespace): then it gets a placement group of its own.
 
     Shared groups are used under ``RLIX_CONTROL_PLANE=rlix`` when the manager runs in the
-    control-plane namespace (``RLIX_NAMESPACE``, default ``rlix``) and vLLM runs one GPU per
-    engine (tp*pp == 1: NeMo RL's tensor-parallel path places vLLM's own workers on
-    per-GPU bundles, which the one-bundle-per-node groups do not have).
+    control-plane namespace (``RLIX_NAMESPACE``, default ``rlix``). There vLLM must run one GPU
+    per engine (tp*pp == 1): NeMo RL's tensor-parallel path places vLLM's own workers on
+    per-GPU bundles, which the one-bundle-per-node groups do not have. A tp*pp > 1 pipeline is
+    refused (:class:`PlacementError`) before anything is reserved or claimed: a group of its
+    own could never be placed next to the coordinator's groups (they hold every GPU of every
+    node), and one made first would stop those groups being created for every other pipeline.
     """
     found = find_manager()
     if found is None:
         return None
     if model_parallel != 1:
-        logger.warning(
-            "rlix: vLLM tp*pp=%d: the coordinator's shared groups have one bundle per node, "
-            "NeMo RL's tensor-parallel vLLM path needs one per GPU; this pipeline reserves a "
-            "placement group of its own (no GPU sharing with other pipelines)", model_parallel,
+        _, namespace = found
+        raise PlacementError(
+            f"vLLM tp*pp={model_parallel} cannot run under the coordinator "
+            f"(rlix:roll_resource_manager runs in namespace {namespace!r}): NeMo RL's "
+            "tensor-parallel vLLM path places vLLM's own workers on one bundle per GPU, and the "
+            "coordinator's shared placement groups have one bundle per node holding every GPU "
+            "of that node; a placement group of this pipeline's own could never be placed next "
+            "to them (or, made first, would keep them from being created for every other "
+            "pipeline). Nothing was reserved or registered. Valid: "
+            "policy.generation.vllm_cfg.tensor_parallel_size * pipeline_parallel_size == 1 on "
+            "a shared cluster, or run this job without the control plane (unset "
+            "RLIX_CONTROL_PLANE)"
         )
-        return None
     return found
 
 
