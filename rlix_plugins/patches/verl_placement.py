@@ -18,9 +18,10 @@ cannot be placed at all. Under the coordinator, when its manager runs
   with ``CUDA_VISIBLE_DEVICES`` set to its local GPU. veRL's own ``_create_worker`` still
   builds each worker (its environment, its name ``<prefix><class>_<node>:<local GPU>``).
 
-``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` is deliberately not set: Ray maps the ids it
-assigns through the ``CUDA_VISIBLE_DEVICES`` a worker started with, so a worker started with
-one id gets exactly that id back (``ray.get_gpu_ids() == ["g"]``, checked in
+``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` is switched off on pinned workers (set empty,
+whatever the job's or the node's environment sets): Ray maps the ids it assigns through the
+``CUDA_VISIBLE_DEVICES`` a worker started with, so a worker started with one id gets exactly
+that id back (``ray.get_gpu_ids() == ["g"]``, checked in
 ``tests/integration/test_verl_pinned_placement.py``) and Ray sets ``CUDA_VISIBLE_DEVICES=g``.
 veRL's ``Worker`` then takes its default path (CUDA device 0 is GPU ``g``), and veRL's vLLM
 server launch, which reads the workers' accelerator ids, starts each engine on the physical
@@ -161,20 +162,43 @@ def set_pins(pins: PinnedPools | None) -> None:
         _active = pins
 
 
-def pin_pipeline(layout: Any) -> PinnedPools | None:
+def refuse_unpinnable(config: Any) -> None:
+    """Raise :class:`PlacementError` for a job part a pinned pipeline cannot place: a
+    reward model served by rollout replicas of its own (``reward.reward_model.enable``). On
+    the trainer's GPUs veRL splits the trainer's pool by bundle index
+    (:meth:`PinnedResourcePool.get_placement_groups` refuses that, but only once the actor's
+    models have loaded); on a pool of its own, or standalone, its GPUs are not in the layout
+    the coordinator was told. Checked before any pool is made."""
+    try:
+        reward_model = bool(config.reward.reward_model.enable)
+    except AttributeError:
+        return
+    if reward_model:
+        raise PlacementError(
+            "reward.reward_model.enable=true: the reward model's rollout replicas are not part "
+            "of the pipeline's layout, so they cannot be placed on the coordinator's shared "
+            "groups; valid on a shared cluster: a rule-based reward (reward_model.enable=false)"
+            ", or run this job without the control plane (unset RLIX_CONTROL_PLANE)"
+        )
+
+
+def pin_pipeline(layout: Any, config: Any = None) -> PinnedPools | None:
     """Pin the pipeline of ``layout`` when the coordinator's shared groups exist (this
     process under ``RLIX_CONTROL_PLANE=rlix``, the manager in its namespace); None
     otherwise (veRL reserves its own GPUs: a warning says no other pipeline can share them).
+    ``config``: the job's veRL config, checked first (:func:`refuse_unpinnable`).
 
     Raises:
-        PlacementError: the layout names GPUs the groups do not have, or the groups share a
-            Ray node (nothing is pinned).
+        PlacementError: the layout names GPUs the groups do not have, the groups share a
+            Ray node, or the job has a part that cannot be pinned (nothing is pinned).
     """
     from rlix_plugins.adapters.shared_groups import find_manager, read_groups
 
     found = find_manager()
     if found is None:
         return None
+    if config is not None:
+        refuse_unpinnable(config)
     pins = PinnedPools.plan(layout, read_groups(found[0]))
     set_pins(pins)
     logger.info("rlix: veRL pools on the coordinator's shared groups (namespace %r): %s",
@@ -185,18 +209,37 @@ def pin_pipeline(layout: Any) -> PinnedPools | None:
 class PinnedResourcePool(RayResourcePool):  # type: ignore[misc]
     """A veRL pool whose rank ``r`` runs on global GPU ``gpus[r]`` of the shared groups.
 
-    ``pgs`` holds the groups of the nodes it spans (for veRL code that reads them);
+    Its ``store`` is veRL's own spec (``process_on_nodes``: ``[n_gpus_per_node] * nnodes``),
+    so ``RAY_LOCAL_WORLD_SIZE`` is what stock veRL gives (its vLLM rollout adapter takes its
+    server's node rank from it); ``pgs`` holds the groups of the nodes it spans;
     ``max_colocate_count`` is :data:`PINNED_WORKER_GROUPS`, so veRL's ``_create_worker`` asks
-    for that sliver of GPU."""
+    for that sliver of GPU. veRL's bundle-index placement of sub-pools
+    (``split_resource_pool``: a colocated reward model or teacher) is refused
+    (:meth:`get_placement_groups`)."""
 
-    def __init__(self, name: str, gpus: tuple[int, ...], groups: SharedGroups) -> None:
+    def __init__(self, name: str, gpus: tuple[int, ...], groups: SharedGroups,
+                 process_on_nodes: list[int] | None = None) -> None:
         nodes = list(dict.fromkeys(groups.locate(g)[0] for g in gpus))
-        per_node = [sum(1 for g in gpus if groups.locate(g)[0] == n) for n in nodes]
-        super().__init__(process_on_nodes=per_node, use_gpu=True, name_prefix=name,
-                         max_colocate_count=PINNED_WORKER_GROUPS)
+        if process_on_nodes is None:
+            process_on_nodes = [sum(1 for g in gpus if groups.locate(g)[0] == n) for n in nodes]
+        super().__init__(process_on_nodes=list(process_on_nodes), use_gpu=True,
+                         name_prefix=name, max_colocate_count=PINNED_WORKER_GROUPS)
         self.rlix_gpus = gpus
         self.rlix_groups = groups
         self.pgs = [groups.placement_groups[n] for n in nodes]
+
+    def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None,
+                             device_name: str = "cuda") -> Any:
+        """Raises :class:`PlacementError`: veRL asks for a pool's groups only to place
+        workers by bundle index outside ``_init_with_resource_pool`` (``split_resource_pool``
+        for a colocated reward model or teacher, ``merge_resource_pool``); the shared groups
+        have one bundle per node, and such workers would not be pinned."""
+        raise PlacementError(
+            f"veRL resource pool {self.name_prefix!r} is pinned to the coordinator's shared "
+            "groups and cannot be split or merged (split_resource_pool / merge_resource_pool: "
+            "a reward model or teacher colocated on the trainer's GPUs): their workers would "
+            "be placed by bundle index, unpinned, on groups of one bundle per node"
+        )
 
 
 def pinned_create_resource_pool(original: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -213,7 +256,8 @@ def pinned_create_resource_pool(original: Callable[[Any], None]) -> Callable[[An
         gpus = {name: pins.gpus_of(name, sum(int(c) for c in counts))
                 for name, counts in self.resource_pool_spec.items()}
         for name, pool_gpus_ in gpus.items():
-            self.resource_pool_dict[name] = PinnedResourcePool(name, pool_gpus_, pins.groups)
+            self.resource_pool_dict[name] = PinnedResourcePool(
+                name, pool_gpus_, pins.groups, [int(c) for c in self.resource_pool_spec[name]])
 
     create_resource_pool.__wrapped__ = original  # type: ignore[attr-defined]
     create_resource_pool._rlix_pinned = True  # type: ignore[attr-defined]
@@ -238,6 +282,19 @@ class _PinnedClassWithInit:
         return self._inner(placement_group, SHARED_NODE_BUNDLE, use_gpu=use_gpu,
                            num_gpus=num_gpus, sharing_with=sharing_with,
                            device_name=device_name)
+
+
+#: Ray's switch that leaves a worker's ``CUDA_VISIBLE_DEVICES`` alone (and veRL's ``Worker``
+#: then calls ``set_device(<Ray's GPU id>)``); see the module docstring.
+NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def _pinned_env(local_gpu: int) -> dict[str, str]:
+    """A pinned worker's environment: ``CUDA_VISIBLE_DEVICES`` its local GPU, and
+    :data:`NOSET_CUDA_ENV` off (empty: false for Ray and for veRL) whatever the job's or the
+    node's environment sets, or veRL's ``Worker`` would select device ``g`` in a process that
+    sees one GPU."""
+    return {"CUDA_VISIBLE_DEVICES": str(local_gpu), NOSET_CUDA_ENV: ""}
 
 
 def _init_pinned(group: Any, pool: Any, ray_cls_with_init: Any, detached: bool,
@@ -265,7 +322,7 @@ def _init_pinned(group: Any, pool: Any, ray_cls_with_init: Any, detached: bool,
         group._create_worker(
             rank=rank, pg_idx=node, pg=groups.placement_groups[node], local_rank=local,
             resource_pool=pool, ray_cls_with_init=pinned_cls,
-            worker_env={**(worker_env or {}), "CUDA_VISIBLE_DEVICES": str(local)},
+            worker_env={**(worker_env or {}), **_pinned_env(local)},
             detached=detached,
         )
     logger.info("rlix: veRL worker group %s pinned to GPUs %s", group.name_prefix,
@@ -303,6 +360,7 @@ __all__ = [
     "pinned_create_resource_pool",
     "pinned_init_with_resource_pool",
     "pool_gpus",
+    "refuse_unpinnable",
     "set_pins",
     "standalone_pool",
 ]

@@ -311,7 +311,8 @@ class RLixTrainerMixin:
                 from rlix_plugins.patches.verl_placement import pin_pipeline
 
                 try:
-                    self._rlix_pinned = pin_pipeline(self._rlix_adapter.layout) is not None
+                    self._rlix_pinned = pin_pipeline(
+                        self._rlix_adapter.layout, self.config) is not None
                 except BaseException:
                     self._rlix_close()
                     raise

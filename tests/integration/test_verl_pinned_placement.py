@@ -33,16 +33,19 @@ def _probe_class(ray: Any) -> Any:
                 "world": self._world_size,
                 "placement_group": ctx.get_placement_group_id(),
                 "resources": ctx.get_assigned_resources(),
+                # what veRL's vLLM rollout adapter (node rank) and Worker (device) read
+                "local_world_size": os.environ.get("RAY_LOCAL_WORLD_SIZE"),
+                "local_rank": os.environ.get("LOCAL_RANK"),
             }
 
     return ray.remote(Probe)
 
 
-def _group(ray: Any, pool: Any, prefix: str) -> Any:
+def _group(ray: Any, pool: Any, prefix: str, **kw: Any) -> Any:
     from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 
     return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
-        cls=_probe_class(ray)), name_prefix=prefix, device_name="cpu")
+        cls=_probe_class(ray)), name_prefix=prefix, device_name="cpu", **kw)
 
 
 def _reports(ray: Any, group: Any) -> list[dict[str, Any]]:
@@ -200,3 +203,78 @@ def test_pool_gpus_follow_the_layout(verl_env: Any) -> None:
     # hybrid_engine=false: no hybrid replica, standalone ranks from 0 after the trainer GPUs.
     assert pool_gpus(_layout(train_gpus=2, hybrid_replicas=0, standalone_replicas=2)) == {
         "global_pool": (0, 1), "rollout_pool_0": (2,), "rollout_pool_1": (3,)}
+
+
+def test_a_split_of_a_pinned_pool_is_refused_naming_it(verl_ray: Any, pinned: Any) -> None:
+    """veRL's colocated reward model (``reward_model.enable`` without its own pool) splits the
+    trainer's pool (``split_resource_pool``) into ``SubRayResourcePool`` objects, whose workers
+    veRL places by bundle index (``_init_with_subresource_pool``), past the wrappers: on the
+    shared group's one bundle that fails in Ray (no CPU in the bundle, no bundle 1) or would
+    place a worker unpinned. Refused by name instead, before any sub-pool exists."""
+    from verl.single_controller.ray.base import ResourcePoolManager, split_resource_pool
+
+    from rlix_plugins.adapters.shared_groups import PlacementError
+    from rlix_plugins.patches.verl_placement import pin_pipeline
+
+    assert pin_pipeline(_layout(train_gpus=2, hybrid_replicas=2, standalone_replicas=0))
+    trainer = ResourcePoolManager(resource_pool_spec={"global_pool": [2]}, mapping={})
+    trainer.create_resource_pool()
+    pool = trainer.resource_pool_dict["global_pool"]
+    with pytest.raises(PlacementError, match=r"'global_pool'.*split"):
+        split_resource_pool(pool, split_size=1)
+
+
+def test_pinned_workers_keep_verls_per_node_counts(verl_ray: Any, pinned: Any) -> None:
+    """veRL's spec ``[1, 1]`` (nnodes=2 x n_gpus_per_node=1) on two GPUs of one node: each
+    worker's ``RAY_LOCAL_WORLD_SIZE`` is veRL's per-node count (1), as stock veRL gives it.
+    veRL's vLLM rollout adapter takes its server's node rank as ``rollout rank //
+    RAY_LOCAL_WORLD_SIZE``, and its server launch chunks a replica by ``n_gpus_per_node``: a
+    count from the physical node (2) would send rank 1 to node 0's server."""
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    from rlix_plugins.patches.verl_placement import pin_pipeline
+
+    assert pin_pipeline(_layout(train_gpus=2, tp=2, hybrid_replicas=1, standalone_replicas=0))
+    trainer = ResourcePoolManager(resource_pool_spec={"global_pool": [1, 1]}, mapping={})
+    trainer.create_resource_pool()
+    pool = trainer.resource_pool_dict["global_pool"]
+    assert pool.store == [1, 1]
+    reports = _reports(verl_ray, _group(verl_ray, pool, "lws_"))
+    assert [(r["rank"], r["cuda_visible"], r["local_world_size"]) for r in reports] == [
+        (0, "0", "1"), (1, "1", "1")], reports
+
+
+def test_a_noset_flag_reaching_pinned_workers_is_switched_off(
+    verl_ray: Any, pinned: Any
+) -> None:
+    """``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` set for the whole job (a cluster's or
+    the user's ``runtime_env``; here through veRL's ``worker_env``, as this session's job env
+    is fixed) would send a pinned veRL ``Worker`` down its NOSET path: ``LOCAL_RANK`` = Ray's
+    GPU id ``g`` and ``set_device(g)`` in a process that sees only GPU ``g``. Pinned workers
+    switch the flag off: each starts, sees its GPU as device 0 (``LOCAL_RANK`` 0)."""
+    from verl.single_controller.ray.base import ResourcePoolManager
+
+    from rlix_plugins.patches.verl_placement import pin_pipeline
+
+    assert pin_pipeline(_layout(train_gpus=2, hybrid_replicas=2, standalone_replicas=0))
+    trainer = ResourcePoolManager(resource_pool_spec={"global_pool": [2]}, mapping={})
+    trainer.create_resource_pool()
+    group = _group(verl_ray, trainer.resource_pool_dict["global_pool"], "noset_",
+                   worker_env={"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
+    reports = _reports(verl_ray, group)
+    assert [(r["rank"], r["cuda_visible"], r["accelerator_ids"], r["local_rank"])
+            for r in reports] == [(0, "0", ["0"], "0"), (1, "1", ["1"], "0")], reports
+
+
+def test_a_job_with_a_reward_model_is_refused_before_anything_is_pinned(pinned: Any) -> None:
+    from omegaconf import OmegaConf
+
+    from rlix_plugins.adapters.shared_groups import PlacementError
+    from rlix_plugins.patches.verl_placement import active_pins, pin_pipeline
+
+    config = OmegaConf.create({"reward": {"reward_model": {"enable": True}}})
+    with pytest.raises(PlacementError, match=r"reward\.reward_model\.enable=true.*valid"):
+        pin_pipeline(_layout(), config)
+    assert active_pins() is None
+    config.reward.reward_model.enable = False
+    assert pin_pipeline(_layout(), config) is not None
