@@ -98,7 +98,8 @@ def test_cli_start_status_stop(
         assert wire["calls"] == {"register_pipeline": 1, "request_gpus": 2,
                                  "report_progress": 1, "notify_release_gpus": 1}
         assert cli.main(["status", "--namespace", ns, "--wire", "--watch", "1"]) == 2
-        assert "--wire prints once" in capsys.readouterr().out
+        err = capsys.readouterr()
+        assert err.out == "" and err.err.startswith("rlix-plugins status: error: --wire prints")
     finally:
         assert cli.main(["coordinator", "stop", "--namespace", ns]) == 0
     assert "stopped" in capsys.readouterr().out
@@ -127,8 +128,10 @@ def test_status_of_a_scheduler_that_does_not_answer_is_an_error_naming_the_timeo
             plane.status(timeout_s=0.3)
         monkeypatch.setattr(client, "connect", lambda *a, **k: plane)
         assert cli.main(["status", "--namespace", "rlix_stuck", "--timeout", "0.3"]) == 2
-        out = capsys.readouterr().out
-        assert "scheduler in namespace 'rlix_stuck' did not answer within 0.3s" in out
+        out = capsys.readouterr()
+        assert out.out == ""  # stdout keeps only the command's output (its JSON)
+        assert out.err.startswith("rlix-plugins status: error: the scheduler in namespace "
+                                  "'rlix_stuck' did not answer within 0.3s"), out.err
     finally:
         ray.kill(stuck)
 
