@@ -182,6 +182,27 @@ def refuse_unpinnable(config: Any) -> None:
         )
 
 
+def refuse_unclaimed() -> None:
+    """Raise :class:`PlacementError` when the coordinator's shared groups exist but the
+    pipeline could not claim (its layout cannot be told before veRL builds it: disaggregated
+    prefill/decode replicas, or a config without the layout's fields): veRL would reserve
+    whole GPUs of its own, which cannot be placed beside the groups (veRL's own check fails
+    with "Total available GPUs 0"). Without the manager it returns (veRL places as always)."""
+    from rlix_plugins.adapters.shared_groups import find_manager
+
+    found = find_manager()
+    if found is None:
+        return
+    raise PlacementError(
+        f"the coordinator's shared placement groups (namespace {found[1]!r}) hold every GPU, "
+        "and this veRL job's replica layout cannot be told before veRL builds it "
+        "(disaggregated prefill/decode replicas, or a config without trainer.n_gpus_per_node "
+        "/ rollout parallel sizes), so it cannot be pinned to GPUs there; valid on a shared "
+        "cluster: non-disaggregated vLLM replicas, or run this job without the control plane "
+        "(unset RLIX_CONTROL_PLANE)"
+    )
+
+
 def pin_pipeline(layout: Any, config: Any = None) -> PinnedPools | None:
     """Pin the pipeline of ``layout`` when the coordinator's shared groups exist (this
     process under ``RLIX_CONTROL_PLANE=rlix``, the manager in its namespace); None
@@ -360,6 +381,7 @@ __all__ = [
     "pinned_create_resource_pool",
     "pinned_init_with_resource_pool",
     "pool_gpus",
+    "refuse_unclaimed",
     "refuse_unpinnable",
     "set_pins",
     "standalone_pool",

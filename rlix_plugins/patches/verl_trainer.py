@@ -307,9 +307,11 @@ class RLixTrainerMixin:
         # put veRL's pools on the coordinator's shared groups (when they exist).
         if self._rlix_adapter is None:
             self._rlix_adapter = claim_adapter(self)
-            if self._rlix_adapter is not None:
-                from rlix_plugins.patches.verl_placement import pin_pipeline
+            from rlix_plugins.patches.verl_placement import pin_pipeline, refuse_unclaimed
 
+            if self._rlix_adapter is None:
+                refuse_unclaimed()  # veRL's own groups could not be placed beside the shared ones
+            else:
                 try:
                     self._rlix_pinned = pin_pipeline(
                         self._rlix_adapter.layout, self.config) is not None

@@ -278,3 +278,16 @@ def test_a_job_with_a_reward_model_is_refused_before_anything_is_pinned(pinned: 
     assert active_pins() is None
     config.reward.reward_model.enable = False
     assert pin_pipeline(_layout(), config) is not None
+
+
+def test_a_job_that_cannot_claim_is_refused_on_a_shared_cluster(
+    pinned: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlix_plugins.adapters.shared_groups import PlacementError
+    from rlix_plugins.patches.verl_placement import refuse_unclaimed
+
+    # Disaggregated replicas: no layout before veRL builds them, so no claim and no pin.
+    with pytest.raises(PlacementError, match=r"cannot be told before veRL builds it.*valid"):
+        refuse_unclaimed()
+    monkeypatch.delenv("RLIX_CONTROL_PLANE")
+    refuse_unclaimed()  # without the control plane veRL places as it always did
