@@ -39,7 +39,7 @@ def created(monkeypatch: pytest.MonkeyPatch) -> list[FakePlacementGroup]:
 
     monkeypatch.setattr(pg_module, "placement_group", placement_group)
     monkeypatch.setattr(
-        resource_manager.ray,
+        resource_manager.ray,  # type: ignore[attr-defined]
         "get_runtime_context",
         lambda: SimpleNamespace(gcs_address="FAKE:6379"),
     )
@@ -55,8 +55,16 @@ def created(monkeypatch: pytest.MonkeyPatch) -> list[FakePlacementGroup]:
         (2, [0, 1, 2], "multiple of world_size"),
         (1, [8], r"outside the topology; valid ids are ints in \[0, 8\)"),
         (1, [-1], "outside the topology"),
+        (2, [1, 1], r"GPU ids \[1\] more than once"),
+        (2, [0, 1, 0, 2], r"GPU ids \[0\] more than once"),
+        (1, [3, 4], r"worker 0 has GPUs \[3, 4\] on node ranks \[0, 1\].*cover whole nodes"),
+        (2, [0, 1, 3, 4], r"worker 1 has GPUs \[3, 4\]"),
     ],
-    ids=["zero-workers", "bool-workers", "more-workers-than-gpus", "uneven", "gpu-8", "gpu-neg"],
+    ids=[
+        "zero-workers", "bool-workers", "more-workers-than-gpus", "uneven", "gpu-8", "gpu-neg",
+        "duplicate-across-workers", "duplicate-in-worker", "worker-across-nodes",
+        "second-worker-across-nodes",
+    ],
 )
 def test_allocate_placement_group_refuses_impossible_layouts(
     created: list[FakePlacementGroup], world_size: Any, mapping: list[int], match: str
@@ -81,3 +89,15 @@ def test_nodes_placement_group_refuses_a_node_outside_the_topology(
         asyncio.run(rm.nodes_placement_group(node_rank))
     assert created == []
     assert asyncio.run(rm.nodes_placement_group(1)).name == "rlix_pg_node1"
+
+
+def test_allocate_placement_group_places_a_node_aligned_worker_over_whole_nodes(
+    created: list[FakePlacementGroup],
+) -> None:
+    """A worker of ``tp`` a multiple of gpus_per_node (protocol: node-aligned) covers whole
+    nodes; only a worker over part of two nodes is refused."""
+    rm = RollResourceManagerService(Topology(2, 4))
+    layout = asyncio.run(rm.allocate_placement_group(1, list(range(8))))
+    assert [(d["node_rank"], d["gpu_rank"]) for d in layout[0]] == [
+        (n, g) for n in range(2) for g in range(4)
+    ]

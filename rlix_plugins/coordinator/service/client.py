@@ -141,7 +141,7 @@ def connect(
         if handles[ROLL_RESOURCE_MANAGER_ACTOR] is None:
             handles[ROLL_RESOURCE_MANAGER_ACTOR] = _RollResourceManagerActor.options(
                 **_options(ROLL_RESOURCE_MANAGER_ACTOR, ns)
-            ).remote(cfg.topology)
+            ).remote(cfg.topology, namespace=ns)
         logger.info("created coordinator actors %s in namespace %r", missing, ns)
     plane = ControlPlane(
         namespace=ns,

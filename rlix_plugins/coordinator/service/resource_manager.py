@@ -100,6 +100,40 @@ class ResourceManagerService:
         return dict(await asyncio.to_thread(ray.cluster_resources))
 
 
+#: Seconds ``_ensure`` waits for the shared groups to be placed before it gives up with
+#: :class:`SharedGroupsUnplaceableError` (and removes them) instead of blocking every caller.
+READY_TIMEOUT_S = 120.0
+
+
+class SharedGroupsUnplaceableError(RlixPluginsError, TimeoutError):
+    """The shared per-node placement groups could not be placed in time: something else holds
+    GPUs of a node in Ray's accounting (or the nodes have fewer GPUs than the topology)."""
+
+
+def _unplaceable_message(topology: Topology, timeout_s: float) -> str:
+    """What could not be placed, and which placement groups hold GPUs instead."""
+    holders: list[str] = []
+    try:
+        from ray.util.placement_group import placement_group_table
+
+        for pg_id, entry in placement_group_table().items():
+            gpus = sum(float(b.get("GPU", 0)) for b in dict(entry.get("bundles", {})).values())
+            name = str(entry.get("name") or "")
+            if gpus and entry.get("state") == "CREATED" and not name.startswith("rlix_pg_node"):
+                holders.append(f"{name or pg_id} ({gpus:g} GPU)")
+        available = ray.available_resources().get("GPU", 0.0)  # type: ignore[no-untyped-call]
+    except Exception:
+        logger.warning("could not read Ray's placement groups", exc_info=True)
+        available = float("nan")
+    names = ", ".join(f"rlix_pg_node{i}" for i in range(topology.num_nodes))
+    return (
+        f"the shared placement groups ({names}, one bundle {{GPU: {topology.gpus_per_node}}} "
+        f"each) were not placed within {timeout_s:g}s: every GPU of each of "
+        f"{topology.num_nodes} node(s) must be free in Ray's accounting ({available:g} GPU "
+        f"free now); placement groups holding GPUs: {', '.join(holders) or 'none'}"
+    )
+
+
 class RollResourceManagerService:
     """``rlix:roll_resource_manager``: shared per-node placement groups (ROLL-compatible).
 
@@ -107,15 +141,47 @@ class RollResourceManagerService:
     ROLL-style pipeline does not reserve every GPU in Ray's accounting.
     """
 
-    def __init__(self, topology: Topology | None = None) -> None:
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        *,
+        namespace: str | None = None,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+    ) -> None:
+        """``namespace``: the control plane's, where ``rlix:scheduler`` runs (an actor's
+        runtime context only knows its job's namespace); None: this process's."""
+        if isinstance(ready_timeout_s, bool) or not isinstance(ready_timeout_s, (int, float)) or (
+            not ready_timeout_s > 0
+        ):
+            raise ProtocolError(f"ready_timeout_s must be a number > 0, got {ready_timeout_s!r}")
         self._topology = topology
+        self._namespace = namespace
+        self._ready_timeout_s = float(ready_timeout_s)
         self._pgs: list[Any] | None = None
         self._lock = asyncio.Lock()
+        self._topology_lock = asyncio.Lock()
 
     async def _get_topology(self) -> Topology:
-        if self._topology is None:
-            self._topology = await asyncio.to_thread(topology_from_ray)
-        return self._topology
+        """The scheduler's topology (the arbiter's GPU ids are what ROLL's device mappings
+        name); Ray's cluster resources only when no scheduler runs in this namespace. Read
+        once: a node joining or dying later never moves node ranks under placed workers."""
+        async with self._topology_lock:
+            if self._topology is None:
+                self._topology = await self._scheduler_topology()
+                if self._topology is None:
+                    self._topology = await asyncio.to_thread(topology_from_ray)
+            return self._topology
+
+    async def _scheduler_topology(self) -> Topology | None:
+        from rlix_plugins.protocol.names import SCHEDULER_ACTOR
+
+        namespace = self._namespace or ray.get_runtime_context().namespace
+        try:
+            scheduler = await asyncio.to_thread(ray.get_actor, SCHEDULER_ACTOR, namespace)
+        except ValueError:
+            return None
+        status = await scheduler.get_status.remote()
+        return Topology(int(status.num_nodes), int(status.gpus_per_node))
 
     async def _ensure(self) -> list[Any]:
         async with self._lock:
@@ -128,7 +194,14 @@ class RollResourceManagerService:
                 try:
                     for i in range(topology.num_nodes):
                         pgs.append(placement_group([{"GPU": float(gpn)}], name=f"rlix_pg_node{i}"))
-                    await asyncio.gather(*(pg.ready() for pg in pgs))
+                    try:
+                        await asyncio.wait_for(
+                            asyncio.gather(*(pg.ready() for pg in pgs)), self._ready_timeout_s
+                        )
+                    except asyncio.TimeoutError:
+                        raise SharedGroupsUnplaceableError(
+                            _unplaceable_message(topology, self._ready_timeout_s)
+                        ) from None
                 except BaseException:
                     # Given up (cancelled) or failed while pending: a pending group still
                     # reserves its GPUs once they free, and the next call would create a
@@ -248,3 +321,20 @@ def _check_allocation(topology: Topology, world_size: object, device_mapping: ob
             f"device mapping of {len(device_mapping)} GPUs does not split into {world_size} "
             f"workers of equal size; its length must be a multiple of world_size"
         )
+    twice = sorted({g for g in device_mapping if device_mapping.count(g) > 1})
+    if twice:
+        raise ProtocolError(
+            f"device_mapping names GPU ids {twice} more than once; each GPU may appear once "
+            f"(one worker per GPU, each GPU of a worker distinct)"
+        )
+    gpn = topology.gpus_per_node
+    per_worker = len(device_mapping) // world_size
+    for w in range(world_size):
+        gpus = list(device_mapping[w * per_worker : (w + 1) * per_worker])
+        nodes = sorted({g // gpn for g in gpus})
+        whole = {n * gpn + i for n in nodes for i in range(gpn)}
+        if len(nodes) > 1 and set(gpus) != whole:
+            raise ProtocolError(
+                f"worker {w} has GPUs {gpus} on node ranks {nodes}: a worker's GPUs must be "
+                f"on one node or cover whole nodes (GPUs n*{gpn}..n*{gpn}+{gpn - 1} are node n)"
+            )
