@@ -100,3 +100,34 @@ def test_get_state_uses_the_schedulers_topology_when_a_node_joined_since_it_star
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["scheduler"] == [1, 4]
     assert result["manager"] == [1, 4, 1]
+
+
+def test_a_restarted_manager_adopts_its_groups_and_the_workers_on_them_live_on(
+    coordinator: Any,
+) -> None:
+    """Before the fix the groups belonged to the manager actor: a crash (Ray restarts it,
+    ``max_restarts=-1``) removed them, and every pipeline's worker placed on them with it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=0.01)
+    class Worker:
+        """FAKE pipeline worker: placed as ROLL's and the adapters' workers are."""
+
+        def ping(self) -> str:
+            return "alive"
+
+    manager = coordinator.roll_resource_manager
+    before = ray.get(manager.get_state.remote(), timeout=60)["placement_groups"]
+    worker = Worker.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        before[0], placement_group_bundle_index=0)).remote()
+    assert ray.get(worker.ping.remote(), timeout=60) == "alive"
+    ray.kill(manager, no_restart=False)  # crash; Ray restarts it
+    after = ray.get(manager.get_state.remote(), timeout=60)["placement_groups"]
+    assert [pg.id for pg in after] == [pg.id for pg in before]  # adopted, not made anew
+    assert ray.get(worker.ping.remote(), timeout=30) == "alive"
+    assert _states_named(ray, "rlix_pg_node0").count("CREATED") == 1
+    # The coordinator's stop still removes them (and forgets them).
+    ray.get(manager.destroy_placement_group.remote(), timeout=60)
+    assert "CREATED" not in _states_named(ray, "rlix_pg_node0")
+    ray.kill(worker)

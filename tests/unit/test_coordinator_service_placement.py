@@ -33,7 +33,8 @@ def created(monkeypatch: pytest.MonkeyPatch) -> list[FakePlacementGroup]:
     pg_module = importlib.import_module("ray.util.placement_group")
     made: list[FakePlacementGroup] = []
 
-    def placement_group(bundles: list[dict[str, float]], name: str) -> FakePlacementGroup:
+    def placement_group(bundles: list[dict[str, float]], name: str,
+                        **_: Any) -> FakePlacementGroup:
         made.append(FakePlacementGroup(name))
         return made[-1]
 

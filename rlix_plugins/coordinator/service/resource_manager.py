@@ -11,6 +11,7 @@ match ROLL's ``ResourceManager`` (``get_state``, ``nodes_placement_group``,
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -100,6 +101,11 @@ class ResourceManagerService:
         return dict(await asyncio.to_thread(ray.cluster_resources))
 
 
+#: Ray KV namespace and key prefix (+ control-plane namespace) of the shared groups' ids: a
+#: restarted manager adopts them instead of making a second set its GPUs cannot hold.
+GROUPS_KV_NAMESPACE = "rlix"
+GROUPS_KV_PREFIX = "shared_groups:"
+
 #: Seconds ``_ensure`` waits for the shared groups to be placed before it gives up with
 #: :class:`SharedGroupsUnplaceableError` (and removes them) instead of blocking every caller.
 READY_TIMEOUT_S = 120.0
@@ -149,7 +155,9 @@ class RollResourceManagerService:
         ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> None:
         """``namespace``: the control plane's, where ``rlix:scheduler`` runs (an actor's
-        runtime context only knows its job's namespace); None: this process's."""
+        runtime context only knows its job's namespace) and under which the shared groups'
+        ids are remembered for a restarted incarnation; None: this process's namespace, and
+        nothing remembered."""
         if isinstance(ready_timeout_s, bool) or not isinstance(ready_timeout_s, (int, float)) or (
             not ready_timeout_s > 0
         ):
@@ -183,17 +191,66 @@ class RollResourceManagerService:
         status = await scheduler.get_status.remote()
         return Topology(int(status.num_nodes), int(status.gpus_per_node))
 
+    def _kv_key(self) -> bytes:
+        return f"{GROUPS_KV_PREFIX}{self._namespace}".encode()
+
+    def _adopt(self, topology: Topology) -> list[Any] | None:
+        """The groups an earlier incarnation of this actor made (remembered in Ray's KV),
+        when every one is still placed and they match ``topology``; else None (and the
+        record is dropped). They are detached: a crash of this actor must not take every
+        pipeline's workers placed on them down with it."""
+        from ray import PlacementGroupID
+        from ray.experimental import internal_kv
+        from ray.util.placement_group import PlacementGroup, placement_group_table
+
+        if self._namespace is None:
+            return None  # not the control plane's actor: nothing is remembered
+        raw = internal_kv._internal_kv_get(self._kv_key(), namespace=GROUPS_KV_NAMESPACE)
+        if raw is None:
+            return None
+        try:
+            ids = [str(i) for i in json.loads(raw)]
+            pgs = [PlacementGroup(PlacementGroupID.from_hex(i)) for i in ids]
+            tables = [placement_group_table(pg) for pg in pgs]
+        except (ValueError, TypeError):
+            logger.warning("the remembered shared placement groups are unreadable; making "
+                           "new ones", exc_info=True)
+            tables, pgs = [], []
+        gpn = float(topology.gpus_per_node)
+        if (len(pgs) == topology.num_nodes and tables
+                and all(t.get("state") == "CREATED" and dict(t.get("bundles", {})).get(0, {})
+                        .get("GPU") == gpn for t in tables)):
+            logger.info("adopted the %d shared placement group(s) of an earlier incarnation",
+                        len(pgs))
+            return pgs
+        internal_kv._internal_kv_del(self._kv_key(), namespace=GROUPS_KV_NAMESPACE)
+        return None
+
+    def _remember(self, pgs: list[Any] | None) -> None:
+        from ray.experimental import internal_kv
+
+        if self._namespace is None:
+            return
+        if pgs is None:
+            internal_kv._internal_kv_del(self._kv_key(), namespace=GROUPS_KV_NAMESPACE)
+            return
+        internal_kv._internal_kv_put(self._kv_key(), json.dumps([pg.id.hex() for pg in pgs]),
+                                     overwrite=True, namespace=GROUPS_KV_NAMESPACE)
+
     async def _ensure(self) -> list[Any]:
         async with self._lock:
             if self._pgs is None:
                 topology = await self._get_topology()
+                self._pgs = await asyncio.to_thread(self._adopt, topology)
+            if self._pgs is None:
                 from ray.util.placement_group import placement_group, remove_placement_group
 
                 gpn = topology.gpus_per_node
                 pgs: list[Any] = []
                 try:
                     for i in range(topology.num_nodes):
-                        pgs.append(placement_group([{"GPU": float(gpn)}], name=f"rlix_pg_node{i}"))
+                        pgs.append(placement_group([{"GPU": float(gpn)}], name=f"rlix_pg_node{i}",
+                                                   lifetime="detached"))
                     try:
                         await asyncio.wait_for(
                             asyncio.gather(*(pg.ready() for pg in pgs)), self._ready_timeout_s
@@ -213,6 +270,7 @@ class RollResourceManagerService:
                             logger.warning("could not remove placement group", exc_info=True)
                     raise
                 self._pgs = pgs
+                await asyncio.to_thread(self._remember, pgs)
                 logger.info("created %d placement group(s) of %d GPUs", len(pgs), gpn)
             return self._pgs
 
@@ -289,9 +347,13 @@ class RollResourceManagerService:
         from ray.util.placement_group import remove_placement_group
 
         async with self._lock:
+            if self._pgs is None:
+                # an earlier incarnation's groups (this one never asked for them)
+                self._pgs = await asyncio.to_thread(self._adopt, await self._get_topology())
             for pg in self._pgs or []:
                 remove_placement_group(pg)
             self._pgs = None
+            await asyncio.to_thread(self._remember, None)
 
 
 def _check_allocation(topology: Topology, world_size: object, device_mapping: object) -> None:
