@@ -192,6 +192,7 @@ class AsyncOverlapPipeline(SimPipeline):
                 heapq.heappush(new.finish_heap, (new.service + t.work + t.extra - t.kept, t.tid))
                 counter.migrated += 1
                 counter.migration_s += prefill
+                counter.waste(prefill, self.job.infer_tp, self.job.n_sat)
             gone = {t.tid for t in moved}
             # A stale finish entry would complete the request early if it ever came back here.
             src.finish_heap = [e for e in src.finish_heap if e[1] not in gone]

@@ -109,6 +109,9 @@ class RunResult:
     migrated: int = 0
     #: solo-seconds of re-prefill the migrations cost on their new shards
     migration_prefill_s: float = 0.0
+    #: GPU-seconds credited to ``useful_gpu_s`` for lost work and migration re-prefills
+    #: (busy, not useful: :func:`metrics.summarize` takes them out of the utilisation)
+    wasted_gpu_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -503,4 +506,5 @@ class SimCluster:
             lost_work_s=self.counter.lost_s,
             migrated=self.counter.migrated,
             migration_prefill_s=self.counter.migration_s,
+            wasted_gpu_s=self.counter.wasted_gpu_s,
         )

@@ -21,7 +21,8 @@ class Summary:
     rollout_throughput_per_h: float
     steps: int
     gpu_hours_per_step: float
-    #: useful GPU-seconds / (GPUs x makespan)
+    #: useful GPU-seconds / (GPUs x makespan); generation lost to aborts and migration
+    #: re-prefills keep GPUs busy but are not useful (the same work under every deployment)
     gpu_utilisation: float
     #: 1 - training compute / (training GPUs x job lifetime), mean over jobs (PlexRL's bubble)
     train_bubble: float
@@ -86,7 +87,8 @@ def summarize(policy: str, result: RunResult, isolated: dict[str, float]) -> Sum
         rollout_throughput_per_h=result.trajectories / result.makespan * 3600.0,
         steps=steps,
         gpu_hours_per_step=result.num_gpus * result.makespan / 3600.0 / max(1, steps),
-        gpu_utilisation=result.useful_gpu_s / (result.num_gpus * result.makespan),
+        gpu_utilisation=(result.useful_gpu_s - result.wasted_gpu_s)
+        / (result.num_gpus * result.makespan),
         train_bubble=sum(bubbles) / len(bubbles),
         mean_jct_s=sum(jcts) / len(jcts),
         p95_jct_s=_percentile(jcts, 0.95),

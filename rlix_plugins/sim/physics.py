@@ -149,6 +149,13 @@ class TrajectoryCounter:
         #: running requests moved to a newly active shard, and their re-prefill solo-seconds
         self.migrated = 0
         self.migration_s = 0.0
+        #: GPU-seconds those solo-seconds (lost work + migration re-prefills) keep GPUs busy
+        #: (``tp / n_sat`` per solo-second on any rank): credited, but not useful work
+        self.wasted_gpu_s = 0.0
+
+    def waste(self, solo_s: float, tp: int, n_sat: int) -> None:
+        """``solo_s`` solo-seconds of generation served twice or re-prefilled on ``tp`` GPUs."""
+        self.wasted_gpu_s += solo_s * tp / n_sat
 
     def create(self, n: int) -> range:
         ids = range(self.created, self.created + n)

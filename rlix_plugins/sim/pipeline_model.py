@@ -494,7 +494,9 @@ class SimPipeline:
         aborted = sorted(r.running.values(), key=lambda t: (t.step, t.tid), reverse=True)
         for t in aborted:
             progress = t.kept + (r.service - t.service_at_start)
-            self.cluster.counter.lost_s += self._abort_trajectory(t, progress)
+            lost = self._abort_trajectory(t, progress)
+            self.cluster.counter.lost_s += lost
+            self.cluster.counter.waste(lost, self.job.infer_tp, self.job.n_sat)
             self.queue.appendleft(t)
             self.aborted += 1
             self.cluster.counter.aborted += 1
