@@ -133,6 +133,7 @@ class ShardLifecycle:
 
     def _reset_runtime(self) -> None:
         self._lock: asyncio.Lock | None = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
         self._forced_sleeps = 0
         self._preemptions = 0
 
@@ -151,8 +152,13 @@ class ShardLifecycle:
         return self._preemptions
 
     def _op_lock(self) -> asyncio.Lock:
-        if self._lock is None:
+        # One lock per event loop (as the router's): an asyncio.Lock binds to the loop where
+        # it is first contended, and then fails every contended acquire on a later loop (a
+        # host's next asyncio.run) with a bare RuntimeError before the operation starts.
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock_loop is not loop:
             self._lock = asyncio.Lock()
+            self._lock_loop = loop
         return self._lock
 
     async def preempt(self, dp_ranks: Iterable[int]) -> PreemptionRecord:

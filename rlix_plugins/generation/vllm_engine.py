@@ -63,6 +63,8 @@ class VllmAsyncShard:
         self._completed_total = 0
         self._rejected_total = 0
         self._request_aborts_total = 0
+        # Sleeps so far: an attempt that lived across one is never a sample (see generate).
+        self._sleeps = 0
         self._sampling_cls: Any = None
         self._prompt_cls: Any = None
         self._final_only: Any = None
@@ -157,6 +159,7 @@ class VllmAsyncShard:
         # Tracked before the first await: abort_all (same loop) then always sees it.
         self._tracked.add(rid)
         self._submitted_total += 1
+        sleeps = self._sleeps
         final: Any = None
         try:
             prompt = prompt_cls(prompt_token_ids=list(request.prompt_token_ids))
@@ -173,6 +176,14 @@ class VllmAsyncShard:
             raise
         finally:
             self._tracked.discard(rid)
+        if self._sleeps != sleeps:
+            # Only a forced sleep (drain timed out) leaves an attempt open across a sleep:
+            # it registered after sleep(mode="abort") and ran after wake_up, before the weight
+            # sync (level 2 dropped the weights). Which of its tokens predate the sleep is
+            # unknown: none is kept, and it is never returned as a sample.
+            logger.warning("shard %s: request %s outlived a sleep of its engine; returned as "
+                           "aborted with no tokens", self._name, rid)
+            return EngineOutput((), ABORTED)
         if final is None or not final.outputs:
             return EngineOutput((), ABORTED)
         completion = final.outputs[0]
@@ -304,6 +315,7 @@ class VllmAsyncShard:
         if level is not None and not (is_int(level) and level in (0, 1, 2)):
             raise SettingsError(f"sleep level must be None, 0, 1 or 2, got {level!r}")
         lvl = self._sleep_level if level is None else level
+        self._sleeps += 1
         # mode="abort": anything that slipped in after abort_all is aborted, never kept.
         await self._engine.sleep(level=lvl, mode="abort")
 

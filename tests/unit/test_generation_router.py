@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -96,6 +97,24 @@ def test_lifecycle_pickles_without_its_lock() -> None:
     # The copy works on a loop of its own.
     snap = asyncio.run(copy.wake([1]))
     assert snap.statuses[1] is ShardStatus.WOKEN and copy._lock is not None
+
+
+
+def test_lifecycle_serializes_operations_on_a_second_event_loop() -> None:
+    """Its operation lock was made once and bound to the first loop where two operations
+    overlapped: overlapping operations under a later loop (a host's next ``asyncio.run``, a
+    new LoopThread) failed with asyncio's bare RuntimeError 'bound to a different event
+    loop' before doing anything. The router keeps one lock per loop; so must the lifecycle."""
+    life = ShardLifecycle(FakePicklableState(ShardSnapshot.initial(3)),
+                          [FakePicklableEngine(n) for n in "abc"])
+
+    async def overlap(*ops: Coroutine[Any, Any, object]) -> None:
+        await asyncio.gather(*ops)
+
+    asyncio.run(overlap(life.preempt([0]), life.preempt([1])))  # the lock meets its loop
+    asyncio.run(overlap(life.wake([0]), life.wake([1])))  # another loop, overlapping again
+    statuses = life._state.snapshot().statuses
+    assert statuses[:2] == (ShardStatus.WOKEN, ShardStatus.WOKEN)
 
 
 def test_engine_count_must_match_shards() -> None:

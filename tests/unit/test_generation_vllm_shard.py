@@ -128,3 +128,67 @@ def test_a_sleep_level_outside_0_1_2_is_refused_before_the_engine_sleeps(level: 
         assert engine.slept == [(2, "abort"), (1, "abort")]
 
     asyncio.run(go())
+
+
+class FakeEngineThatQueuesWhileAsleep(FakeEngineWithoutRequestMap):
+    """FAKE engine with vLLM's sleep behaviour (shared/notes/vllm-cpu.md): ``sleep(mode=
+    "abort")`` aborts what is registered; a request that registers while the engine sleeps
+    waits and runs after ``wake_up``, and finishes normally with ``tokens`` (on GPU: computed
+    with the weights a level-2 sleep dropped, before the weight sync)."""
+
+    def __init__(self, admit_s: float = 0.0, tokens: tuple[int, ...] = (7, 7, 7)) -> None:
+        super().__init__(admit_s)
+        self.tokens = tokens
+        self.awake = asyncio.Event()
+        self.awake.set()
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        await asyncio.sleep(self.admit_s)
+        aborted = self.unfinished[request_id] = asyncio.Event()
+        try:
+            await self.awake.wait()
+            reason = "abort" if aborted.is_set() else "length"
+            tokens = [9] if aborted.is_set() else list(self.tokens)
+            yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(
+                token_ids=tokens, finish_reason=reason, logprobs=None)])
+        finally:
+            del self.unfinished[request_id]
+
+    async def sleep(self, level: int, mode: str) -> None:
+        await super().sleep(level, mode)
+        self.awake.clear()
+        for event in self.unfinished.values():
+            event.set()
+
+    async def wake_up(self) -> None:
+        self.awake.set()
+
+
+def test_an_attempt_that_registered_after_a_forced_sleep_is_never_returned_as_a_sample() -> None:
+    """After a forced sleep (the drain timed out while a request was still being admitted),
+    the request registered in the sleeping engine, ran after wake-up (before the weight sync:
+    level 2 had dropped the weights) and came back as a normal completion: the router returned
+    that sample. It must come back aborted, so the router re-dispatches it."""
+    from rlix_plugins.generation import MigrationConfig, RouterConfig, ShardRouter
+
+    async def go() -> None:
+        slow = FakeEngineThatQueuesWhileAsleep(admit_s=0.3, tokens=(7, 7, 7))
+        fresh = FakeEngineThatQueuesWhileAsleep(tokens=(5, 5, 5))
+        shards = [VllmAsyncShard(slow, name="s0"), VllmAsyncShard(fresh, name="s1")]
+        store = ShardStateStore(2)
+        view = LocalShardState(store)
+        router = ShardRouter(view, shards, RouterConfig(migration=MigrationConfig(enabled=False)))
+        life = ShardLifecycle(view, shards, PreemptionConfig(drain_timeout_s=0.02))
+        task = asyncio.ensure_future(router.generate(GenerationRequest("r1", (1, 2), 3)))
+        await _until(lambda: router.inflight == (1, 0))  # dispatched to shard 0, admitting
+        record = await life.preempt([0])
+        assert record.forced_sleeps == 1
+        await _until(lambda: "r1:a1" in slow.unfinished)  # registered while asleep
+        await life.wake([0])  # runs now, with weights not synced yet
+        result = await asyncio.wait_for(task, 5)
+        assert (result.dp_rank, result.token_ids) == (1, (5, 5, 5))
+        assert result.attempts == 2 and shards[0].completed_total == 0
+        c = router.counters()
+        assert (c.submitted, c.completed, c.lost, c.in_flight) == (1, 1, 0, 0)
+
+    asyncio.run(go())
