@@ -763,8 +763,11 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
 
     def _release_server(self, server_id: str, request_id: str | None = None) -> None:
         # veRL's fire-and-forget release, plus the attempt id where the balancer asks for it.
+        self._release(server_id, request_id, _ATTEMPT.get())
+
+    def _release(self, server_id: str, request_id: str | None,
+                 attempt: _ClientAttempt | None) -> None:
         declared = self._lb_require_release_fields or []
-        attempt = _ATTEMPT.get()
         pool: dict[str, Any] = {"request_id": request_id}
         if attempt is not None:
             pool[ATTEMPT_ID_FIELD] = attempt.attempt_id
@@ -811,17 +814,38 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         delay = 0.01
         while True:
             try:
-                return await super()._acquire_server(request_id, **extra)  # type: ignore[no-any-return]
+                return await self._acquire_once(request_id, attempt, extra)
             except Exception as exc:  # RayTaskError(RuntimeError) crosses the actor boundary
                 if NO_SERVER_MESSAGE not in str(exc):
                     raise
                 if time.monotonic() >= deadline:
                     raise NoActiveShardError(
-                        f"request {request_id}: no active replica for {self.wait_timeout_s:g}s"
+                        f"request {request_id}: no active replica for {self.wait_timeout_s:g}s "
+                        "(the client's wait_timeout_s, default RLIX_REQUEST_TIMEOUT_S); wake "
+                        "and activate a replica, or raise the bound"
                     ) from None
                 # Back off: every replica is preempted until the coordinator expands one.
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    async def _acquire_once(
+        self, request_id: str, attempt: _ClientAttempt | None, extra: dict[str, Any]
+    ) -> tuple[str, Any]:
+        """veRL's acquire; one its caller gave up on (cancelled) is released once it lands.
+
+        The balancer runs an acquire that was sent whether or not anyone awaits its reply;
+        unreleased, it would count as in flight (``rlix_outstanding``) for good.
+        """
+        acquire = asyncio.ensure_future(super()._acquire_server(request_id, **extra))
+        try:
+            return await asyncio.shield(acquire)
+        except asyncio.CancelledError:
+            def release(done: asyncio.Future[Any]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._release(done.result()[0], request_id, attempt)
+
+            acquire.add_done_callback(release)
+            raise
 
     async def generate(
         self,
@@ -870,6 +894,7 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             budget = self._default_budget(len(prompt_ids))
             if budget is not None:
                 limit_key = "max_tokens"
+        min_tokens = int(params.get("min_tokens") or 0)
         tokens: list[int] = []
         log_probs: list[float] | None = None
         # Routing of every generated token as it was generated (MoE router replay): the first
@@ -926,6 +951,10 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
                     out.stop_reason = "length"
                 else:
                     params[limit_key] = left
+            if not done and min_tokens:
+                # min_tokens counts the whole response: the continuation owes only the rest
+                # (unchanged, vLLM rejects it above the remaining max_tokens).
+                params["min_tokens"] = max(0, min_tokens - len(tokens))
             if done:
                 out.token_ids = tokens
                 out.log_probs = log_probs

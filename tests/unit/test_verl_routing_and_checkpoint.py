@@ -349,3 +349,141 @@ def test_close_lets_an_inflight_progress_report_land_before_clearing(
     assert events[-1] == "clear", events
     assert "report done" in events and events.count("report") == 1, events
     assert not [t for t in threading.enumerate() if t.name == "rlix-verl-progress"]
+
+
+# ---------------------------------------------------------------- routing: continuation params
+class _MinTokensServer(_ServerStandIn):
+    """Checks each attempt's sampling params with vLLM's own ``SamplingParams`` (as veRL's
+    server builds them) and aborts the first attempt after ``first`` tokens."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.calls: list[dict[str, Any]] = []
+
+    async def _generate(self, **kwargs: Any) -> Any:
+        from verl.workers.rollout.replica import TokenOutput
+        from vllm import SamplingParams
+
+        params = dict(kwargs["sampling_params"])
+        self.calls.append(dict(params))
+        n = int(params.pop("max_tokens"))
+        SamplingParams(max_tokens=n, **params)  # raises like the server would
+        if len(self.calls) == 1:
+            return TokenOutput(token_ids=[1] * self.first, log_probs=[-0.1] * self.first,
+                               stop_reason="aborted")
+        return TokenOutput(token_ids=[2] * n, log_probs=[-0.2] * n, stop_reason="completed")
+
+
+@pytest.mark.parametrize(("first", "left_min"), [(40, 0), (10, 22)])
+def test_continuation_lowers_min_tokens_by_the_tokens_kept(
+    verl_env: VerlEnv, first: int, left_min: int
+) -> None:
+    """``min_tokens`` counts the whole response: a continuation that kept ``first`` tokens
+    needs only the rest. Sent unchanged it made vLLM reject the continuation (min_tokens >
+    the remaining max_tokens: the request was lost) or forced extra tokens past an EOS."""
+    from omegaconf import OmegaConf
+
+    from rlix_plugins.patches.verl_routing import RLixLLMServerClient, RLixRequestLoadBalancer
+
+    server = _MinTokensServer(first)
+    lb = RLixRequestLoadBalancer({"s0": server})
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "name": "vllm", "full_determinism": False}}})
+    client = RLixLLMServerClient(config=cfg, load_balancer_handle=_Handle(lb))
+    out = asyncio.run(client.generate("r", prompt_ids=[9] * 4,
+                                      sampling_params={"max_tokens": 64, "min_tokens": 32}))
+    assert len(out.token_ids) == len(out.log_probs) == 64
+    assert server.calls[0]["min_tokens"] == 32
+    assert server.calls[1]["min_tokens"] == left_min
+    assert server.calls[1]["max_tokens"] == 64 - first
+    assert client.counters().completed == 1
+
+
+# ---------------------------------------------------------------- routing: cancelled acquire
+class _SlowMethod:
+    """A Ray actor call: the actor runs it when it is submitted, whether or not the caller
+    still awaits the reply, which arrives a little later."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        value = self._fn(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        def answer() -> None:
+            if not reply.done():  # the caller may have given up (cancelled) meanwhile
+                reply.set_result(value)
+
+        loop.call_later(0.05, answer)
+        return reply
+
+
+class _SlowHandle(_Handle):
+    def __getattr__(self, name: str) -> Any:
+        return _SlowMethod(getattr(self._obj, name))
+
+
+class _NeverServer(_ServerStandIn):
+    async def _generate(self, **kwargs: Any) -> Any:
+        await asyncio.sleep(3600)
+
+
+def test_a_request_cancelled_while_acquiring_releases_its_server(verl_env: VerlEnv) -> None:
+    """A rollout cancelled while its acquire is in flight: the balancer still counted the
+    acquire (Ray runs the call anyway), and nothing released it, so the replica's in-flight
+    count and the ``outstanding`` demand it reports stayed high for good."""
+    from omegaconf import OmegaConf
+
+    from rlix_plugins.patches.verl_routing import RLixLLMServerClient, RLixRequestLoadBalancer
+
+    lb = RLixRequestLoadBalancer({})
+    lb.bind_shards([("s0", _NeverServer())])
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "name": "vllm", "full_determinism": False}}})
+    client = RLixLLMServerClient(config=cfg, load_balancer_handle=_SlowHandle(lb))
+
+    async def scenario() -> None:
+        # Learn the balancer's fields first, so the next acquire is the actor call itself.
+        task = asyncio.ensure_future(client.generate(
+            "warm", prompt_ids=[1], sampling_params={"max_tokens": 2}))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        assert lb.rlix_outstanding() == 0
+        task = asyncio.ensure_future(client.generate(
+            "r", prompt_ids=[1], sampling_params={"max_tokens": 2}))
+        await asyncio.sleep(0.01)  # the acquire was submitted, its reply not back yet
+        assert lb.rlix_outstanding() == 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.2)
+
+    asyncio.run(scenario())
+    assert lb.rlix_outstanding() == 0, lb.get_status()
+    assert lb.rlix_running() == {}
+    c = client.counters()
+    assert (c.cancelled, c.in_flight) == (2, 0)
+
+
+def test_no_active_replica_is_a_typed_error_naming_the_bound(verl_env: VerlEnv) -> None:
+    """Every replica preempted: the client waits ``wait_timeout_s``, then fails the request
+    with NoActiveShardError naming the bound and the setting; nothing stays in flight."""
+    from omegaconf import OmegaConf
+
+    from rlix_plugins.errors import NoActiveShardError
+    from rlix_plugins.patches.verl_routing import RLixLLMServerClient, RLixRequestLoadBalancer
+
+    lb = RLixRequestLoadBalancer({})
+    lb.bind_shards([("s0", _NeverServer())])
+    lb.apply_shard_event([0], "preempt")
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "name": "vllm", "full_determinism": False}}})
+    client = RLixLLMServerClient(config=cfg, load_balancer_handle=_Handle(lb),
+                                 wait_timeout_s=0.3)
+    with pytest.raises(NoActiveShardError, match=r"0\.3s.*RLIX_REQUEST_TIMEOUT_S"):
+        asyncio.run(client.generate("r", prompt_ids=[1], sampling_params={"max_tokens": 2}))
+    assert lb.rlix_outstanding() == 0
+    c = client.counters()
+    assert (c.lost, c.in_flight) == (1, 0)
