@@ -14,10 +14,6 @@ Skipped with a loud reason without NEMO_RL_SRC (the shared ``nemo_rl_src`` fixtu
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +21,10 @@ import pytest
 
 from rlix_plugins import activation
 from rlix_plugins.settings import load_settings
+from tests.support.scenario_results import ok, read_results
 
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.integration]
 
-REPO = Path(__file__).resolve().parents[2]
 VGEN = "nemo_rl.models.generation.vllm.vllm_generation"
 WGROUP = "nemo_rl.distributed.worker_groups"
 
@@ -36,26 +32,7 @@ WGROUP = "nemo_rl.distributed.worker_groups"
 @pytest.fixture(scope="module")
 def scenarios(nemo_rl_src: Path) -> dict[str, Any]:
     """Run every scenario once; {name: {"ok": result} | {"failed": reason}}."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", NEMO_RL_SRC=str(nemo_rl_src))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.nemo_rl_placement_run"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=540,
-    )
-    out: dict[str, Any] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            _, name, payload = line.split(" ", 2)
-            out[name] = json.loads(payload)
-    assert out, f"no scenario reported (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
-    return out
-
-
-def _ok(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
-    got = scenarios.get(name)
-    assert got is not None, f"scenario {name} did not report"
-    assert "ok" in got, f"scenario {name} failed: {got.get('failed')}"
-    result: dict[str, Any] = got["ok"]
-    return result
+    return read_results("tests.support.nemo_rl_placement_run", nemo_rl_src)
 
 
 def _gpu_share(worker: dict[str, Any]) -> float:
@@ -66,7 +43,7 @@ def _gpu_share(worker: dict[str, Any]) -> float:
 def test_training_on_gpu0_inference_on_gpus_0_and_1_same_bundles(
     scenarios: dict[str, Any],
 ) -> None:
-    r = _ok(scenarios, "overlap")
+    r = ok(scenarios, "overlap")
     infer, train = r["infer_workers"], r["train_workers"]
     # What each worker process sees: Ray's GPU ids and CUDA_VISIBLE_DEVICES.
     assert [w["gpu_ids"] for w in infer] == [[0], [1]]
@@ -101,7 +78,7 @@ def test_training_on_gpu0_inference_on_gpus_0_and_1_same_bundles(
 def test_tensor_parallel_shard_and_training_on_the_second_gpu(
     scenarios: dict[str, Any],
 ) -> None:
-    r = _ok(scenarios, "tp2")
+    r = ok(scenarios, "tp2")
     # vLLM's tp=2 path: NeMo RL ties 2 workers per shard; they ask Ray for no GPU (vLLM
     # places its own workers on the group's bundles), so only the bundles are checked there.
     assert r["generation"]["dp_size"] == 1 and r["generation"]["world_size"] == 2
@@ -119,7 +96,7 @@ def test_tensor_parallel_shard_and_training_on_the_second_gpu(
 def test_a_layout_ray_cannot_honour_is_refused_with_the_gpus_named(
     scenarios: dict[str, Any],
 ) -> None:
-    r = _ok(scenarios, "gpu_taken")
+    r = ok(scenarios, "gpu_taken")
     held = r["held"][0]
     assert r["error_type"] == "PlacementError"
     assert f"inference on GPUs [{held}]" in r["error"]
@@ -172,7 +149,7 @@ def test_two_pipelines_share_the_coordinators_groups_each_worker_pinned(
 ) -> None:
     """Gate 2 layout under RLIX_CONTROL_PLANE=rlix with the real coordinator running: both
     pipelines infer on GPUs 0,1, A trains on GPU 0 and B on GPU 1, all placed at once."""
-    r = _ok(scenarios, "shared_two")
+    r = ok(scenarios, "shared_two")
     shared = set(r["shared_pgs"])
     # Under the coordinator the first bind claims the pipeline's GPUs for its setup.
     assert r["owners_after_a"] == ["gate2_a", "gate2_a"]

@@ -15,43 +15,21 @@ loud reason without NEMO_RL_SRC (the shared ``nemo_rl_src`` fixture).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.scenario_results import ok, read_results
+
 pytestmark = [pytest.mark.nemo_rl, pytest.mark.integration]
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def scenarios(nemo_rl_src: Path) -> dict[str, Any]:
     """Run both scenarios once; {name: {"ok": result} | {"failed": reason}}."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", NEMO_RL_SRC=str(nemo_rl_src))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.nemo_rl_tp_shared_run"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=540,
-    )
-    out: dict[str, Any] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            _, name, payload = line.split(" ", 2)
-            out[name] = json.loads(payload)
-    assert out, f"no scenario reported (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
-    return out
-
-
-def _ok(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
-    got = scenarios.get(name)
-    assert got is not None, f"scenario {name} did not report"
-    assert "ok" in got, f"scenario {name} failed: {got.get('failed')}"
-    result: dict[str, Any] = got["ok"]
-    return result
+    return read_results("tests.support.nemo_rl_tp_shared_run", nemo_rl_src)
 
 
 def _assert_refused_leaving_nothing(r: dict[str, Any]) -> None:
@@ -75,7 +53,7 @@ def test_tp2_pipeline_is_refused_when_the_coordinators_groups_hold_every_gpu(
 ) -> None:
     """Before the fix: the bind sat PENDING on a group of its own (NeMo RL waits 180 s per
     try, with retries), the job hanging in setup with no error naming the cause."""
-    r = _ok(scenarios, "groups_first")
+    r = ok(scenarios, "groups_first")
     _assert_refused_leaving_nothing(r)
     assert r["views_bound"] == [False, False]
     # The coordinator's groups are untouched: both GPUs still free for shared pipelines.
@@ -88,7 +66,7 @@ def test_tp2_pipeline_binding_first_does_not_block_the_coordinators_groups(
     """Before the fix: the bind made a group of its own over both GPUs and registered the
     pipeline; the manager's get_state (every other pipeline's first call) then never
     returned."""
-    r = _ok(scenarios, "pipeline_first")
+    r = ok(scenarios, "pipeline_first")
     _assert_refused_leaving_nothing(r)
     assert r["others_get_state"] == "ok"
     assert r["shared_after"] == {"free": pytest.approx(2.0), "total": pytest.approx(2.0)}

@@ -405,9 +405,10 @@ SCENARIOS = {"overlap": scenario_overlap, "tp2": scenario_tp2, "gpu_taken": scen
              "shared_two": scenario_two_pipelines_shared}
 
 
-def main(argv: list[str]) -> int:
-    """Run the named scenarios (all by default) in one Ray; one RESULT line each."""
-    names = argv or list(SCENARIOS)
+def run_scenarios(scenarios: dict[str, Any], argv: list[str]) -> int:
+    """Run the named ``scenarios`` (all by default) in one Ray with NeMo RL patched; one
+    ``RESULT <name> <json>`` line each (:func:`tests.support.scenario_results.read_results`)."""
+    names = argv or list(scenarios)
     _setup_nemo_rl()
     # Logical resources: 2 GPUs; CPUs for NeMo RL's {CPU: 2, GPU: 1} bundles and helpers.
     ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
@@ -417,7 +418,7 @@ def main(argv: list[str]) -> int:
         try:
             for name in names:
                 try:
-                    result: dict[str, Any] = {"ok": SCENARIOS[name]()}
+                    result: dict[str, Any] = {"ok": scenarios[name]()}
                 except Exception as exc:
                     traceback.print_exc()
                     result = {"failed": f"{type(exc).__name__}: {exc}"}
@@ -428,6 +429,10 @@ def main(argv: list[str]) -> int:
     finally:
         ray.shutdown()
     return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    return run_scenarios(SCENARIOS, argv)
 
 
 if __name__ == "__main__":

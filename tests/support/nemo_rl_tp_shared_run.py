@@ -22,7 +22,6 @@ started here (the outcome is decided at the bind, before NeMo RL builds a worker
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -35,8 +34,7 @@ import ray
 from tests.support.nemo_rl_placement_run import (
     _generation_config,
     _grpo_clusters,
-    _patch,
-    _setup_nemo_rl,
+    run_scenarios,
 )
 
 #: Seconds a bind (or the other pipeline's get_state) is given before it counts as blocked.
@@ -198,28 +196,7 @@ SCENARIOS = {"groups_first": scenario_groups_first, "pipeline_first": scenario_p
 
 
 def main(argv: list[str]) -> int:
-    """Run the named scenarios (all by default) in one Ray; one RESULT line each."""
-    names = argv or list(SCENARIOS)
-    _setup_nemo_rl()
-    # NeMo RL's fallback bundles are {CPU: 2, GPU: 1}: enough CPUs that only GPUs decide.
-    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    failed = 0
-    try:
-        patch = _patch()
-        try:
-            for name in names:
-                try:
-                    result: dict[str, Any] = {"ok": SCENARIOS[name]()}
-                except Exception as exc:
-                    traceback.print_exc()
-                    result = {"failed": f"{type(exc).__name__}: {exc}"}
-                    failed += 1
-                print(f"RESULT {name} " + json.dumps(result), flush=True)
-        finally:
-            patch.revert()
-    finally:
-        ray.shutdown()
-    return 1 if failed else 0
+    return run_scenarios(SCENARIOS, argv)
 
 
 if __name__ == "__main__":
