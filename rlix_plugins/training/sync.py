@@ -337,6 +337,9 @@ class _Group:
                 extras, frames = transport.frames(bucket)
                 header = {
                     "kind": "bucket",
+                    # names this sync: a late receiver of an earlier sync that connected to
+                    # this socket (a tcp port reused) must refuse the bucket, not apply it
+                    "sync_id": self.sync_id,
                     "index": bucket.layout.index,
                     "nbytes": bucket.layout.nbytes,
                     "checksum": bucket.layout.checksum,

@@ -17,7 +17,7 @@ import abc
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rlix_plugins.errors import TransportUnavailableError
+from rlix_plugins.errors import TransportUnavailableError, WeightSyncError
 from rlix_plugins.training.wire import SyncOffer, TransportKind
 
 if TYPE_CHECKING:
@@ -72,6 +72,20 @@ class ReceiverTransport(abc.ABC):
         """Release transport resources (idempotent)."""
 
 
+def check_sync_id(header: Mapping[str, Any], offer: SyncOffer) -> None:
+    """Refuse a bucket header of another sync. A remote receiver's control address is a tcp
+    port the sender picked at random; a receive that started after its sync gave up kept
+    connecting to it and, once a later sync (of any pipeline on that host) had bound the same
+    port, took that sync's buckets, applied them and recorded its own offer's version."""
+    sent = header.get("sync_id")
+    if sent is not None and sent != offer.sync_id:
+        raise WeightSyncError(
+            f"shard {offer.shard_id}: bucket {header.get('index')} belongs to sync {sent}, not "
+            f"to this receiver's sync {offer.sync_id} (its control address "
+            f"{offer.control_address} was reused); nothing of it was applied"
+        )
+
+
 def open_sender_transport(
     kind: TransportKind,
     version: CachedVersion,
@@ -111,7 +125,7 @@ def open_receiver_transport(offer: SyncOffer) -> ReceiverTransport:
     if kind is TransportKind.ZMQ:
         from rlix_plugins.training.transports.zmq import ZmqReceiver
 
-        return ZmqReceiver()
+        return ZmqReceiver(offer)
     if kind is TransportKind.CUDA_IPC:
         from rlix_plugins.training.transports.cuda_ipc import CudaIpcReceiver
 
