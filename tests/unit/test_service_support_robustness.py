@@ -169,7 +169,8 @@ def test_a_placement_group_creation_given_up_removes_what_it_created(
     created: list[str] = []
     removed: list[str] = []
 
-    def placement_group(bundles: list[dict[str, float]], name: str) -> FakePendingPlacementGroup:
+    def placement_group(bundles: list[dict[str, float]], name: str,
+                        **_: Any) -> FakePendingPlacementGroup:
         created.append(name)
         return FakePendingPlacementGroup(name)
 
