@@ -10,38 +10,13 @@ from rlix_plugins.sim.bounds import makespan_lower_bound
 from rlix_plugins.sim.engine import EngineConfig
 from rlix_plugins.sim.metrics import summarize
 from rlix_plugins.sim.runner import run_policy
-from rlix_plugins.sim.workloads import (
-    JobSpec,
-    LengthDistribution,
-    PhaseTimes,
-    SwitchCosts,
-    Workload,
-)
-
-FAST = SwitchCosts(1.0, 1.0, 2.0, 1.0, 1.0, 2.0)
+from rlix_plugins.sim.workloads import Workload
+from tests.unit.test_sim_engine import _job
 
 
 def _workload(kind: str, turn: float) -> Workload:
-    jobs = tuple(
-        JobSpec(
-            name=f"m_{i}",
-            arrival_s=20.0 * i,
-            steps=2,
-            batch=8,
-            train_gpus=2,
-            infer_gpus=2,
-            infer_tp=1,
-            n_sat=4,
-            max_seqs=8,
-            lengths=LengthDistribution("lognormal", 10.0, 1.0, 80.0),
-            turn_s=turn,
-            phases=PhaseTimes(2.0, 1.0, 5.0, 1.0),
-            costs=FAST,
-            max_age=1,
-            kind=kind,
-        )
-        for i in range(3)
-    )
+    # three jobs arriving 20 s apart, the engine tests' small job otherwise
+    jobs = tuple(_job(i, batch=8, turn=turn, arrival=20.0 * i, kind=kind) for i in range(3))
     return Workload("m", "metrics", jobs, gpus_per_node=8, exclusive_nodes=1, shared_nodes=1)
 
 
