@@ -69,6 +69,7 @@ from rlix_plugins.adapters.nemo_rl_placement_plan import (
     plan_placement,
     report_worker_gpu,
 )
+from rlix_plugins.adapters.nemo_rl_support import refuse_model_parallel
 from rlix_plugins.adapters.shared_groups import find_manager, read_groups
 from rlix_plugins.protocol.names import ACTOR_INFER
 
@@ -204,19 +205,7 @@ def coordinator_groups(model_parallel: int) -> tuple[Any, str] | None:
     if found is None:
         return None
     if model_parallel != 1:
-        _, namespace = found
-        raise PlacementError(
-            f"vLLM tp*pp={model_parallel} cannot run under the coordinator "
-            f"(rlix:roll_resource_manager runs in namespace {namespace!r}): NeMo RL's "
-            "tensor-parallel vLLM path places vLLM's own workers on one bundle per GPU, and the "
-            "coordinator's shared placement groups have one bundle per node holding every GPU "
-            "of that node; a placement group of this pipeline's own could never be placed next "
-            "to them (or, made first, would keep them from being created for every other "
-            "pipeline). Nothing was reserved or registered. Valid: "
-            "policy.generation.vllm_cfg.tensor_parallel_size * pipeline_parallel_size == 1 on "
-            "a shared cluster, or run this job without the control plane (unset "
-            "RLIX_CONTROL_PLANE)"
-        )
+        refuse_model_parallel(model_parallel, found[1])
     return found
 
 

@@ -18,7 +18,7 @@ defaults (``False`` for the booleans it reads with ``.get(..., False)``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, NoReturn
 
 from rlix_plugins.adapters.job_support import (
     UNSET,
@@ -30,9 +30,11 @@ from rlix_plugins.adapters.job_support import (
     is_false_or_unset,
     is_none_or_unset,
     is_true,
+    lookup,
     raise_if_unsupported,
     unsupported,
 )
+from rlix_plugins.adapters.shared_groups import PlacementError, find_manager
 from rlix_plugins.values import is_int
 
 
@@ -130,4 +132,60 @@ def check_supported_job(master_config: object, policy_factory: object | None = N
     raise_if_unsupported("NeMo RL", unsupported_settings(master_config, policy_factory))
 
 
-__all__ = ["CHECKED_KEYS", "check_supported_job", "unsupported_settings"]
+def vllm_model_parallel(master_config: object) -> int:
+    """vLLM's GPUs per engine (``tensor_parallel_size * pipeline_parallel_size`` of
+    ``policy.generation.vllm_cfg``; an absent key counts as NeMo RL's default, 1)."""
+    product = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = lookup(master_config, f"policy.generation.vllm_cfg.{key}")
+        # check_supported_job refused anything else already
+        product *= int(value) if is_int(value) else 1
+    return product
+
+
+def refuse_model_parallel(model_parallel: int, namespace: str) -> NoReturn:
+    """Raise the :class:`~.shared_groups.PlacementError` for a vLLM tp*pp > 1 pipeline under
+    the coordinator's running manager (in ``namespace``)."""
+    raise PlacementError(
+        f"vLLM tp*pp={model_parallel} cannot run under the coordinator "
+        f"(rlix:roll_resource_manager runs in namespace {namespace!r}): NeMo RL's "
+        "tensor-parallel vLLM path places vLLM's own workers on one bundle per GPU, and the "
+        "coordinator's shared placement groups have one bundle per node holding every GPU "
+        "of that node; a placement group of this pipeline's own could never be placed next "
+        "to them (or, made first, would keep them from being created for every other "
+        "pipeline). Nothing was reserved or registered. Valid: "
+        "policy.generation.vllm_cfg.tensor_parallel_size * pipeline_parallel_size == 1 on "
+        "a shared cluster, or run this job without the control plane (unset "
+        "RLIX_CONTROL_PLANE)"
+    )
+
+
+def check_shared_placement(master_config: object) -> None:
+    """Refuse, before NeMo RL's setup loads anything, a vLLM tp*pp > 1 job when the
+    coordinator's manager runs (its placement bind would refuse it only after the tokenizer,
+    the data and the cluster were set up). Nothing to check before ``ray.init`` (NeMo RL's
+    ``run_grpo.py`` starts Ray first; otherwise the bind still refuses it).
+
+    Raises:
+        PlacementError: naming tp*pp, the manager's namespace and what is valid.
+    """
+    model_parallel = vllm_model_parallel(master_config)
+    if model_parallel == 1:
+        return
+    import ray
+
+    if not ray.is_initialized():
+        return
+    found = find_manager()
+    if found is not None:
+        refuse_model_parallel(model_parallel, found[1])
+
+
+__all__ = [
+    "CHECKED_KEYS",
+    "check_shared_placement",
+    "check_supported_job",
+    "refuse_model_parallel",
+    "unsupported_settings",
+    "vllm_model_parallel",
+]

@@ -325,13 +325,19 @@ def wrap_setup(stock: Callable[..., Any]) -> Callable[..., Any]:
     """``grpo.setup`` that first checks the job is one the coordinator can time-share
     (:func:`~rlix_plugins.adapters.nemo_rl_support.check_supported_job`): an unsupported one
     is refused with every unsupported setting named, before NeMo RL builds any cluster or
-    worker. If NeMo RL's setup raises, the pipeline it claimed leaves the coordinator."""
+    worker; so is a vLLM tp*pp > 1 one when the coordinator's manager runs
+    (:func:`~rlix_plugins.adapters.nemo_rl_support.check_shared_placement`). If NeMo RL's
+    setup raises, the pipeline it claimed leaves the coordinator."""
 
     def setup(bound: inspect.BoundArguments) -> Any:
-        from rlix_plugins.adapters.nemo_rl_support import check_supported_job
+        from rlix_plugins.adapters.nemo_rl_support import (
+            check_shared_placement,
+            check_supported_job,
+        )
 
-        check_supported_job(bound.arguments.get("master_config"),
-                            bound.arguments.get("policy_factory"))
+        master_config = bound.arguments.get("master_config")
+        check_supported_job(master_config, bound.arguments.get("policy_factory"))
+        check_shared_placement(master_config)
         try:
             return stock(*bound.args, **bound.kwargs)
         except BaseException:

@@ -244,3 +244,28 @@ def test_a_failed_setup_makes_the_claimed_pipeline_leave(
     assert "PIPELINE_ID" not in os.environ  # the id of a pipeline that left
     nemo_rl.abandon_setup()  # nothing claimed any more: a no-op
     assert claimed.shut == 1
+
+
+@pytest.mark.integration
+def test_patched_setup_refuses_tensor_parallel_vllm_when_the_coordinators_manager_runs(
+        coordinator: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the fix a vLLM tp*pp > 1 job was refused only at its first placement bind,
+    after NeMo RL's setup had loaded the tokenizer, the data and the clusters (real Ray, the
+    real coordinator and its ``rlix:roll_resource_manager``)."""
+    from rlix_plugins.adapters.shared_groups import PlacementError
+
+    monkeypatch.setenv("RLIX_CONTROL_PLANE", "rlix")
+    monkeypatch.setenv("RLIX_NAMESPACE", coordinator.namespace)
+    stock = _RecordingSetup()
+    setup = wrap_setup(stock)
+    tp2 = _set(_supported(), "policy.generation.vllm_cfg.tensor_parallel_size", 2)
+    with pytest.raises(PlacementError, match=r"tp\*pp=2") as err:
+        setup(tp2, "tok", "data", None)
+    assert coordinator.namespace in str(err.value)
+    assert "tensor_parallel_size * pipeline_parallel_size == 1" in str(err.value)
+    assert stock.calls == []
+    # One GPU per engine still reaches NeMo RL's setup under the running manager.
+    assert setup(_supported(), "tok", "data", None) == "built"
+    # Without the control plane the job is NeMo RL's own: tp=2 goes through.
+    monkeypatch.delenv("RLIX_CONTROL_PLANE")
+    assert setup(tp2, "tok", "data", None) == "built"
