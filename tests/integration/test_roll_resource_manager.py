@@ -4,6 +4,7 @@ are never waited for without bound, and the layouts it hands out are checked fir
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -23,12 +24,23 @@ def _states_named(ray: Any, name: str) -> list[str]:
 
 
 def test_get_state_gives_up_on_groups_another_process_holds_the_gpus_of(
-    ray_session: Any,
+    ray_session: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Before the fix ``_ensure`` awaited ``pg.ready()`` without bound under its lock: with
     every GPU reserved by someone else, ``get_state`` (and every later caller, and
-    ``destroy_placement_group`` at stop) blocked forever."""
+    ``destroy_placement_group`` at stop) blocked forever. The message reads Ray's placement
+    group table (a blocking GCS call): off the event loop, which serves every other caller."""
     ray = ray_session
+    from rlix_plugins.coordinator.service import resource_manager
+
+    message_threads: list[threading.Thread] = []
+    real_message = resource_manager._unplaceable_message
+
+    def recording_message(topology: Topology, timeout_s: float) -> str:
+        message_threads.append(threading.current_thread())
+        return real_message(topology, timeout_s)
+
+    monkeypatch.setattr(resource_manager, "_unplaceable_message", recording_message)
     from ray.util.placement_group import placement_group, remove_placement_group
 
     holder = placement_group([{"GPU": 8.0}], name="someone_elses_group")
@@ -41,6 +53,9 @@ def test_get_state_gives_up_on_groups_another_process_holds_the_gpus_of(
         msg = str(err.value)
         assert isinstance(err.value, RlixPluginsError)
         assert "rlix_pg_node0" in msg and "2s" in msg and "GPU" in msg
+        assert "someone_elses_group" in msg
+        # asyncio.run's loop runs on this (the main) thread.
+        assert message_threads and threading.main_thread() not in message_threads
         # Nothing left pending to grab the GPUs later behind everyone's back.
         assert "PENDING" not in _states_named(ray, "rlix_pg_node0")
     finally:
@@ -131,3 +146,22 @@ def test_a_restarted_manager_adopts_its_groups_and_the_workers_on_them_live_on(
     ray.get(manager.destroy_placement_group.remote(), timeout=60)
     assert "CREATED" not in _states_named(ray, "rlix_pg_node0")
     ray.kill(worker)
+
+
+def test_groups_that_do_not_sit_one_per_node_are_refused_and_removed(ray_session: Any) -> None:
+    """A topology of more nodes than Ray has (here 2 x 4 GPUs on the session's one node of
+    8): both groups place on the one node. Before the fix the manager handed them out, and
+    ROLL's workers pinned to global GPUs 0 and 4 got the same ``CUDA_VISIBLE_DEVICES=0``
+    (only the NeMo RL and veRL adapters checked this)."""
+    from rlix_plugins.adapters.shared_groups import PlacementError
+
+    ray = ray_session
+    rm = RollResourceManagerService(Topology(2, 4), ready_timeout_s=30.0)
+    with pytest.raises(PlacementError) as err:
+        asyncio.run(asyncio.wait_for(rm.get_state(), timeout=60))
+    assert "node ranks [0, 1]" in str(err.value) and "one per node" in str(err.value)
+    # Removed, so they hold nothing; and nothing is handed out on the next call either.
+    for name in ("rlix_pg_node0", "rlix_pg_node1"):
+        assert "CREATED" not in _states_named(ray, name)
+    with pytest.raises(PlacementError):
+        asyncio.run(asyncio.wait_for(rm.get_state(), timeout=60))

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from rlix_plugins.adapters.shared_groups import SHARED_NODE_BUNDLE, check_one_group_per_node
 from rlix_plugins.coordinator.core.model import Topology
 from rlix_plugins.errors import ProtocolError, RlixPluginsError
 from rlix_plugins.values import is_int
@@ -140,6 +141,14 @@ def _unplaceable_message(topology: Topology, timeout_s: float) -> str:
     )
 
 
+def _group_nodes(pgs: list[Any]) -> list[str]:
+    """The Ray node each shared group's (only) bundle sits on, in node-rank order."""
+    from ray.util.placement_group import placement_group_table
+
+    return [str(placement_group_table(pg)["bundles_to_node_id"][SHARED_NODE_BUNDLE])
+            for pg in pgs]
+
+
 class RollResourceManagerService:
     """``rlix:roll_resource_manager``: shared per-node placement groups (ROLL-compatible).
 
@@ -256,9 +265,16 @@ class RollResourceManagerService:
                             asyncio.gather(*(pg.ready() for pg in pgs)), self._ready_timeout_s
                         )
                     except asyncio.TimeoutError:
-                        raise SharedGroupsUnplaceableError(
-                            _unplaceable_message(topology, self._ready_timeout_s)
-                        ) from None
+                        # The message reads Ray's placement group table (a blocking GCS
+                        # call): off the loop, which serves every other caller meanwhile.
+                        message = await asyncio.to_thread(
+                            _unplaceable_message, topology, self._ready_timeout_s
+                        )
+                        raise SharedGroupsUnplaceableError(message) from None
+                    # A topology of more nodes than Ray has (or a node with more GPUs than
+                    # the topology's) puts two groups on one node: pinned workers of two
+                    # global GPUs would share one physical GPU. Refused, and removed below.
+                    check_one_group_per_node(await asyncio.to_thread(_group_nodes, pgs))
                 except BaseException:
                     # Given up (cancelled) or failed while pending: a pending group still
                     # reserves its GPUs once they free, and the next call would create a
@@ -275,7 +291,13 @@ class RollResourceManagerService:
             return self._pgs
 
     async def get_state(self) -> dict[str, Any]:
-        """What ROLL's ``RollResourceManagerProxy`` reads."""
+        """What ROLL's ``RollResourceManagerProxy`` reads (the first call makes the groups).
+
+        Raises:
+            SharedGroupsUnplaceableError: the groups were not placed within the bound.
+            PlacementError: they do not sit one per Ray node (the topology names more nodes,
+                or fewer GPUs per node, than Ray has); they are removed again.
+        """
         pgs = await self._ensure()
         assert self._topology is not None
         return {
