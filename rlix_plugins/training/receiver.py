@@ -40,7 +40,14 @@ from rlix_plugins.training.bucket_cache import TensorEntry, torch_dtype, unpack_
 from rlix_plugins.training.checksum import checksum_bytes, checksum_tensor
 from rlix_plugins.training.transports.base import ReceiverTransport, open_receiver_transport
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
-from rlix_plugins.training.wire import ReceiveResult, SyncOffer, decode, encode
+from rlix_plugins.training.wire import (
+    HANDSHAKE_PROTOCOL,
+    ReceiveResult,
+    StaleSyncError,
+    SyncOffer,
+    decode,
+    encode,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -257,11 +264,50 @@ def _send(sock: zmq.Socket[bytes], msg: dict[str, Any], offer: SyncOffer, what: 
     )
 
 
+def _handshake(sock: zmq.Socket[bytes], offer: SyncOffer) -> None:
+    """Control protocol 2: name this receiver's sync and wait to be admitted. A sender of
+    another sync (this offer's tcp port was bound again after its sync gave up) refuses it
+    before anything is sent: :class:`StaleSyncError`, naming both syncs."""
+    import zmq
+
+    hello = {"kind": "hello", "protocol": HANDSHAKE_PROTOCOL, "sync_id": offer.sync_id,
+             "shard_id": offer.shard_id}
+    _send(sock, hello, offer, "hello")
+    if not sock.poll(int(offer.timeout_s * 1000), zmq.POLLIN):
+        raise ReceiverGoneError(
+            f"shard {offer.shard_id}: sender of pipeline {offer.pipeline_id} did not answer "
+            f"its hello on {offer.control_address} for {offer.timeout_s:.0f}s (sync "
+            f"{offer.sync_id})"
+        )
+    reply = decode(sock.recv_multipart()[0])
+    kind = reply.get("kind")
+    if kind == "welcome" and reply.get("sync_id") == offer.sync_id:
+        return
+    if kind == "refused":
+        raise StaleSyncError(
+            f"shard {offer.shard_id}: the sender at {offer.control_address} runs sync "
+            f"{reply.get('sync_id')}, not this receiver's sync {offer.sync_id} (its sync gave "
+            f"up and the port was bound again); refused before anything was applied: "
+            f"{reply.get('reason', '')}"
+        )
+    if kind == "abort":
+        raise WeightSyncError(
+            f"shard {offer.shard_id}: sender aborted sync {offer.sync_id}: "
+            f"{reply.get('reason', '')}"
+        )
+    raise WeightSyncError(
+        f"shard {offer.shard_id}: expected 'welcome' (sync {offer.sync_id}) or 'refused' in "
+        f"answer to its hello, got {reply!r}"
+    )
+
+
 def _run(offer: SyncOffer, consume: Callable[[Iterator[_Received]], object]) -> ReceiveResult:
     import zmq
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.PAIR)
+    handshake = offer.control_protocol == HANDSHAKE_PROTOCOL
+    # protocol 2: the sender's socket is a ROUTER (a PAIR cannot connect to it)
+    sock = ctx.socket(zmq.DEALER if handshake else zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
     try:
         sock.connect(offer.control_address)
@@ -276,6 +322,9 @@ def _run(offer: SyncOffer, consume: Callable[[Iterator[_Received]], object]) -> 
     stats = _Stats()
     transport: ReceiverTransport | None = None
     try:
+        if handshake:
+            # before the transport: a broadcast receiver would otherwise join a rendezvous
+            _handshake(sock, offer)
         transport = open_receiver_transport(offer)
         consume(_bucket_stream(sock, transport, offer, stats))
         if not stats.ended:
@@ -296,6 +345,8 @@ def _run(offer: SyncOffer, consume: Callable[[Iterator[_Received]], object]) -> 
         )
         _send(sock, {"ok": True, "kind": "done", "result": result.to_dict()}, offer, "final ack")
         return result
+    except StaleSyncError:
+        raise  # the sender is another sync's: it gets no reply
     except BaseException as exc:
         with contextlib.suppress(zmq.ZMQError):
             sock.send(

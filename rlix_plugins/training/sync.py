@@ -7,6 +7,13 @@ is sent only after that ack, so a receiver's extra memory peaks at one bucket. T
 transport is the exception to the lockstep: its receivers map the cache's own pages, so all
 bucket headers are sent at once and the receiver works through them one bucket at a time.
 
+A receiver on another host reaches its control socket at a random tcp port, which a later sync
+may bind again while a late receiver of the earlier sync still connects to it: that socket is a
+ROUTER that admits only a receiver whose ``hello`` names this sync and refuses any other at once
+(control protocol 2, :data:`~rlix_plugins.training.wire.CONTROL_PROTOCOLS`), so the stale one
+never takes the place of the receiver the port is meant for. Same-host receivers use an ipc
+path that names its sync (protocol 1, a PAIR socket).
+
 Receivers that share nothing are independent: point-to-point receivers (shm, zmq, cuda_ipc)
 each get their own thread, broadcast receivers (nccl, gloo) share one temporary group. State
 is per call (sockets, threads, groups, sync id) and there is no module-level lock: a sync for
@@ -40,7 +47,14 @@ from rlix_plugins.training.transports.selection import (
     SenderLocation,
     select_transport,
 )
-from rlix_plugins.training.wire import ReceiveResult, SyncOffer, TransportKind, decode, encode
+from rlix_plugins.training.wire import (
+    HANDSHAKE_PROTOCOL,
+    ReceiveResult,
+    SyncOffer,
+    TransportKind,
+    decode,
+    encode,
+)
 from rlix_plugins.values import is_finite
 
 if TYPE_CHECKING:
@@ -165,6 +179,12 @@ class _Member:
     socket: zmq.Socket[bytes]
     future: concurrent.futures.Future[Any] | None = None
     done: bool = False
+    #: the sync this member belongs to (named in the refusal a stale receiver gets)
+    sync_id: str = ""
+    #: control protocol 2: ``socket`` is a ROUTER that admits the receiver by its hello
+    handshake: bool = False
+    #: the admitted receiver's routing id on a ROUTER socket; every message goes to it only
+    peer: bytes | None = None
 
 
 def _raise_for_ack(member: _Member, ack: Mapping[str, Any]) -> None:
@@ -217,6 +237,13 @@ def _send(member: _Member, header: Mapping[str, Any], frames: list[Any], timeout
 
     deadline = time.monotonic() + timeout_s
     parts = [encode(header), *frames]
+    if member.handshake:
+        if member.peer is None:
+            raise WeightSyncError(
+                f"shard {member.receiver.shard_id}: no receiver was admitted on its control "
+                "socket (the hello handshake must come first)"
+            )
+        parts.insert(0, member.peer)  # a ROUTER routes by the first frame
     while True:
         _wait(member, zmq.POLLOUT, deadline, "connection")
         try:
@@ -227,6 +254,75 @@ def _send(member: _Member, header: Mapping[str, Any], frames: list[Any], timeout
         except zmq.Again:
             if time.monotonic() > deadline:
                 raise _gone(member, "no connection within the ack timeout") from None
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            # ROUTER_MANDATORY: the admitted receiver disconnected
+            raise _gone(member, "disconnected") from None
+
+
+def _refuse(member: _Member, peer: bytes, why: str) -> None:
+    """Turn away a peer that is not this member's receiver: it is told at once (naming this
+    sync) and never gets a bucket. Best effort: a peer that already left is not waited for."""
+    import zmq
+
+    logger.warning(
+        "shard %s: refused a peer on control address %s (sync %s): %s",
+        member.receiver.shard_id, member.address, member.sync_id, why,
+    )
+    msg = {"kind": "refused", "sync_id": member.sync_id, "reason": why}
+    with contextlib.suppress(zmq.ZMQError):
+        member.socket.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
+
+
+def _next_from_peer(member: _Member, deadline: float, what: str) -> list[zmq.Frame]:
+    """The next message of the admitted receiver (without its routing frame); messages of any
+    other peer (a late receiver of an earlier sync that reached this port) are refused, within
+    the same deadline: a stale peer never extends the wait for the real one."""
+    import zmq
+
+    while True:
+        _wait(member, zmq.POLLIN, deadline, what)
+        frames = member.socket.recv_multipart(copy=False)
+        peer = bytes(frames[0].bytes)
+        if peer == member.peer:
+            return frames[1:]
+        _refuse(member, peer, f"this control address belongs to sync {member.sync_id}")
+
+
+def _accept(member: _Member, deadline: float) -> None:
+    """Admit the member's own receiver (control protocol 2): the first peer whose hello names
+    this sync and this shard. Any other peer is refused at once, and the wait for the hello
+    stays bounded by ``deadline``."""
+    import zmq
+
+    what = "hello"
+    while True:
+        _wait(member, zmq.POLLIN, deadline, what)
+        frames = member.socket.recv_multipart()
+        peer, payload = frames[0], frames[-1]
+        try:
+            hello = decode(payload)
+        except (ValueError, WeightSyncError):
+            hello = {}
+        if hello.get("kind") != "hello":
+            _refuse(member, peer, f"expected a hello naming sync {member.sync_id}, got {hello!r}")
+            continue
+        if hello.get("sync_id") != member.sync_id or hello.get("shard_id") != (
+            member.receiver.shard_id
+        ):
+            _refuse(
+                member,
+                peer,
+                f"a receiver of sync {hello.get('sync_id')} (shard {hello.get('shard_id')}) "
+                f"reached the control address of sync {member.sync_id} (shard "
+                f"{member.receiver.shard_id}); its own sync gave up and the port was reused",
+            )
+            continue
+        member.peer = peer
+        _send(member, {"kind": "welcome", "sync_id": member.sync_id}, [],
+              max(0.0, deadline - time.monotonic()))
+        return
 
 
 def _recv(
@@ -236,8 +332,12 @@ def _recv(
     a look, so one for the wrong bucket (or an early "done") passed as the awaited one."""
     import zmq
 
-    _wait(member, zmq.POLLIN, time.monotonic() + timeout_s, what)
-    ack = decode(member.socket.recv())
+    deadline = time.monotonic() + timeout_s
+    if member.handshake:
+        ack = decode(_next_from_peer(member, deadline, what)[0].buffer)
+    else:
+        _wait(member, zmq.POLLIN, deadline, what)
+        ack = decode(member.socket.recv())
     _raise_for_ack(member, ack)
     if ack.get("kind") != kind or (index is not None and ack.get("index") != index):
         expected = f"{kind!r} with index {index}" if index is not None else repr(kind)
@@ -303,6 +403,7 @@ class _Group:
                     checksum=cv.checksum,
                     timeout_s=opts.ack_timeout_s,
                     details=transport.details(rank),
+                    control_protocol=HANDSHAKE_PROTOCOL if m.handshake else 1,
                 )
                 try:
                     m.future = m.receiver.begin_receive(offer)
@@ -313,6 +414,13 @@ class _Group:
                             f"shard {m.receiver.shard_id}: could not start receiving: {exc}"
                         ),
                     ) from exc
+            # Admit each receiver before the transport's rendezvous (a receiver hellos before
+            # it opens its transport); one bound for the group, which a stale peer (refused
+            # here) does not extend.
+            deadline = time.monotonic() + opts.ack_timeout_s
+            for m in self.members:
+                if m.handshake:
+                    self._guard(m, _accept, m, deadline)
             self._guard(None, transport.prepare)
             # Acks awaited from the receivers, oldest first. A transport whose receivers hold
             # no copy of a bucket (shm: they map the cache's own pages) may announce buckets
@@ -405,7 +513,11 @@ class _Group:
                 with contextlib.suppress(Exception):
                     import zmq
 
-                    m.socket.send(encode({"kind": "abort", "reason": reason}), zmq.NOBLOCK)
+                    abort = encode({"kind": "abort", "reason": reason})
+                    if not m.handshake:
+                        m.socket.send(abort, zmq.NOBLOCK)
+                    elif m.peer is not None:  # nobody admitted yet: nobody to tell
+                        m.socket.send_multipart([m.peer, abort], zmq.NOBLOCK)
             culprit = shard_id in (None, "", m.receiver.shard_id)
             outcomes.append(
                 ShardOutcome(
@@ -511,12 +623,17 @@ def sync_version(
         members: list[_Member] = []
         try:
             for i, (r, kind) in enumerate(plan):
-                sock = ctx.socket(zmq.PAIR)
+                same_host = r.location.host == sender.host
+                # tcp (another host): a ROUTER, which admits only this sync's receiver
+                sock = ctx.socket(zmq.PAIR if same_host else zmq.ROUTER)
                 sock.setsockopt(zmq.LINGER, 0)
-                members.append(_Member(r, kind, "", sock))
-                members[-1].address = _control_address(
-                    sock, r.location.host == sender.host, sync_id, i, opts
+                if not same_host:
+                    # a send to a receiver that left fails instead of vanishing silently
+                    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                members.append(
+                    _Member(r, kind, "", sock, sync_id=sync_id, handshake=not same_host)
                 )
+                members[-1].address = _control_address(sock, same_host, sync_id, i, opts)
             groups: list[_Group] = []
             broadcast: dict[TransportKind, list[_Member]] = {}
             for m in members:

@@ -46,9 +46,30 @@ class TransportKind(str, enum.Enum):
     GLOO = "gloo"
 
 
+#: Control-channel protocols this package speaks. 1: the receiver connects a PAIR socket and
+#: the sender starts with the first bucket. 2: the sender's socket is a ROUTER, the receiver
+#: connects a DEALER and first sends a ``hello`` naming its sync; the sender answers
+#: ``welcome`` to its own receiver and ``refused`` (naming its own sync) to any other, so a
+#: late receiver of an earlier sync that reached a reused tcp port never takes the place of
+#: the receiver the port is meant for. The sender offers 2 on tcp control addresses (the only
+#: ones that can be reused: an ipc path names its sync) and 1 on ipc.
+CONTROL_PROTOCOLS = (1, 2)
+#: The handshake protocol (see :data:`CONTROL_PROTOCOLS`).
+HANDSHAKE_PROTOCOL = 2
+
+
+class StaleSyncError(WeightSyncError):
+    """A receiver reached a sender of another sync (its tcp control port was reused after its
+    own sync gave up) and was refused before anything was applied."""
+
+
 @dataclass(frozen=True, slots=True)
 class SyncOffer:
-    """What a receiver needs to pull one weight version (sent through the host's RPC)."""
+    """What a receiver needs to pull one weight version (sent through the host's RPC).
+
+    ``control_protocol`` is the control-channel protocol (:data:`CONTROL_PROTOCOLS`); an offer
+    without one (from a sender before the handshake) is protocol 1.
+    """
 
     pipeline_id: str
     sync_id: str
@@ -62,17 +83,27 @@ class SyncOffer:
     checksum: ChecksumKind
     timeout_s: float
     details: Mapping[str, Any] = field(default_factory=dict)
+    control_protocol: int = 1
 
     def __post_init__(self) -> None:
         # A receiver polls with int(timeout_s * 1000): a negative value is an endless wait in
         # ZMQ, NaN or inf a crash mid-sync; negative counts would never match what arrives.
-        for name in ("version", "num_buckets", "total_bytes", "max_bucket_bytes"):
+        for name in ("version", "num_buckets", "total_bytes", "max_bucket_bytes",
+                     "control_protocol"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise WeightSyncError(f"sync offer field {name}={value!r} must be an int")
             if name != "version" and value < 0:
                 raise WeightSyncError(f"sync offer field {name}={value!r} must be >= 0")
             object.__setattr__(self, name, int(value))  # numpy ints travel as plain ints
+        if self.control_protocol not in CONTROL_PROTOCOLS:
+            # a newer sender's protocol: speaking 1 or 2 to it would hang both ends until the
+            # timeout, so the receiver refuses the offer by name instead
+            raise WeightSyncError(
+                f"sync offer field control_protocol={self.control_protocol} is not spoken by "
+                f"this receiver (valid: {', '.join(map(str, CONTROL_PROTOCOLS))}); install the "
+                "same rlix-plugins version on the trainer and the inference workers"
+            )
         t = self.timeout_s
         if not is_number(t) or not 0 < t < math.inf:
             raise WeightSyncError(
@@ -106,6 +137,8 @@ class SyncOffer:
                 checksum=ChecksumKind(raw["checksum"]),
                 timeout_s=float(raw["timeout_s"]),
                 details=dict(raw.get("details") or {}),
+                # absent from a sender before the handshake, which speaks protocol 1
+                control_protocol=raw.get("control_protocol", 1),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise WeightSyncError(f"malformed sync offer {dict(raw)!r}: {exc}") from None

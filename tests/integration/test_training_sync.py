@@ -110,6 +110,31 @@ def test_transport_is_selected_by_capability() -> None:
     cache.close()
 
 
+@pytest.mark.parametrize("kind", [TransportKind.ZMQ, TransportKind.GLOO])
+def test_remote_receivers_are_admitted_by_their_hello(kind: TransportKind) -> None:
+    # A remote receiver's control socket is a tcp ROUTER that admits it by its hello (control
+    # protocol 2). A broadcast group's receivers hello before they join the rendezvous: the
+    # sender admits them all first, then forms the group.
+    w = _weights(3, n=4)
+    cache = _cache("ft_hello", 1, w)
+    far = ReceiverLocation(host="elsewhere:boot")
+    targets = [StateDictTarget(_zeros_like(w)) for _ in range(2)]
+    receivers = [ThreadReceiver(f"far{i}", t.load_weights, far) for i, t in enumerate(targets)]
+    try:
+        report = sync_version(
+            cache, 1, receivers,
+            options=SyncOptions(advertise_host="127.0.0.1", ack_timeout_s=30,
+                                transports={r.shard_id: kind for r in receivers}),
+        )
+        assert report.succeeded == ("far0", "far1") and report.failed == ()
+        for t in targets:
+            assert all(torch.equal(t.tensors[k], v) for k, v in w.items())
+    finally:
+        for r in receivers:
+            r.close()
+        cache.close()
+
+
 def test_two_pipelines_sync_concurrently() -> None:
     # Each receiver waits inside its first load_weights until the OTHER pipeline's receiver is
     # also inside one: this passes only if neither sync waits for the other (no global lock).
