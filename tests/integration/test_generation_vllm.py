@@ -21,6 +21,7 @@ import pytest
 from rlix_plugins.errors import (
     LastActiveShardError,
     NoActiveShardError,
+    PreemptionError,
     ShardStateError,
 )
 from rlix_plugins.generation import (
@@ -283,6 +284,189 @@ def test_drain_timeout_forces_sleep_and_counts_it_fake_never_idle(
     pair.run(go(), timeout=120)
 
 
+class FakeHangingShard:
+    """Fake: a real VllmAsyncShard whose lifecycle call ``call`` (``abort_all``,
+    ``num_running``, ``sleep``, ``wake_up`` or ``resume``) does not answer until
+    :meth:`release` (a real engine cannot be made to hang on demand). The held call then goes
+    on to the real engine, as a Ray call whose await was given up keeps running in its actor.
+    Everything else is the real shard's."""
+
+    def __init__(self, inner: VllmAsyncShard, call: str) -> None:
+        self.inner = inner
+        self.call = call
+        #: every lifecycle call that reached this shard, in order
+        self.calls: list[str] = []
+        self.held = 0  # calls of ``call`` now held
+        self._released = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def _through(self, name: str, *args: Any) -> Any:
+        self.calls.append(name)
+        if name == self.call and not self._released.is_set():
+            self.held += 1
+            try:
+                await self._released.wait()
+            finally:
+                self.held -= 1
+        return await getattr(self.inner, name)(*args)
+
+    async def abort_all(self) -> int:
+        return int(await self._through("abort_all"))
+
+    async def num_running(self) -> int:
+        return int(await self._through("num_running"))
+
+    async def sleep(self, level: int | None = None) -> None:
+        await self._through("sleep", level)
+
+    async def wake_up(self) -> None:
+        await self._through("wake_up")
+
+    async def resume(self) -> None:
+        await self._through("resume")
+
+
+#: bound of the hung call in the tests below; the other calls keep their generous defaults
+HANG_BOUND_S = 0.3
+
+
+def _hang_rig(pair: VllmPair, call: str) -> tuple[Rig, FakeHangingShard]:
+    real = [VllmAsyncShard(e, name=f"s{i}") for i, e in enumerate(pair.engines)]
+    hung = FakeHangingShard(real[0], call)
+    config = PreemptionConfig(**{f"{call}_timeout_s": HANG_BOUND_S})  # type: ignore[arg-type]
+    return Rig(pair, shards=[hung, real[1]], preemption=config), hung
+
+
+def _timeout_logged(caplog: pytest.LogCaptureFixture, call: str) -> None:
+    assert any(r.levelname == "WARNING" and "shard 0" in r.getMessage()
+               and call in r.getMessage() and f"{HANG_BOUND_S:g}s" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("call", ["abort_all", "num_running", "sleep"])
+def test_a_hung_engine_call_in_preempt_times_out_and_frees_the_lifecycle_fake_hanging(
+    vllm_pair_clean: VllmPair, call: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The lifecycle awaited every engine call unbounded under its operation lock: one engine
+    that never answered held the lock, and every later preempt / wake / activate of every
+    shard waited behind it."""
+    pair = vllm_pair_clean
+    caplog.set_level("WARNING")
+
+    async def go() -> None:
+        rig, hung = _hang_rig(pair, call)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PreemptionError,
+                               match=rf"shard 0: .*{call}.* {HANG_BOUND_S:g}s") as err:
+                await asyncio.wait_for(rig.life.preempt([0, 1]), 30)
+            assert time.monotonic() - t0 < 10
+            assert "stay preempted and unrouted" in str(err.value)
+            # The shard that hung stays preempted (never routed); the other one went down.
+            snap = rig.view.snapshot()
+            assert (snap.status(0), snap.status(1)) == (ShardStatus.PREEMPTED,
+                                                        ShardStatus.SLEEPING)
+            assert await pair.engines[1].is_sleeping() and hung.held == 1
+            # The lock is free: operations on the other shard complete while shard 0 hangs.
+            await asyncio.wait_for(rig.life.wake([1]), 30)
+            await asyncio.wait_for(rig.life.activate([1]), 30)
+            assert rig.view.snapshot().status(1) is ShardStatus.ACTIVE and hung.held == 1
+            # A retry while the call still hangs sends the shard nothing more (a second call
+            # would overlap the first on the engine) and fails the same way, bounded.
+            calls = list(hung.calls)
+            with pytest.raises(PreemptionError, match=rf"shard 0: .*{call}.*still running"):
+                await asyncio.wait_for(rig.life.preempt([0]), 30)
+            assert hung.calls == calls
+            assert rig.view.snapshot().status(0) is ShardStatus.PREEMPTED
+            # Once the hang clears, a retry takes the shard down.
+            hung.release()
+            record = await asyncio.wait_for(rig.life.preempt([0]), 30)
+            assert [t.dp_rank for t in record.shards] == [0]
+            assert rig.view.snapshot().status(0) is ShardStatus.SLEEPING
+            assert await pair.engines[0].is_sleeping()
+        finally:
+            hung.release()
+        _timeout_logged(caplog, call)
+
+    pair.run(go(), timeout=120)
+
+
+def test_a_hung_wake_up_times_out_and_the_shard_stays_sleeping_fake_hanging(
+    vllm_pair_clean: VllmPair, caplog: pytest.LogCaptureFixture,
+) -> None:
+    pair = vllm_pair_clean
+    caplog.set_level("WARNING")
+
+    async def go() -> None:
+        rig, hung = _hang_rig(pair, "wake_up")
+        try:
+            await rig.life.preempt([0, 1])
+            with pytest.raises(PreemptionError,
+                               match=rf"wake failed on shard 0: .*wake_up.* {HANG_BOUND_S:g}s"):
+                await asyncio.wait_for(rig.life.wake([0, 1]), 30)
+            # The shard that did not wake stays sleeping; the other one woke.
+            snap = rig.view.snapshot()
+            assert (snap.status(0), snap.status(1)) == (ShardStatus.SLEEPING, ShardStatus.WOKEN)
+            await asyncio.wait_for(rig.life.activate([1]), 30)  # the lock is free
+            assert rig.view.snapshot().status(1) is ShardStatus.ACTIVE and hung.held == 1
+            calls = list(hung.calls)
+            with pytest.raises(PreemptionError, match=r"shard 0: .*wake_up.*still running"):
+                await asyncio.wait_for(rig.life.wake([0]), 30)
+            assert hung.calls == calls
+            assert rig.view.snapshot().status(0) is ShardStatus.SLEEPING
+            hung.release()
+            await asyncio.wait_for(rig.life.wake([0]), 30)
+            await asyncio.wait_for(rig.life.activate([0]), 30)
+            assert rig.view.snapshot().statuses == (ShardStatus.ACTIVE, ShardStatus.ACTIVE)
+            assert not await pair.engines[0].is_sleeping() and rig.shards[0].accepting
+        finally:
+            hung.release()
+        _timeout_logged(caplog, "wake_up")
+
+    pair.run(go(), timeout=120)
+
+
+def test_a_hung_resume_times_out_and_the_shard_stays_woken_fake_hanging(
+    vllm_pair_clean: VllmPair, caplog: pytest.LogCaptureFixture,
+) -> None:
+    pair = vllm_pair_clean
+    caplog.set_level("WARNING")
+
+    async def go() -> None:
+        rig, hung = _hang_rig(pair, "resume")
+        try:
+            await rig.life.preempt([0])
+            await rig.life.wake([0])
+            with pytest.raises(PreemptionError,
+                               match=rf"activate failed on shard 0: .*resume.* {HANG_BOUND_S:g}s"):
+                await asyncio.wait_for(rig.life.activate([0]), 30)
+            assert rig.view.snapshot().status(0) is ShardStatus.WOKEN  # never routed
+            # The lock is free: the other shard goes down and comes back.
+            await asyncio.wait_for(rig.life.preempt([1]), 30)
+            await asyncio.wait_for(rig.life.wake([1]), 30)
+            await asyncio.wait_for(rig.life.activate([1]), 30)
+            assert rig.view.snapshot().status(1) is ShardStatus.ACTIVE and hung.held == 1
+            calls = list(hung.calls)
+            with pytest.raises(PreemptionError, match=r"shard 0: .*resume.*still running"):
+                await asyncio.wait_for(rig.life.activate([0]), 30)
+            assert hung.calls == calls
+            assert rig.view.snapshot().status(0) is ShardStatus.WOKEN
+            hung.release()
+            await asyncio.wait_for(rig.life.activate([0]), 30)
+            assert rig.view.snapshot().statuses == (ShardStatus.ACTIVE, ShardStatus.ACTIVE)
+            assert rig.shards[0].accepting
+        finally:
+            hung.release()
+        _timeout_logged(caplog, "resume")
+
+    pair.run(go(), timeout=120)
+
+
 class FakeLaggingView:
     """Fake: a router-side view that missed the last state push until it refreshes (the
     real Ray view lags by one RPC; this makes the window deterministic)."""
@@ -316,7 +500,7 @@ def test_stale_router_copy_is_rejected_at_the_gate_and_redispatched_fake_lagging
         stale = rig.view.snapshot()  # both active
         await rig.life.preempt([0])
         lagging = FakeLaggingView(rig.view, stale)
-        router = ShardRouter(lagging, rig.shards)  # type: ignore[arg-type]
+        router = ShardRouter(lagging, rig.shards)
         results = [await router.generate(r) for r in reqs]
         assert rig.shards[0].rejected_total >= 1
         assert router.stats().stale_refreshes == 1

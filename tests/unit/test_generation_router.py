@@ -140,10 +140,30 @@ def test_router_config_rejects_bad_values(kwargs: dict[str, object], message: st
     # inf passed and hung every preempt whose drain had to poll twice
     ({"drain_poll_s": float("inf")},
      r"drain_poll_s must be finite \(a poll interval in seconds\), got inf"),
+    # the engine-call bounds: finite seconds > 0 (inf is no bound: one hung engine held the
+    # lifecycle's lock for good)
+    *[({f"{call}_timeout_s": bad}, rf"{call}_timeout_s must be a finite number of seconds > 0 "
+                                    rf"\(the bound on each {call} call\), got {shown}")
+      for call in ("abort_all", "num_running", "sleep", "wake_up", "resume")
+      for bad, shown in ((0, "0"), (-1.5, "-1.5"), (float("inf"), "inf"), (True, "True"),
+                         ("60", "'60'"), (None, "None"))],
 ])
 def test_preemption_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PreemptionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_engine_call_bounds_default_to_catching_hangs_only() -> None:
+    """The defaults must let real engines finish: a veRL replica's sleep first waits up to
+    ``REFRESH_WAIT_S`` for an in-place refresh, and a wake that reloads the model takes up to
+    100+ s (vLLM's sleep-mode figures); the control calls take milliseconds."""
+    from rlix_plugins.adapters.verl_shards import REFRESH_WAIT_S
+
+    cfg = PreemptionConfig()
+    assert cfg.sleep_timeout_s >= 2 * REFRESH_WAIT_S and cfg.sleep_timeout_s >= 200
+    assert cfg.wake_up_timeout_s >= 200
+    assert min(cfg.abort_all_timeout_s, cfg.num_running_timeout_s, cfg.resume_timeout_s) >= 30
+    assert cfg.bound_s("wake_up") == cfg.wake_up_timeout_s
 
 
 def test_vllm_shard_refuses_pickling() -> None:
