@@ -23,10 +23,10 @@ Host details stay here and in patches/; generation/ and training/ never import v
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from rlix_plugins.adapters.observability import ObservationWriter
@@ -37,7 +37,7 @@ from rlix_plugins.adapters.verl_shards import (
     ShrinkBudget,
     VerlReplicaEngine,
 )
-from rlix_plugins.errors import ProtocolError, RegistrationError, RlixPluginsError
+from rlix_plugins.errors import ProtocolError, RegistrationError, RlixPluginsError, SettingsError
 from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
 from rlix_plugins.hooks.protocol import (
     RLixHooks,
@@ -64,7 +64,7 @@ class AdapterNotRegisteredError(RlixPluginsError, RuntimeError):
     """The adapter's hooks were used before :meth:`VerlPipelineAdapter.register`."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class VerlLayout:
     """Where a veRL job's GPUs are, as the coordinator is told (global GPU ids).
 
@@ -179,19 +179,34 @@ def make_shard_controller(
 
     Raises:
         SettingsError: an invalid ``RLIX_VLLM_SLEEP_LEVEL`` (or other setting), naming it
-            and its valid values, or a resize timeout no longer than the drain bound;
-            nothing is built.
+            and its valid values, a resize timeout no longer than the drain bound, or a
+            ``preemption.sleep_timeout_s`` no longer than the sleep's wait for an in-place
+            refresh; nothing is built. (Without ``preemption`` the sleep's bound is the
+            default one plus that wait.)
     """
     settings = settings if settings is not None else load_settings()
-    drain_s = (preemption or PreemptionConfig()).drain_timeout_s
-    budget = ShrinkBudget.within(settings.resize_timeout_s, drain_s)
+    config = preemption or PreemptionConfig()
+    budget = ShrinkBudget.within(settings.resize_timeout_s, config.drain_timeout_s)
+    # A replica's sleep first waits up to refresh_wait_s for an in-place refresh holding it:
+    # the lifecycle's bound on that call must leave the sleep its own time after that wait.
+    if preemption is None:
+        config = dataclasses.replace(
+            config, sleep_timeout_s=config.sleep_timeout_s + budget.refresh_wait_s)
+    elif config.sleep_timeout_s <= budget.refresh_wait_s:
+        raise SettingsError(
+            f"PreemptionConfig.sleep_timeout_s={config.sleep_timeout_s:g}s does not exceed a "
+            f"veRL replica's wait for an in-place refresh before it sleeps "
+            f"({budget.refresh_wait_s:g}s under RLIX_RESIZE_TIMEOUT_S="
+            f"{settings.resize_timeout_s:g}s): every sleep delayed by a refresh would time out; "
+            f"valid: sleep_timeout_s > {budget.refresh_wait_s:g}"
+        )
     engines = [
         VerlReplicaEngine(servers, sleep_level=settings.vllm_sleep_level,
                           refresh_wait_s=budget.refresh_wait_s)
         for servers in replica_servers
     ]
     state = LoadBalancerShardState(load_balancer, hold_wait_s=budget.hold_wait_s)
-    lifecycle = ShardLifecycle(state, engines, preemption)
+    lifecycle = ShardLifecycle(state, engines, config)
     return VerlShardController(lifecycle, state, sync, version, observer, budget)
 
 

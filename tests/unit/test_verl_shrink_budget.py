@@ -88,3 +88,21 @@ def test_refresh_hold_error_is_a_package_error() -> None:
 
     assert issubclass(RefreshHoldError, ShardStateError)
     assert verl_shards.RefreshHoldError is RefreshHoldError
+
+
+def test_the_lifecycles_sleep_bound_leaves_the_sleep_its_own_time_after_the_refresh_wait() -> None:
+    """A replica's sleep first waits up to ``refresh_wait_s`` for an in-place refresh. Before
+    the fix the lifecycle bounded the whole call by the default 300 s: under
+    ``RLIX_RESIZE_TIMEOUT_S=600`` the refresh wait alone (342 s) outlasted it."""
+    default = PreemptionConfig().sleep_timeout_s
+    for timeout in (120.0, 600.0):
+        ctl = _controller(Settings(resize_timeout_s=timeout))
+        wait = ShrinkBudget.within(timeout, PreemptionConfig().drain_timeout_s).refresh_wait_s
+        assert ctl._lifecycle.config.sleep_timeout_s == default + wait  # type: ignore[attr-defined]
+    # An explicit bound is kept when it has room, refused (naming both) when it has none.
+    roomy = PreemptionConfig(sleep_timeout_s=400.0)
+    ctl = _controller(Settings(resize_timeout_s=600.0), roomy)
+    assert ctl._lifecycle.config is roomy  # type: ignore[attr-defined]
+    with pytest.raises(SettingsError, match=r"sleep_timeout_s=300s .* \(342s under "
+                                            r"RLIX_RESIZE_TIMEOUT_S=600s\)"):
+        _controller(Settings(resize_timeout_s=600.0), PreemptionConfig())
