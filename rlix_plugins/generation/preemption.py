@@ -188,6 +188,8 @@ class ShardLifecycle:
         self._preemptions = 0
         # rank -> its engine call that timed out and is still running (see _call)
         self._late: dict[int, _LateCall] = {}
+        # put-back-to-sleep tasks of late wakes (referenced so they are not collected)
+        self._background: set[asyncio.Task[None]] = set()
 
     @property
     def config(self) -> PreemptionConfig:
@@ -241,6 +243,8 @@ class ShardLifecycle:
             return task.result()
         self._late[rank] = _LateCall(call, bound, task, t0)
         task.add_done_callback(lambda t: _log_late_answer(rank, call, bound, t0, t))
+        if call == "wake_up":
+            task.add_done_callback(lambda t: self._after_late_wake(rank, t))
         logger.warning("shard %d: %s did not answer within %gs (PreemptionConfig.%s_timeout_s); "
                        "gave up waiting, the call is left running", rank, call, bound, call)
         raise PreemptionError(
@@ -248,6 +252,32 @@ class ShardLifecycle:
             f"(PreemptionConfig.{call}_timeout_s); the shard gets no further engine call until "
             "it answers"
         )
+
+    def _after_late_wake(self, rank: int, task: asyncio.Future[Any]) -> None:
+        """A timed-out ``wake_up`` answered: its engine is awake (holding GPU memory) while
+        the shard is marked SLEEPING and its GPUs may have been given to another pipeline.
+        Put it back to sleep, unless a retry woke the shard meanwhile."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        bg = task.get_loop().create_task(self._put_back_to_sleep(rank))
+        self._background.add(bg)
+        bg.add_done_callback(self._background.discard)
+
+    async def _put_back_to_sleep(self, rank: int) -> None:
+        async with self._op_lock():
+            snap = await self._state.refresh()
+            if snap.status(rank) is not ShardStatus.SLEEPING:
+                return  # woken again by a retry since: it is meant to be awake
+            engine = self._engines[rank]
+            try:
+                await self._call(rank, "sleep", lambda: engine.sleep(self._config.sleep_level))
+            except Exception:
+                logger.error("shard %d: could not put back to sleep the engine its late "
+                             "wake_up woke; it holds GPU memory while marked sleeping", rank,
+                             exc_info=True)
+                return
+            logger.warning("shard %d: its late wake_up woke the engine while the shard is "
+                           "marked sleeping; put it back to sleep", rank)
 
     async def _settle_late(self, rank: int) -> None:
         """Wait (bounded again) for ``rank``'s timed-out call, so no call overlaps it."""
@@ -365,7 +395,7 @@ class ShardLifecycle:
             ShardStateError: a rank is not sleeping or has no engine (nothing changed).
             PreemptionError: ``wake_up`` failed or timed out on a shard; it stays sleeping,
                 the ranks that woke are marked woken. (A timed-out ``wake_up`` that answers
-                later leaves its engine awake while marked sleeping: wake it again.)
+                later is put back to sleep, unless the shard was woken again meanwhile.)
         """
         async with self._op_lock():
             snap = await self._state.refresh()

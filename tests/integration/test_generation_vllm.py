@@ -420,6 +420,15 @@ def test_a_hung_wake_up_times_out_and_the_shard_stays_sleeping_fake_hanging(
             assert hung.calls == calls
             assert rig.view.snapshot().status(0) is ShardStatus.SLEEPING
             hung.release()
+            # The late wake_up woke the engine of a shard marked SLEEPING (its GPUs may be
+            # another pipeline's by now): the lifecycle puts it back to sleep. Before, it
+            # stayed awake, holding GPU memory, until someone woke the shard again.
+            deadline = time.monotonic() + 30
+            while hung.calls[-1:] != ["sleep"] or not await pair.engines[0].is_sleeping():
+                assert time.monotonic() < deadline, hung.calls
+                await asyncio.sleep(0.05)
+            assert rig.view.snapshot().status(0) is ShardStatus.SLEEPING
+            assert any("put it back to sleep" in r.getMessage() for r in caplog.records)
             await asyncio.wait_for(rig.life.wake([0]), 30)
             await asyncio.wait_for(rig.life.activate([0]), 30)
             assert rig.view.snapshot().statuses == (ShardStatus.ACTIVE, ShardStatus.ACTIVE)
