@@ -39,6 +39,9 @@ def created(monkeypatch: pytest.MonkeyPatch) -> list[FakePlacementGroup]:
         return made[-1]
 
     monkeypatch.setattr(pg_module, "placement_group", placement_group)
+    # Where Ray put each group (read from its placement-group table): one node each.
+    monkeypatch.setattr(resource_manager, "_group_nodes",
+                        lambda pgs: [f"FAKE-node-{i}" for i in range(len(pgs))])
     monkeypatch.setattr(
         resource_manager.ray,  # type: ignore[attr-defined]
         "get_runtime_context",
