@@ -17,7 +17,10 @@ Both are subclasses of veRL 0.9.1 classes and are imported only where veRL is im
   (at most ``max_attempts`` preempted dispatches, then :class:`ShardPreemptedError`; aborts by
   an in-place weight refresh, which the server tags, and migrations are re-dispatched without
   counting), and waits a bounded
-  time when no replica is active (then :class:`NoActiveShardError`). Its
+  time when no replica is active (then :class:`NoActiveShardError`). An attempt still out on a
+  replica that has been out of routing for ``stranded_after_s`` (default
+  ``RLIX_RESIZE_TIMEOUT_S``: every shrink is over by then) is cancelled on its server and
+  re-dispatched like a preempted one (see :meth:`RLixLLMServerClient.generate`). Its
   :class:`~rlix_plugins.generation.router.RequestLedger` counts what the gates judge (submitted,
   completed once, lost, cancelled, duplicated, re-dispatched); with ``RLIX_OBSERVE_DIR`` set the
   counters go to the pipeline's records as
@@ -133,6 +136,10 @@ ATTEMPT_ID_FIELD = "rlix_attempt_id"
 UNKNOWN_BUDGET = 1 << 30
 #: bound on the balancer's blocking calls to a server while it migrates
 SERVER_CALL_TIMEOUT_S = 30.0
+#: longest pause between two looks at the balancer for stranded attempts (seconds)
+STRANDED_POLL_S = 5.0
+#: bound on a stranded attempt's cancel being confirmed by its server (seconds)
+CANCEL_CONFIRM_S = SERVER_CALL_TIMEOUT_S
 #: migration outcomes / steered requests remembered (bounded like veRL's sticky cache)
 _REMEMBER = 10000
 #: default bound on an in-place refresh's claim of its replicas (one whose trainer died never
@@ -236,6 +243,62 @@ _ATTEMPT: contextvars.ContextVar[_ClientAttempt | None] = contextvars.ContextVar
 )
 
 
+class _Dispatch:
+    """Where one attempt went: filled in by its acquire (server) and its server call (the
+    call's ObjectRef, so that a stranded attempt can be cancelled on the server)."""
+
+    __slots__ = ("ref", "server_id")
+
+    def __init__(self) -> None:
+        self.server_id: str | None = None
+        self.ref: Any = None
+
+
+#: the dispatch record of the attempt the current task runs (see :class:`_Dispatch`)
+_DISPATCH: contextvars.ContextVar[_Dispatch | None] = contextvars.ContextVar(
+    "rlix_verl_dispatch", default=None
+)
+
+
+class _RecordingMethod:
+    """``server.generate`` whose ``remote`` call records its ObjectRef in the dispatch."""
+
+    __slots__ = ("_dispatch", "_method")
+
+    def __init__(self, method: Any, dispatch: _Dispatch) -> None:
+        self._method = method
+        self._dispatch = dispatch
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        ref = self._method.remote(*args, **kwargs)
+        self._dispatch.ref = ref
+        return ref
+
+
+class _RecordingServer:
+    """The acquired server's handle as veRL's ``generate`` sees it: every attribute is the
+    handle's, ``generate`` records the attempt's ObjectRef."""
+
+    __slots__ = ("_dispatch", "_handle")
+
+    def __init__(self, handle: Any, dispatch: _Dispatch) -> None:
+        self._handle = handle
+        self._dispatch = dispatch
+
+    @property
+    def generate(self) -> _RecordingMethod:
+        return _RecordingMethod(self._handle.generate, self._dispatch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # An attempt abandoned by a cancelled caller: its outcome is nobody's (no asyncio warning).
+    if not task.cancelled():
+        task.exception()
+
+
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any) -> None:
     cache[key] = value
     cache.move_to_end(key)
@@ -274,6 +337,8 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         self._mig_stats = MigrationStats()
         # in-place refresh claims: dp rank -> when the claim expires (_now())
         self._refresh_holds: dict[int, float] = {}
+        # bound shards out of routing: address -> since when (_now())
+        self._unrouted_since: dict[str, float] = {}
 
     # ---------------------------------------------------------------- shard state (owner)
     def bind_shards(
@@ -399,6 +464,12 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
         given = list(dp_ranks) if isinstance(dp_ranks, Iterable) else []
         return sorted({r for r in given if is_int(r) and r in self._refresh_holds})
 
+    def rlix_unrouted(self) -> dict[str, float]:
+        """Seconds each bound shard that is not routed now has been out of routing (server
+        address -> seconds); the clients' test for stranded attempts."""
+        now = _now()
+        return {sid: now - since for sid, since in self._unrouted_since.items()}
+
     def shard_inflight(self) -> dict[int, int]:
         """In-flight request count per bound dp rank (routed ones only)."""
         return {
@@ -413,6 +484,12 @@ class RLixRequestLoadBalancer(GlobalRequestLoadBalancer):  # type: ignore[misc]
     def _sync_pool(self, snap: ShardSnapshot) -> None:
         """Routing pool = unbound servers + bound shards that are ACTIVE."""
         active = {self._shard_ids[r] for r in snap.active}
+        now = _now()
+        for sid in self._shard_ids:
+            if sid in active:
+                self._unrouted_since.pop(sid, None)
+            else:
+                self._unrouted_since.setdefault(sid, now)
         for sid in self._shard_ids:
             if sid in active and sid not in self._inflight_requests:
                 self._servers[sid] = self._shard_handles[sid]
@@ -690,7 +767,9 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
     keyword args: ``max_attempts`` (preempted dispatches per request, default 8; migrations
     and refresh aborts not counted),
     ``wait_timeout_s`` (bound on waiting for an active replica; default
-    ``RLIX_REQUEST_TIMEOUT_S``, 1800 s unless set) and
+    ``RLIX_REQUEST_TIMEOUT_S``, 1800 s unless set), ``stranded_after_s`` (how long an attempt
+    may stay out on a replica that is out of routing; default ``RLIX_RESIZE_TIMEOUT_S``, 120 s
+    unless set) and
     ``on_counters`` (receives the ledger's :class:`RouterCounters`; default: the
     ``RLIX_OBSERVE_DIR`` records of ``PIPELINE_ID``, none when that is unset).
 
@@ -706,6 +785,7 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         *,
         max_attempts: int = 8,
         wait_timeout_s: float | None = None,
+        stranded_after_s: float | None = None,
         on_counters: CountersCallback | None = None,
         **kwargs: Any,
     ) -> None:
@@ -723,9 +803,21 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             raise SettingsError(
                 f"wait_timeout_s={wait_timeout_s!r} is not valid; use a number of seconds > 0"
             )
+        if stranded_after_s is None:
+            # Every shrink of a replica (take-down, drain, sleep) ends within the coordinator's
+            # resize timeout: an attempt the take-down aborted came back by then.
+            stranded_after_s = load_settings().resize_timeout_s
+        if not is_number(stranded_after_s) or not stranded_after_s > 0:
+            raise SettingsError(
+                f"stranded_after_s={stranded_after_s!r} is not valid; use a number of "
+                "seconds > 0"
+            )
         super().__init__(config=config, load_balancer_handle=load_balancer_handle, **kwargs)
         self.max_attempts = max_attempts
         self.wait_timeout_s = wait_timeout_s
+        self.stranded_after_s = float(stranded_after_s)
+        # the balancer's rlix_unrouted answer shared by this copy's attempts: (loop, when, fut)
+        self._unrouted_read: tuple[Any, float, asyncio.Future[dict[str, float]]] | None = None
         self._on_counters = on_counters if on_counters is not None else router_counters_emitter()
         self._ledger = RequestLedger(self._on_counters)
 
@@ -747,11 +839,13 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         # counts belong to the process that routes.
         state = dict(self.__dict__)
         state.pop("_ledger", None)
+        state.pop("_unrouted_read", None)  # bound to this process's event loop
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._ledger = RequestLedger(self._on_counters)
+        self._unrouted_read = None
 
     def _vllm_request_id(self, request_id: str) -> str:
         # The id fixed for this attempt before its acquire (veRL's own choice, see _generate):
@@ -814,7 +908,7 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         delay = 0.01
         while True:
             try:
-                return await self._acquire_once(request_id, attempt, extra)
+                server_id, handle = await self._acquire_once(request_id, attempt, extra)
             except Exception as exc:  # RayTaskError(RuntimeError) crosses the actor boundary
                 if NO_SERVER_MESSAGE not in str(exc):
                     raise
@@ -827,6 +921,12 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
                 # Back off: every replica is preempted until the coordinator expands one.
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
+                continue
+            dispatch = _DISPATCH.get()
+            if dispatch is None:
+                return server_id, handle
+            dispatch.server_id = server_id
+            return server_id, _RecordingServer(handle, dispatch)
 
     async def _acquire_once(
         self, request_id: str, attempt: _ClientAttempt | None, extra: dict[str, Any]
@@ -847,6 +947,95 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             acquire.add_done_callback(release)
             raise
 
+    async def _unrouted(self) -> dict[str, float]:
+        """The balancer's :meth:`RLixRequestLoadBalancer.rlix_unrouted`, read at most once per
+        poll interval per event loop whatever the number of attempts waiting; ``{}`` from a
+        stock balancer or when the read fails (nothing is taken for stranded then)."""
+        loop = asyncio.get_running_loop()
+        read = self._unrouted_read
+        if read is None or read[0] is not loop or time.monotonic() - read[1] >= self._poll_s():
+            read = (loop, time.monotonic(), asyncio.ensure_future(self._read_unrouted()))
+            self._unrouted_read = read
+        return await asyncio.shield(read[2])
+
+    async def _read_unrouted(self) -> dict[str, float]:
+        try:
+            method = self._load_balancer.rlix_unrouted
+        except AttributeError:
+            return {}  # a stock balancer: no shard ever leaves routing
+        try:
+            got = await method.remote()
+        except Exception:
+            logger.warning("routing state unavailable; no attempt taken for stranded this time",
+                           exc_info=True)
+            return {}
+        return {str(k): float(v) for k, v in got.items()}
+
+    def _poll_s(self) -> float:
+        return min(STRANDED_POLL_S, self.stranded_after_s / 4)
+
+    async def _bounded_attempt(
+        self, request_id: str, attempt: _ClientAttempt, dispatch: _Dispatch, call: Any
+    ) -> TokenOutput | None:
+        """Run one attempt (veRL's ``generate``, ``call``); None when it was stranded: out on
+        a replica that has been out of routing for ``stranded_after_s`` (a take-down aborts
+        every attempt it finds, so it never comes back on its own) and then cancelled on its
+        server. Until ``stranded_after_s`` after its dispatch it cannot be stranded (it was
+        acquired on a routed replica), so a short attempt never reads the balancer.
+
+        Raises:
+            ShardPreemptedError: the server did not confirm the cancel within
+                ``CANCEL_CONFIRM_S`` (the attempt is abandoned).
+        """
+        task: asyncio.Future[TokenOutput] = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.stranded_after_s)
+            while not done:
+                out_for = (await self._unrouted()).get(dispatch.server_id or "")
+                if out_for is not None and out_for >= self.stranded_after_s:
+                    return await self._cancel_stranded(request_id, attempt, dispatch, task,
+                                                       out_for)
+                done, _ = await asyncio.wait({task}, timeout=self._poll_s())
+        except asyncio.CancelledError:
+            task.cancel()
+            task.add_done_callback(_retrieve)
+            raise
+        return task.result()
+
+    async def _cancel_stranded(
+        self, request_id: str, attempt: _ClientAttempt, dispatch: _Dispatch,
+        task: asyncio.Future[TokenOutput], out_for: float,
+    ) -> TokenOutput | None:
+        import ray
+        from ray.exceptions import TaskCancelledError
+
+        logger.warning(
+            "request %s: attempt %s is still out on replica %s, out of routing for %.0fs "
+            "(stranded_after_s=%g); cancelling it there and re-dispatching", request_id,
+            attempt.attempt_id, dispatch.server_id, out_for, self.stranded_after_s)
+        if dispatch.ref is None:
+            task.cancel()  # the server call was never made
+        else:
+            try:
+                # The server is an async actor: Ray cancels the call's coroutine there, so a
+                # parked or queued attempt never runs after the replica comes back.
+                ray.cancel(dispatch.ref)
+            except Exception:
+                logger.warning("cancel of attempt %s failed", attempt.attempt_id, exc_info=True)
+        done, _ = await asyncio.wait({task}, timeout=CANCEL_CONFIRM_S)
+        if not done:
+            task.cancel()
+            task.add_done_callback(_retrieve)
+            raise ShardPreemptedError(
+                f"request {request_id}: its attempt on replica {dispatch.server_id} stayed out "
+                f"after the replica left routing ({out_for:.0f}s, over the client's "
+                f"stranded_after_s={self.stranded_after_s:g}s) and the server did not confirm "
+                f"its cancel within {CANCEL_CONFIRM_S:g}s; check that replica's server"
+            )
+        if task.cancelled() or isinstance(task.exception(), TaskCancelledError):
+            return None
+        return task.result()  # it came back while being cancelled: used as it is
+
     async def generate(
         self,
         request_id: str,
@@ -857,10 +1046,17 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
     ) -> TokenOutput:
         """Generate; continue on another replica whenever an attempt comes back aborted.
 
+        An attempt still out on a replica that has been out of routing for
+        ``stranded_after_s`` (one parked behind a gate the coordinator's take-down kept
+        closed, or admitted after veRL's gate barrier timed out) never comes back on its
+        own: it is cancelled on its server and re-dispatched like a preempted attempt
+        (counted toward ``max_attempts``; the tokens of earlier attempts are kept).
+
         Raises:
             NoActiveShardError: no replica became active within ``wait_timeout_s``.
             ShardPreemptedError: preempted on ``max_attempts`` dispatches (migrations and
-                in-place refresh aborts do not count).
+                in-place refresh aborts do not count), or a stranded attempt's server did not
+                confirm its cancel (the message names the replica and the bound).
         """
         key = f"{request_id}#{len(prompt_ids)}"
         ledger = self._ledger
@@ -904,6 +1100,7 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
         routed: Any = None
         cached_tokens: Any = None
         first_steps: Any = None
+        answered = False  # an attempt came back (a stranded one does not)
         dispatches = preempted = refreshed = 0
         migrated_at: list[int] = []
         while True:
@@ -912,15 +1109,31 @@ class RLixLLMServerClient(LLMServerClient):  # type: ignore[misc]
             attempt = _ClientAttempt(
                 super()._vllm_request_id(request_id), hint, len(migrated_at)
             )
-            token = _ATTEMPT.set(attempt)
+            dispatch = _Dispatch()
+            token, dtoken = _ATTEMPT.set(attempt), _DISPATCH.set(dispatch)
             try:
-                out: TokenOutput = await super().generate(
+                got = await self._bounded_attempt(request_id, attempt, dispatch, super().generate(
                     request_id, prompt_ids=list(prompt_ids) + tokens,
                     sampling_params=dict(params), **kwargs,
-                )
+                ))
             finally:
+                _DISPATCH.reset(dtoken)
                 _ATTEMPT.reset(token)
-            if dispatches == 1:
+            if got is None:
+                # Stranded and cancelled: preempted-shard semantics, nothing generated by it.
+                preempted += 1
+                if preempted >= self.max_attempts:
+                    raise ShardPreemptedError(
+                        f"request {request_id}: aborted {self.max_attempts} times (the last "
+                        f"attempt stranded on replica {dispatch.server_id}, out of routing for "
+                        f"over stranded_after_s={self.stranded_after_s:g}s); raise "
+                        "max_attempts or check the coordinator's churn"
+                    )
+                self._ledger.redispatch()
+                continue
+            out: TokenOutput = got
+            if not answered:
+                answered = True
                 first_steps = out.extra_fields.get("min_global_steps")
                 cached_tokens = out.extra_fields.get("num_cached_tokens")
             if out.routed_experts is not None and out.token_ids:

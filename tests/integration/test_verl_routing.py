@@ -12,6 +12,7 @@ request ledger writes the router-counter records the gates judge.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +130,78 @@ def test_preempted_replica_is_skipped_and_aborts_redispatched(
                 last.redispatched, last.in_flight) == (total, total, 0, 0, c.redispatched, 0)
     finally:
         verl_ray.kill(lb)
+
+
+def test_an_attempt_stranded_on_a_replica_out_of_routing_is_redispatched(
+    patched: Any, verl_servers: VerlServers, verl_ray: Any,
+) -> None:
+    """An attempt still on its replica after the replica left routing never comes back on its
+    own: here it was parked behind an in-place refresh's closed gate when the coordinator took
+    the replica down (veRL's rejecting gate does not wake requests already parked, and the
+    refresh's reopening leaves a taken-down gate closed); one admitted after veRL's gate
+    barrier timed out sits in the same place. The client cancels it once its replica has been
+    out of routing for ``stranded_after_s`` and continues on an active replica: nothing hangs,
+    nothing is lost, nothing stays on the sleeping replica."""
+    from verl.workers.rollout.router import get_router_handle
+
+    from rlix_plugins.adapters.verl_shards import LoadBalancerShardState, VerlReplicaEngine
+    from rlix_plugins.generation.preemption import PreemptionConfig, ShardLifecycle
+    from rlix_plugins.generation.shard_state import ShardStatus
+    from rlix_plugins.patches.verl_routing import RLixLLMServerClient
+
+    lb = get_router_handle(dict(verl_servers.servers))
+    verl_ray.get(lb.bind_shards.remote(list(verl_servers.servers)))
+    client = RLixLLMServerClient(config=_config(), load_balancer_handle=lb, wait_timeout_s=60,
+                                 stranded_after_s=2.0)
+    engines = [VerlReplicaEngine([h]) for h in verl_servers.handles]
+    lifecycle = ShardLifecycle(LoadBalancerShardState(lb), engines,
+                               PreemptionConfig(drain_timeout_s=10))
+    server0 = verl_servers.handles[0]
+
+    def parked(server: Any) -> int:
+        return len(server._resume_event._waiters or ())
+
+    async def until(check: Any, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not await server0.__ray_call__.remote(check):
+            assert time.monotonic() < deadline, f"replica 0: {what} not seen in 120 s"
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> tuple[list[Any], int]:
+        await lifecycle.preempt([1])  # only replica 0 is routed
+        await engines[0].pause()  # a refresh's parking abort: late arrivals park at the gate
+        tasks = [asyncio.create_task(_generate(client, 300 + i)) for i in range(4)]
+        await until(lambda s: parked(s) == 4, "4 requests parked")
+        await lifecycle.wake([1])
+        await lifecycle.activate([1])
+        taking_down = asyncio.create_task(lifecycle.preempt([0]))
+        await until(lambda s: s._rlix_down, "the take-down")
+        # The refresh ends (veRL's resume after its load): a taken-down gate stays closed.
+        await server0.resume_engine_generation.remote()
+        await server0.open_submission_gate.remote()
+        await taking_down
+        done, pending = await asyncio.wait(tasks, timeout=60)
+        for t in pending:
+            t.cancel()
+        return [t.result() for t in done], len(pending)
+
+    try:
+        outs, hung = asyncio.run(scenario())
+        assert hung == 0, f"{hung} request(s) hung on the sleeping replica"
+        assert verl_ray.get(lb.shard_snapshot.remote()).statuses == (
+            ShardStatus.SLEEPING, ShardStatus.ACTIVE)
+        for out in outs:
+            assert out.stop_reason == "completed" and len(out.token_ids) == MAX_TOKENS
+            assert out.extra_fields["rlix_attempts"] == 2 and out.num_preempted >= 1
+        # cancelled on the server too: nothing left parked to run after the replica's wake
+        assert verl_ray.get(server0.__ray_call__.remote(parked)) == 0
+        c = client.counters()
+        assert (c.submitted, c.completed, c.lost, c.redispatched, c.in_flight) == (4, 4, 0, 4, 0)
+    finally:
+        verl_ray.kill(lb)
+        # The session's servers as the next test expects them: awake, resumed, gates open.
+        for handle in verl_servers.handles:
+            if verl_ray.get(handle.rlix_is_sleeping.remote(), timeout=120):
+                verl_ray.get(handle.rlix_wake_up.remote(), timeout=120)
+            verl_ray.get(handle.rlix_resume_engine.remote(), timeout=120)
+            verl_ray.get(handle.rlix_open_gate.remote(), timeout=120)
