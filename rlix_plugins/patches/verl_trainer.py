@@ -12,6 +12,10 @@ The job keeps its ``trainer.v1.trainer_mode``; the registry entry of that mode i
   hold; a failed ``init`` leaves the coordinator;
 * ``get_llm_client``: the re-dispatching :class:`~.verl_routing.RLixLLMServerClient` on the
   same load balancer (agent loops receive it pickled);
+* ``get_llm_client`` / ``get_teacher_client`` / ``get_reward_handles`` (what veRL's driver,
+  ``TaskRunnerV1.init_agent_loop_manager``, asks the trainer between ``init`` and ``fit``): a
+  failure there leaves the coordinator and unpins the process, as a failed ``init`` does
+  (``fit``, which closes, will not run);
 * ``on_step_begin``: ask for generation GPUs for the step (non-blocking) and reset progress;
 * ``on_init_end`` also replaces the standalone replicas' checkpoint manager (``rlix_cache``)
   by :class:`~.verl_checkpoint.RLixCheckpointEngineManager`: updates cache the version and
@@ -39,8 +43,10 @@ disabled: the coordinator decides which replicas run, through ``resize_infer``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from rlix_plugins.values import as_index, is_int
@@ -339,10 +345,31 @@ class RLixTrainerMixin:
         self._rlix_adapter.end_setup()
 
     def get_llm_client(self) -> Any:
-        from rlix_plugins.patches.verl_routing import RLixLLMServerClient
+        with self._rlix_close_on_failure():
+            from rlix_plugins.patches.verl_routing import RLixLLMServerClient
 
-        stock = super().get_llm_client()  # type: ignore[misc]
-        return RLixLLMServerClient(config=self.config, load_balancer_handle=stock._load_balancer)
+            stock = super().get_llm_client()  # type: ignore[misc]
+            return RLixLLMServerClient(config=self.config,
+                                       load_balancer_handle=stock._load_balancer)
+
+    def get_teacher_client(self) -> Any:
+        with self._rlix_close_on_failure():
+            return super().get_teacher_client()  # type: ignore[misc]
+
+    def get_reward_handles(self) -> Any:
+        with self._rlix_close_on_failure():
+            return super().get_reward_handles()  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def _rlix_close_on_failure(self) -> Iterator[None]:
+        """Close (leave the coordinator, unpin) when the body raises: veRL's driver calls the
+        trainer's getters between ``init`` and ``fit``, and a failure there means ``fit``,
+        which closes, never runs."""
+        try:
+            yield
+        except BaseException:
+            self._rlix_close()
+            raise
 
     def on_train_begin(self) -> None:
         super().on_train_begin()  # type: ignore[misc]
@@ -402,7 +429,8 @@ class RLixTrainerMixin:
         self._rlix_close()
 
     def _rlix_close(self) -> None:
-        """Stop progress reports and the heartbeat; idempotent."""
+        """Stop progress reports and the heartbeat, unpin the process, leave the coordinator;
+        idempotent."""
         self._rlix_stop_progress()
         if self._rlix_pinned:
             from rlix_plugins.patches.verl_placement import set_pins

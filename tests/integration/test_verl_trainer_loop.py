@@ -598,6 +598,55 @@ def test_real_fit_loop_orders_hooks_and_syncs_only_woken_replicas(
             assert done.t_claim - 0.05 <= held[0].start and held[0].end <= done.t_ready + 0.05
 
 
+def test_a_failure_between_init_and_fit_leaves_the_coordinator_and_unpins(
+    verl_env: VerlEnv, verl_ray: Any, coordinator_2gpu: Any
+) -> None:
+    """veRL's driver (``TaskRunnerV1.run``) calls ``init_agent_loop_manager`` between the
+    trainer's ``init`` and ``fit``; when that raises, ``fit`` (which closes) never runs, and
+    the claim (registered, GPUs held, heartbeat running) and the process's pins stayed. Here
+    the trainer's claim is real (veRL's trainer class from the patched registry, the real
+    coordinator and shared groups); veRL's own ``init_agent_loop_manager`` runs in-process
+    (the TaskRunner actor's class) on a trainer whose replicas were never built, so the first
+    thing it asks of the trainer, the LLM client, fails."""
+    import os
+
+    import transfer_queue as tq
+    from verl.trainer.main_ppo import TaskRunnerV1
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    from rlix_plugins.patches.verl import VerlPatch
+    from rlix_plugins.patches.verl_placement import active_pins, set_pins
+
+    patch = VerlPatch()
+    patch.apply()
+    config = verl_config(1)
+    tq.init(config.transfer_queue)
+    trainer: Any = None
+    try:
+        trainer = get_trainer_cls("separate_async")(config)
+        trainer._init_resource_pool_mgr()  # init's first step: the claim, then the pins
+        pipeline_id = os.environ["PIPELINE_ID"]
+        assert trainer._rlix_adapter is not None and active_pins() is not None
+        assert pipeline_id in coordinator_2gpu.status().owners().values()
+
+        runner = TaskRunnerV1.__ray_metadata__.modified_class()
+        runner.config, runner.trainer = config, trainer
+        with pytest.raises(AttributeError, match="server_manager"):
+            runner.init_agent_loop_manager()
+        assert active_pins() is None, "the failed driver step left the process pinned"
+        assert trainer._rlix_adapter is None
+        status = coordinator_2gpu.status()
+        assert status.pipeline(pipeline_id) is None, "the pipeline stayed registered"
+        assert pipeline_id not in status.owners().values(), "its GPUs stayed held"
+        trainer._rlix_close()  # idempotent
+    finally:
+        if trainer is not None:
+            trainer._rlix_close()
+        tq.close()
+        patch.revert()
+        set_pins(None)
+
+
 @pytest.mark.parametrize("mode", ["colocate_async", "sync"])
 def test_colocated_fit_loop_shares_the_training_gpu_with_its_hybrid_replica(
     verl_env: VerlEnv, verl_ray: Any, verl_servers: VerlServers, coordinator_2gpu: Any,
