@@ -127,6 +127,20 @@ def _rank(rank: int, world_size: int, cycles: int) -> dict[str, Any]:
                        match=r"actor_rollout_actor_optimizer\.positional\.args\[0\]"):
         worker.rlix_restore_parallel_state()
     out["stale_raised"] = True
+    # That re-init's groups exist (initialised) with its rebind pending: a retry is the rebind
+    # again, never "nothing to do" (the guard in restore_parallel_state), and raises again
+    # while the destroyed group is still held ...
+    with pytest.raises(StaleProcessGroupError, match=r"optimizer\.positional"):
+        worker.rlix_restore_parallel_state()
+    # ... until the holder keeps the group where the walk can write it (a keyword, what the
+    # error advises): the retry rebinds it.
+    destroyed_tp = actor.optimizer.positional.args[0]
+    actor.optimizer.positional = functools.partial(dist.barrier, group=destroyed_tp)
+    out["retried"] = worker.rlix_restore_parallel_state()
+    out["keyword_rebound"] = (
+        actor.optimizer.positional.keywords["group"] is _current(ps)["tp"] is not destroyed_tp)
+    _check_held(ps, rank, held)
+    out["noop_after_retry"] = worker.rlix_restore_parallel_state()
     return out
 
 
@@ -146,3 +160,6 @@ def test_worker_reinit_rebinds_engine_groups_and_refuses_stale(verl_env: VerlEnv
         assert rebound[0] >= r["held"] and rebound == [rebound[0]] * CYCLES, rebound
         assert r["noop"] == {"restored": False}
         assert r["stale_raised"]
+        assert r["retried"]["restored"] is True and r["retried"]["rebound"] >= 1, r["retried"]
+        assert r["retried"]["roots"] == r["restored"][0]["roots"]
+        assert r["keyword_rebound"] and r["noop_after_retry"] == {"restored": False}

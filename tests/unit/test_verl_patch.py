@@ -260,31 +260,3 @@ def test_main_ppo_as_a_module_refuses_an_unsupported_job_before_ray_starts(
             "(valid: 'rlix_cache')") in out
     assert "ray init kwargs" not in out  # veRL prints it right before ray.init
 
-
-class FakeLifecycle:
-    """FAKE Megatron lifecycle: groups alive (``initialized``) but a rebind still pending, the
-    state a re-init whose rebind raised leaves (the real one: test_training_nccl_rebind_retry)."""
-
-    initialized = True
-    needs_reinit = True
-
-    def __init__(self) -> None:
-        self.calls: list[list[str]] = []
-
-    def reinitialize(self, roots: dict[str, Any]) -> Any:
-        self.calls.append(sorted(roots))
-        return type("Report", (), {"replaced": 3})()
-
-
-def test_restore_retries_a_rebind_left_pending(
-    verl_env: VerlEnv, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from rlix_plugins.patches import verl_checkpoint
-
-    fake = FakeLifecycle()
-    monkeypatch.setattr(verl_checkpoint, "_lifecycle", fake)
-    assert verl_checkpoint.restore_parallel_state({"module": object()}) == {
-        "restored": True, "rebound": 3, "roots": ["module"]}
-    assert fake.calls == [["module"]]
-    fake.needs_reinit = False
-    assert verl_checkpoint.restore_parallel_state({"module": object()}) == {"restored": False}
