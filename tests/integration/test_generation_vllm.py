@@ -342,6 +342,19 @@ def _hang_rig(pair: VllmPair, call: str) -> tuple[Rig, FakeHangingShard]:
     return Rig(pair, shards=[hung, real[1]], preemption=config), hung
 
 
+async def _retry_while_hung_sends_nothing(
+    rig: Rig, hung: FakeHangingShard, op: Any, call: str, status: ShardStatus
+) -> None:
+    """A retry (``op([0])``) while shard 0's ``call`` still hangs sends the shard nothing
+    more (a second call would overlap the first on the engine), fails bounded with "still
+    running", and leaves the shard in ``status``."""
+    calls = list(hung.calls)
+    with pytest.raises(PreemptionError, match=rf"shard 0: .*{call}.*still running"):
+        await asyncio.wait_for(op([0]), 30)
+    assert hung.calls == calls
+    assert rig.view.snapshot().status(0) is status
+
+
 def _timeout_logged(caplog: pytest.LogCaptureFixture, call: str) -> None:
     assert any(r.levelname == "WARNING" and "shard 0" in r.getMessage()
                and call in r.getMessage() and f"{HANG_BOUND_S:g}s" in r.getMessage()
@@ -376,13 +389,8 @@ def test_a_hung_engine_call_in_preempt_times_out_and_frees_the_lifecycle_fake_ha
             await asyncio.wait_for(rig.life.wake([1]), 30)
             await asyncio.wait_for(rig.life.activate([1]), 30)
             assert rig.view.snapshot().status(1) is ShardStatus.ACTIVE and hung.held == 1
-            # A retry while the call still hangs sends the shard nothing more (a second call
-            # would overlap the first on the engine) and fails the same way, bounded.
-            calls = list(hung.calls)
-            with pytest.raises(PreemptionError, match=rf"shard 0: .*{call}.*still running"):
-                await asyncio.wait_for(rig.life.preempt([0]), 30)
-            assert hung.calls == calls
-            assert rig.view.snapshot().status(0) is ShardStatus.PREEMPTED
+            await _retry_while_hung_sends_nothing(rig, hung, rig.life.preempt, call,
+                                                  ShardStatus.PREEMPTED)
             # Once the hang clears, a retry takes the shard down.
             hung.release()
             record = await asyncio.wait_for(rig.life.preempt([0]), 30)
@@ -414,11 +422,8 @@ def test_a_hung_wake_up_times_out_and_the_shard_stays_sleeping_fake_hanging(
             assert (snap.status(0), snap.status(1)) == (ShardStatus.SLEEPING, ShardStatus.WOKEN)
             await asyncio.wait_for(rig.life.activate([1]), 30)  # the lock is free
             assert rig.view.snapshot().status(1) is ShardStatus.ACTIVE and hung.held == 1
-            calls = list(hung.calls)
-            with pytest.raises(PreemptionError, match=r"shard 0: .*wake_up.*still running"):
-                await asyncio.wait_for(rig.life.wake([0]), 30)
-            assert hung.calls == calls
-            assert rig.view.snapshot().status(0) is ShardStatus.SLEEPING
+            await _retry_while_hung_sends_nothing(rig, hung, rig.life.wake, "wake_up",
+                                                  ShardStatus.SLEEPING)
             hung.release()
             # The late wake_up woke the engine of a shard marked SLEEPING (its GPUs may be
             # another pipeline's by now): the lifecycle puts it back to sleep. Before, it
@@ -460,11 +465,8 @@ def test_a_hung_resume_times_out_and_the_shard_stays_woken_fake_hanging(
             await asyncio.wait_for(rig.life.wake([1]), 30)
             await asyncio.wait_for(rig.life.activate([1]), 30)
             assert rig.view.snapshot().status(1) is ShardStatus.ACTIVE and hung.held == 1
-            calls = list(hung.calls)
-            with pytest.raises(PreemptionError, match=r"shard 0: .*resume.*still running"):
-                await asyncio.wait_for(rig.life.activate([0]), 30)
-            assert hung.calls == calls
-            assert rig.view.snapshot().status(0) is ShardStatus.WOKEN
+            await _retry_while_hung_sends_nothing(rig, hung, rig.life.activate, "resume",
+                                                  ShardStatus.WOKEN)
             hung.release()
             await asyncio.wait_for(rig.life.activate([0]), 30)
             assert rig.view.snapshot().statuses == (ShardStatus.ACTIVE, ShardStatus.ACTIVE)
