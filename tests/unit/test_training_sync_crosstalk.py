@@ -189,6 +189,59 @@ def test_a_later_sync_completes_on_its_own_receiver_while_a_stale_one_takes_its_
     assert not any(torch.equal(t.x_target.tensors[k], later[k]) for k in later)
 
 
+class _HeldTarget(StateDictTarget):
+    """A real target whose first tensor waits for ``release``: the transfer is under way
+    (``entered`` is set) until the test lets it go on."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def destination(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        self.entered.set()
+        assert self.release.wait(30)
+        return super().destination(name, dtype, shape)
+
+
+def test_a_stale_receiver_arriving_mid_transfer_is_refused_and_the_transfer_goes_on(
+    two_syncs: _TwoSyncs,
+) -> None:
+    """The stale receiver x (of sync 1) reaches sync 2's port while sync 2's own receiver is
+    halfway through its first bucket: the sender, waiting for that bucket's ack, refuses x
+    (typed, naming both syncs) and the transfer completes on its own receiver."""
+    t = two_syncs
+    x, later = t.x, t.later
+    report1 = sync_version(t.first, 7, [x], options=t.opts)
+    assert report1.failed == ("x",)
+    held = _HeldTarget({k: torch.zeros_like(v) for k, v in WEIGHTS.items()})
+    y = _Gated("y", held)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sync2 = pool.submit(sync_version, t.second, 8, [y],
+                                options=replace(t.opts, ack_timeout_s=30.0))
+            assert y.offered.wait(10)
+            y.gate.set()  # y is admitted and starts on bucket 0 ...
+            assert held.entered.wait(20)
+            x.gate.set()  # ... when x's late receive reaches the same port
+            assert x.future is not None
+            stale = x.future.exception(timeout=20)
+            held.release.set()
+            report2 = sync2.result(timeout=60)
+    finally:
+        held.release.set()
+        y.gate.set()
+        y.inner.close()
+    assert isinstance(stale, StaleSyncError), repr(stale)
+    assert report1.sync_id in str(stale) and report2.sync_id in str(stale), str(stale)
+    assert report2.succeeded == ("y",), report2
+    assert y.inner.versions == [8]
+    assert all(torch.equal(held.tensors[k], later[k]) for k in later)
+    assert x.inner.versions == []
+
+
 def test_the_offer_names_its_control_protocol_and_an_unknown_one_is_refused() -> None:
     """The handshake is versioned in the offer: an offer without the field (a sender before
     the handshake) is protocol 1, the PAIR socket without a hello; one this receiver does not
