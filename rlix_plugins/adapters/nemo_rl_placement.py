@@ -69,16 +69,11 @@ from rlix_plugins.adapters.nemo_rl_placement_plan import (
     plan_placement,
     report_worker_gpu,
 )
-from rlix_plugins.adapters.nemo_rl_support import refuse_model_parallel
+from rlix_plugins.adapters.nemo_rl_support import refuse_model_parallel, vllm_model_parallel
 from rlix_plugins.adapters.shared_groups import find_manager, read_groups
 from rlix_plugins.protocol.names import ACTOR_INFER
 
 logger = logging.getLogger(__name__)
-
-
-def _model_parallel(generation_cfg: Mapping[str, Any]) -> int:
-    vllm = dict(generation_cfg.get("vllm_cfg") or {})
-    return int(vllm.get("tensor_parallel_size", 1)) * int(vllm.get("pipeline_parallel_size", 1))
 
 
 class SharedPlacement:
@@ -283,9 +278,9 @@ class RLixPlacementCluster(RayVirtualCluster):  # type: ignore[misc]
         with pair.lock:
             infer_view = pair.views.get(ACTOR_INFER)
             stock = (infer_view or self).rlix_stock_world_size
-            layout = layout_gpus(generation_cfg, stock, _model_parallel(generation_cfg))
+            layout = layout_gpus(generation_cfg, stock, vllm_model_parallel(generation_cfg))
             if pair.placement is None:
-                shared = coordinator_groups(_model_parallel(generation_cfg))
+                shared = coordinator_groups(vllm_model_parallel(generation_cfg))
                 pair.placement = (
                     CoordinatorPlacement.create(*layout, *shared) if shared is not None
                     else SharedPlacement.create(
@@ -294,7 +289,7 @@ class RLixPlacementCluster(RayVirtualCluster):  # type: ignore[misc]
                 )
                 pair.layout = layout
                 try:
-                    _claim_setup(layout, _model_parallel(generation_cfg))
+                    _claim_setup(layout, vllm_model_parallel(generation_cfg))
                 except BaseException:
                     pair.placement.shutdown()
                     pair.placement, pair.layout = None, None

@@ -132,14 +132,14 @@ def check_supported_job(master_config: object, policy_factory: object | None = N
     raise_if_unsupported("NeMo RL", unsupported_settings(master_config, policy_factory))
 
 
-def vllm_model_parallel(master_config: object) -> int:
-    """vLLM's GPUs per engine (``tensor_parallel_size * pipeline_parallel_size`` of
-    ``policy.generation.vllm_cfg``; an absent key counts as NeMo RL's default, 1)."""
+def vllm_model_parallel(generation_cfg: object) -> int:
+    """vLLM's GPUs per engine: ``tensor_parallel_size * pipeline_parallel_size`` of
+    ``generation_cfg.vllm_cfg`` (NeMo RL's ``policy.generation``); an absent key counts as
+    NeMo RL's default, 1."""
     product = 1
     for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-        value = lookup(master_config, f"policy.generation.vllm_cfg.{key}")
-        # check_supported_job refused anything else already
-        product *= int(value) if is_int(value) else 1
+        value = lookup(generation_cfg, f"vllm_cfg.{key}")
+        product *= 1 if value is UNSET else int(value)  # type: ignore[call-overload]
     return product
 
 
@@ -169,7 +169,7 @@ def check_shared_placement(master_config: object) -> None:
     Raises:
         PlacementError: naming tp*pp, the manager's namespace and what is valid.
     """
-    model_parallel = vllm_model_parallel(master_config)
+    model_parallel = vllm_model_parallel(lookup(master_config, "policy.generation"))
     if model_parallel == 1:
         return
     import ray

@@ -38,7 +38,11 @@ import numpy as np
 from rlix_plugins.errors import ChecksumMismatchError, ReceiverGoneError, WeightSyncError
 from rlix_plugins.training.bucket_cache import TensorEntry, torch_dtype, unpack_bucket
 from rlix_plugins.training.checksum import checksum_bytes, checksum_tensor
-from rlix_plugins.training.transports.base import ReceiverTransport, open_receiver_transport
+from rlix_plugins.training.transports.base import (
+    ReceiverTransport,
+    check_sync_id,
+    open_receiver_transport,
+)
 from rlix_plugins.training.transports.selection import AddressedReceiver, ReceiverLocation
 from rlix_plugins.training.wire import (
     HANDSHAKE_PROTOCOL,
@@ -203,6 +207,8 @@ def _bucket_stream(
                 f"shard {offer.shard_id}: bucket {index} arrived as bucket {stats.count} of "
                 f"{offer.num_buckets} (sync {offer.sync_id}); expected indices in order"
             )
+        # before any transport touches it: a bucket of another sync is never applied
+        check_sync_id(header, offer)
         data = transport.fetch(header, list(frames[1:]))
         entries = [TensorEntry.from_wire(e) for e in raw_entries]
         for e in entries:

@@ -17,7 +17,12 @@ from rlix_plugins.errors import ProtocolError
 
 
 class FakePlacementGroup:
-    """FAKE Ray placement group: creating a real one needs a running Ray cluster."""
+    """FAKE Ray placement group. The topology here is two nodes of 4 GPUs; a real two-node
+    Ray runs here only as ``ray.cluster_utils.Cluster`` in a child process (as in
+    ``tests/integration/test_roll_resource_manager.py``), and on the session's one-node Ray
+    the manager refuses groups that share a node. The refusals under test happen before any
+    Ray call (``created`` stays empty); the fake only lets the valid call after them build
+    its layout, whose node and GPU ranks do not depend on Ray."""
 
     def __init__(self, name: str) -> None:
         self.name = name

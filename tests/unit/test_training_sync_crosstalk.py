@@ -31,6 +31,8 @@ from rlix_plugins.training.receiver import StateDictTarget, ThreadReceiver
 from rlix_plugins.training.sync import SyncOptions, sync_version
 from rlix_plugins.training.transports.selection import ReceiverLocation
 from rlix_plugins.training.wire import StaleSyncError, SyncOffer, TransportKind
+from rlix_plugins.training.wire import decode as _decode
+from rlix_plugins.training.wire import encode as _encode
 from tests.unit.test_training_receiver_partial import WEIGHTS
 
 REMOTE = ReceiverLocation(host="another-host")
@@ -240,6 +242,44 @@ def test_a_stale_receiver_arriving_mid_transfer_is_refused_and_the_transfer_goes
     assert y.inner.versions == [8]
     assert all(torch.equal(held.tensors[k], later[k]) for k in later)
     assert x.inner.versions == []
+
+
+def test_a_bucket_header_of_another_sync_is_refused_before_any_transport_reads_it(
+    tmp_path: Any,
+) -> None:
+    """The second guard behind the handshake, for every transport (it is checked where the
+    receive loop reads a header, not in each transport): a scripted sender on the receiver's
+    own control socket (real ZMQ, control protocol 1) sends bucket 0 of another sync; the
+    receiver refuses it by name, applies nothing and answers with the error."""
+    from rlix_plugins.training.receiver import receive_weights
+
+    address = f"ipc://{tmp_path}/control"
+    sender = zmq.Context.instance().socket(zmq.PAIR)
+    sender.setsockopt(zmq.LINGER, 0)
+    sender.bind(address)
+    offer = SyncOffer(pipeline_id="p", sync_id="mine", shard_id="x", version=1,
+                      transport=TransportKind.ZMQ, control_address=address, num_buckets=1,
+                      total_bytes=4, max_bucket_bytes=4, checksum=ChecksumKind.FLETCHER64,
+                      timeout_s=10.0)
+    target = StateDictTarget({"w": torch.zeros(1)})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            receiving = pool.submit(receive_weights, offer, target.load_weights,
+                                    destination=target.destination)
+            sender.send_multipart([
+                _encode({"kind": "bucket", "index": 0, "nbytes": 4, "sync_id": "theirs",
+                         "entries": [["w", "float32", [1], 0, 4]]}),
+                torch.ones(1).numpy().tobytes(),
+            ])
+            with pytest.raises(WeightSyncError, match=r"bucket 0 belongs to sync theirs, not "
+                                                      r"to this receiver's sync mine"):
+                receiving.result(timeout=30)
+        assert sender.poll(10_000), "the receiver sent no error reply"
+        reply = _decode(sender.recv())
+        assert reply.get("ok") is False and "belongs to sync theirs" in str(reply), reply
+        assert target.loaded == [] and torch.equal(target.tensors["w"], torch.zeros(1))
+    finally:
+        sender.close()
 
 
 def test_the_offer_names_its_control_protocol_and_an_unknown_one_is_refused() -> None:

@@ -11,6 +11,7 @@ match ROLL's ``ResourceManager`` (``get_state``, ``nodes_placement_group``,
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -111,6 +112,9 @@ GROUPS_KV_PREFIX = "shared_groups:"
 #: :class:`SharedGroupsUnplaceableError` (and removes them) instead of blocking every caller.
 READY_TIMEOUT_S = 120.0
 
+#: Name of node rank ``n``'s shared group: ``f"{GROUP_NAME}{n}"``.
+GROUP_NAME = "rlix_pg_node"
+
 
 class SharedGroupsUnplaceableError(RlixPluginsError, TimeoutError):
     """The shared per-node placement groups could not be placed in time: something else holds
@@ -126,19 +130,35 @@ def _unplaceable_message(topology: Topology, timeout_s: float) -> str:
         for pg_id, entry in placement_group_table().items():
             gpus = sum(float(b.get("GPU", 0)) for b in dict(entry.get("bundles", {})).values())
             name = str(entry.get("name") or "")
-            if gpus and entry.get("state") == "CREATED" and not name.startswith("rlix_pg_node"):
+            if gpus and entry.get("state") == "CREATED" and not name.startswith(GROUP_NAME):
                 holders.append(f"{name or pg_id} ({gpus:g} GPU)")
         available = ray.available_resources().get("GPU", 0.0)  # type: ignore[no-untyped-call]
     except Exception:
         logger.warning("could not read Ray's placement groups", exc_info=True)
         available = float("nan")
-    names = ", ".join(f"rlix_pg_node{i}" for i in range(topology.num_nodes))
+    names = ", ".join(f"{GROUP_NAME}{i}" for i in range(topology.num_nodes))
     return (
         f"the shared placement groups ({names}, one bundle {{GPU: {topology.gpus_per_node}}} "
         f"each) were not placed within {timeout_s:g}s: every GPU of each of "
         f"{topology.num_nodes} node(s) must be free in Ray's accounting ({available:g} GPU "
         f"free now); placement groups holding GPUs: {', '.join(holders) or 'none'}"
     )
+
+
+def _remove_groups(pgs: Iterable[Any], *, strict: bool = False) -> None:
+    """Remove ``pgs`` (blocking GCS calls), each attempted even if one fails; ``strict``:
+    then raise the first failure (else it is logged)."""
+    from ray.util.placement_group import remove_placement_group
+
+    first: Exception | None = None
+    for pg in pgs:
+        try:
+            remove_placement_group(pg)
+        except Exception as exc:
+            logger.warning("could not remove placement group", exc_info=True)
+            first = first or exc
+    if strict and first is not None:
+        raise first
 
 
 def _group_nodes(pgs: list[Any]) -> list[str]:
@@ -227,7 +247,8 @@ class RollResourceManagerService:
             tables, pgs = [], []
         gpn = float(topology.gpus_per_node)
         if (len(pgs) == topology.num_nodes and tables
-                and all(t.get("state") == "CREATED" and dict(t.get("bundles", {})).get(0, {})
+                and all(t.get("state") == "CREATED"
+                        and dict(t.get("bundles", {})).get(SHARED_NODE_BUNDLE, {})
                         .get("GPU") == gpn for t in tables)):
             logger.info("adopted the %d shared placement group(s) of an earlier incarnation",
                         len(pgs))
@@ -252,14 +273,14 @@ class RollResourceManagerService:
                 topology = await self._get_topology()
                 self._pgs = await asyncio.to_thread(self._adopt, topology)
             if self._pgs is None:
-                from ray.util.placement_group import placement_group, remove_placement_group
+                from ray.util.placement_group import placement_group
 
                 gpn = topology.gpus_per_node
                 pgs: list[Any] = []
                 try:
                     for i in range(topology.num_nodes):
-                        pgs.append(placement_group([{"GPU": float(gpn)}], name=f"rlix_pg_node{i}",
-                                                   lifetime="detached"))
+                        pgs.append(placement_group([{"GPU": float(gpn)}],
+                                                   name=f"{GROUP_NAME}{i}", lifetime="detached"))
                     try:
                         await asyncio.wait_for(
                             asyncio.gather(*(pg.ready() for pg in pgs)), self._ready_timeout_s
@@ -278,12 +299,9 @@ class RollResourceManagerService:
                 except BaseException:
                     # Given up (cancelled) or failed while pending: a pending group still
                     # reserves its GPUs once they free, and the next call would create a
-                    # second set that could then never be placed.
-                    for pg in pgs:
-                        try:
-                            remove_placement_group(pg)
-                        except Exception:
-                            logger.warning("could not remove placement group", exc_info=True)
+                    # second set that could then never be placed. Removed here, not in a
+                    # thread: a cancelled call must not be cancelled out of its clean-up.
+                    _remove_groups(pgs)
                     raise
                 self._pgs = pgs
                 await asyncio.to_thread(self._remember, pgs)
@@ -366,14 +384,13 @@ class RollResourceManagerService:
 
     async def destroy_placement_group(self) -> None:
         """Remove the shared placement groups (at coordinator stop)."""
-        from ray.util.placement_group import remove_placement_group
-
         async with self._lock:
             if self._pgs is None:
                 # an earlier incarnation's groups (this one never asked for them)
                 self._pgs = await asyncio.to_thread(self._adopt, await self._get_topology())
-            for pg in self._pgs or []:
-                remove_placement_group(pg)
+            # off the loop (every caller waits on it); a failure keeps the groups known
+            await asyncio.to_thread(functools.partial(_remove_groups, self._pgs or [],
+                                                      strict=True))
             self._pgs = None
             await asyncio.to_thread(self._remember, None)
 

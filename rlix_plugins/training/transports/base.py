@@ -125,7 +125,7 @@ def open_receiver_transport(offer: SyncOffer) -> ReceiverTransport:
     if kind is TransportKind.ZMQ:
         from rlix_plugins.training.transports.zmq import ZmqReceiver
 
-        return ZmqReceiver(offer)
+        return ZmqReceiver()
     if kind is TransportKind.CUDA_IPC:
         from rlix_plugins.training.transports.cuda_ipc import CudaIpcReceiver
 

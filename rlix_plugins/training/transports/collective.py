@@ -20,11 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rlix_plugins.errors import TransportUnavailableError, WeightSyncError
-from rlix_plugins.training.transports.base import (
-    ReceiverTransport,
-    SenderTransport,
-    check_sync_id,
-)
+from rlix_plugins.training.transports.base import ReceiverTransport, SenderTransport
 from rlix_plugins.training.wire import SyncOffer, TransportKind
 
 if TYPE_CHECKING:
@@ -203,7 +199,6 @@ class BroadcastReceiver(ReceiverTransport):
         self._buffer = torch.empty(max(offer.max_bucket_bytes, 1), dtype=torch.uint8, device=device)
 
     def fetch(self, header: Mapping[str, Any], frames: list[Any]) -> torch.Tensor:
-        check_sync_id(header, self._offer)
         n = int(header["nbytes"])
         limit = self._offer.max_bucket_bytes
         if not 0 <= n <= limit:

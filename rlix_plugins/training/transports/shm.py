@@ -36,11 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlix_plugins.errors import TransportUnavailableError, WeightSyncError
-from rlix_plugins.training.transports.base import (
-    ReceiverTransport,
-    SenderTransport,
-    check_sync_id,
-)
+from rlix_plugins.training.transports.base import ReceiverTransport, SenderTransport
 from rlix_plugins.training.wire import ShmFileHeader, SyncOffer, TransportKind
 
 if TYPE_CHECKING:
@@ -299,8 +295,6 @@ class ShmReceiver(ReceiverTransport):
         import torch
 
         self.release()
-        if self._offer is not None:
-            check_sync_id(header, self._offer)
         path = str(header["path"])
         nbytes = int(header["nbytes"])
         offset = int(header.get("data_offset", 0))

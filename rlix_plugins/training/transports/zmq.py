@@ -14,12 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlix_plugins.errors import WeightSyncError
-from rlix_plugins.training.transports.base import (
-    ReceiverTransport,
-    SenderTransport,
-    check_sync_id,
-)
-from rlix_plugins.training.wire import SyncOffer, TransportKind
+from rlix_plugins.training.transports.base import ReceiverTransport, SenderTransport
+from rlix_plugins.training.wire import TransportKind
 
 if TYPE_CHECKING:
     import torch
@@ -36,15 +32,12 @@ class ZmqSender(SenderTransport):
 
 
 class ZmqReceiver(ReceiverTransport):
-    def __init__(self, offer: SyncOffer | None = None) -> None:
+    def __init__(self) -> None:
         self._frame: Any = None
-        self._offer = offer
 
     def fetch(self, header: Mapping[str, Any], frames: list[Any]) -> torch.Tensor:
         import torch
 
-        if self._offer is not None:
-            check_sync_id(header, self._offer)
         if len(frames) != 1:
             raise WeightSyncError(
                 f"zmq bucket message has {len(frames)} payload frames, expected 1"
